@@ -1,0 +1,54 @@
+"""Global-batch arithmetic: how a global batch splits into data-parallel slices and micro-batches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """``global_batch_size`` samples per optimizer step = ``micro_batch_size`` x ``num_microbatches`` x
+    ``data_parallel_size``. Every data-parallel rank receives ``per_rank`` samples per step and the
+    strategy runs them as ``num_microbatches`` micro-batches before one optimizer step."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    data_parallel_size: int
+
+    def __post_init__(self) -> None:
+        problems = batch_problems(self.global_batch_size, self.micro_batch_size, self.data_parallel_size)
+        if problems:
+            raise ValueError("Invalid batch sizes:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    @property
+    def per_rank(self) -> int:
+        return self.global_batch_size // self.data_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.per_rank // self.micro_batch_size
+
+    def describe(self) -> str:
+        """One line saying how the global batch is made, printed at the start of training."""
+        return (f"global batch {self.global_batch_size} = {self.micro_batch_size} per micro-batch x "
+                f"{self.num_microbatches} micro-batches x {self.data_parallel_size} data-parallel replicas")
+
+
+def batch_problems(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> list[str]:
+    """Every rule the batch sizes break, each with the nearest valid values."""
+    out: list[str] = []
+    for name, v in (("data.global_batch_size", global_batch_size), ("data.micro_batch_size", micro_batch_size),
+                    ("data-parallel size", data_parallel_size)):
+        if not isinstance(v, int) or v < 1:
+            out.append(f"{name}={v!r} must be a positive integer")
+    if out:
+        return out
+    unit = micro_batch_size * data_parallel_size
+    if global_batch_size % unit:
+        lower, upper = max(unit, (global_batch_size // unit) * unit), (global_batch_size // unit + 1) * unit
+        out.append(
+            f"data.global_batch_size={global_batch_size} is not divisible by data.micro_batch_size x data-parallel "
+            f"size = {micro_batch_size} x {data_parallel_size} = {unit}; use data.global_batch_size={lower} or "
+            f"{upper}, or a data.micro_batch_size that divides {global_batch_size // data_parallel_size}"
+        )
+    return out

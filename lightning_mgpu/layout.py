@@ -1,0 +1,237 @@
+"""The one validated object that owns the parallel layout: rank coordinates, rules and process groups.
+
+Rank ``r`` has coordinates ``tp = r % T``, ``pp = (r // T) % P``, ``dp = r // (T * P)``: tensor
+parallelism is innermost so that, with 8 GPUs a node and ``T`` dividing 8, every tensor-parallel group
+sits inside one node.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Optional
+
+AXES = ("tp", "pp", "dp")
+
+#: Pipeline schedules by their public name (see ``torch.distributed.pipelining.schedules``).
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
+#: Schedules that run several stage chunks per rank and so need ``virtual_pipeline_size > 1``.
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
+#: Schedules that hold exactly two chunks per rank in a V shape.
+V_SCHEDULES = ("zbv", "dualpipev")
+#: Schedules that write weight gradients outside autograd's normal backward, which ZeRO-3 cannot follow.
+ZERO3_INCOMPATIBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
+OFFLOAD_DEVICES = (None, "cpu", "nvme")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The few numbers of a model that constrain how it may be split."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt(options: list[int]) -> str:
+    if not options:
+        return "none"
+    if len(options) == 1:
+        return str(options[0])
+    return ", ".join(str(o) for o in options[:-1]) + f" or {options[-1]}"
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """World size split into tensor (tp), pipeline (pp) and data (dp) parallel axes.
+
+    Build it with keyword arguments; construction validates every rule at once and raises one
+    ``ValueError`` that lists each problem with its value, the rule and the fix. Process groups are
+    created later, by :meth:`init_groups`, once ``torch.distributed`` is initialised.
+    """
+
+    world_size: int
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    zero_stage: int = 0
+    pipeline_schedule: str = "1f1b"
+    virtual_pipeline_size: int = 1
+    num_microbatches: Optional[int] = None
+    sequence_parallel: bool = False
+    offload_optimizer: Optional[str] = None
+    offload_params: Optional[str] = None
+    devices_per_node: Optional[int] = None
+    model: Optional[ModelShape] = None
+    _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError("Invalid parallel layout:\n" + "\n".join(f"  - {p}" for p in problems))
+        T, devices = self.tensor_parallel_size, self.devices_per_node
+        if devices and T > devices:
+            warnings.warn(
+                f"tensor_parallel_size={T} is larger than the {devices} devices of one node: every layer's "
+                "all-reduce will cross the slow inter-node interconnect. Prefer tensor_parallel_size <= "
+                f"{devices} and use pipeline or data parallelism across nodes.",
+                stacklevel=2,
+            )
+
+    # ----------------------------------------------------------------------------------- validation
+    def problems(self) -> list[str]:
+        """Every rule this layout breaks, as human-readable lines (empty when valid)."""
+        out: list[str] = []
+        W, T, P, V = self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size, self.virtual_pipeline_size
+        for name, value in (("world_size", W), ("tensor_parallel_size", T), ("pipeline_parallel_size", P),
+                            ("virtual_pipeline_size", V)):
+            if not isinstance(value, int) or value < 1:
+                out.append(f"{name}={value!r} must be a positive integer; use 1 to disable this axis")
+        if out:
+            return out
+        if W % (T * P) != 0:
+            valid = [d for d in _divisors(W) if W % (d * P) == 0]
+            out.append(
+                f"world_size={W} is not divisible by tensor_parallel_size*pipeline_parallel_size={T}*{P}={T * P}; "
+                f"the world must hold whole tp x pp model replicas: with pipeline_parallel_size={P} choose "
+                f"tensor_parallel_size from {_fmt(valid)}, or change the number of devices"
+            )
+        if self.zero_stage not in (0, 1, 2, 3):
+            out.append(f"zero_stage={self.zero_stage!r} is not a ZeRO stage; choose 0, 1, 2 or 3")
+        for name, value in (("offload_optimizer", self.offload_optimizer), ("offload_params", self.offload_params)):
+            if value not in OFFLOAD_DEVICES:
+                out.append(f"{name}={value!r} is not an offload device; choose None, 'cpu' or 'nvme'")
+        if self.offload_optimizer and self.zero_stage == 0:
+            out.append(f"offload_optimizer={self.offload_optimizer!r} needs ZeRO; set zero_stage to 1, 2 or 3")
+        if self.offload_params and self.zero_stage != 3:
+            out.append(
+                f"offload_params={self.offload_params!r} needs ZeRO stage 3 (zero_stage={self.zero_stage}); "
+                "set zero_stage=3 or offload_params=None"
+            )
+        if self.sequence_parallel and T == 1:
+            out.append("sequence_parallel=True needs tensor_parallel_size > 1; set tensor_parallel_size or "
+                       "sequence_parallel=False")
+        out += self._pipeline_problems()
+        out += self._model_problems()
+        return out
+
+    def _pipeline_problems(self) -> list[str]:
+        out: list[str] = []
+        P, V, s, M = self.pipeline_parallel_size, self.virtual_pipeline_size, self.pipeline_schedule, self.num_microbatches
+        if s not in SCHEDULES:
+            out.append(f"pipeline_schedule={s!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+            return out
+        if P > 1 and s in MULTI_STAGE_SCHEDULES and V < 2:
+            out.append(f"pipeline_schedule={s!r} runs several stages per rank and needs virtual_pipeline_size >= 2 "
+                       f"(got {V}); set virtual_pipeline_size=2")
+        if V > 1 and s not in MULTI_STAGE_SCHEDULES:
+            out.append(f"virtual_pipeline_size={V} needs a multi-stage schedule, but pipeline_schedule={s!r} runs one "
+                       "stage per rank; use 'interleaved_1f1b' or set virtual_pipeline_size=1")
+        if s in V_SCHEDULES and V not in (1, 2):
+            out.append(f"pipeline_schedule={s!r} places exactly 2 stages per rank; set virtual_pipeline_size=2")
+        if P > 1 and self.zero_stage == 3 and s in ZERO3_INCOMPATIBLE_SCHEDULES:
+            out.append(f"zero_stage=3 cannot run pipeline_schedule={s!r} (it computes weight gradients outside "
+                       "autograd, which ZeRO-3 partitioning cannot follow); use 'interleaved_1f1b' or zero_stage=2")
+        if M is not None:
+            if not isinstance(M, int) or M < 1:
+                out.append(f"num_microbatches={M!r} must be a positive integer or None (derived from the batch)")
+            elif P > 1 and s != "gpipe" and M < P:
+                out.append(f"pipeline_schedule={s!r} needs num_microbatches >= pipeline_parallel_size={P} "
+                           f"(got {M}); set num_microbatches={P} or more")
+            elif P > 1 and s in ("interleaved_1f1b", "interleaved_zero_bubble") and M % P != 0:
+                out.append(f"pipeline_schedule={s!r} needs num_microbatches divisible by pipeline_parallel_size={P} "
+                           f"(got {M}); use {max(P, (M // P) * P)} or {(M // P + 1) * P}")
+        return out
+
+    def _model_problems(self) -> list[str]:
+        m = self.model
+        if m is None:
+            return []
+        out: list[str] = []
+        T, stages = self.tensor_parallel_size, self.pipeline_parallel_size * self.virtual_pipeline_size
+        for what, n in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_hidden", m.ffn_hidden)):
+            if n % T != 0:
+                ok = [d for d in _divisors(n) if d <= max(T, 8)]
+                out.append(f"tensor_parallel_size={T} does not divide {what}={n}; choose {_fmt(ok)}")
+        if stages > m.n_layers:
+            out.append(f"pipeline_parallel_size*virtual_pipeline_size={stages} stages is more than the model's "
+                       f"n_layers={m.n_layers}; every stage needs at least one layer, so use at most {m.n_layers}")
+        return out
+
+    # ------------------------------------------------------------------------------- coordinates
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+
+    def size(self, axis: str) -> int:
+        """Number of ranks along ``axis`` ("tp", "pp" or "dp")."""
+        return {"tp": self.tensor_parallel_size, "pp": self.pipeline_parallel_size, "dp": self.data_parallel_size}[
+            _check_axis(axis)
+        ]
+
+    def coords(self, global_rank: int) -> dict[str, int]:
+        """The (tp, pp, dp) coordinates of ``global_rank``; tp is innermost."""
+        T, P = self.tensor_parallel_size, self.pipeline_parallel_size
+        return {"tp": global_rank % T, "pp": (global_rank // T) % P, "dp": global_rank // (T * P)}
+
+    def global_rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
+        """The global rank at the given coordinates (inverse of :meth:`coords`)."""
+        T, P = self.tensor_parallel_size, self.pipeline_parallel_size
+        return tp + T * (pp + P * dp)
+
+    def group_ranks(self, axis: str) -> list[list[int]]:
+        """All groups along ``axis`` (each a list of global ranks), plus "mp" = the tp x pp model replica."""
+        T, P, D = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
+        if axis == "tp":
+            return [[self.global_rank_of(t, p, d) for t in range(T)] for d in range(D) for p in range(P)]
+        if axis == "pp":
+            return [[self.global_rank_of(t, p, d) for p in range(P)] for d in range(D) for t in range(T)]
+        if axis == "dp":
+            return [[self.global_rank_of(t, p, d) for d in range(D)] for p in range(P) for t in range(T)]
+        if axis == "mp":
+            return [[self.global_rank_of(t, p, d) for p in range(P) for t in range(T)] for d in range(D)]
+        raise ValueError(f"axis={axis!r} is unknown; choose 'tp', 'pp', 'dp' or 'mp'")
+
+    # ------------------------------------------------------------------------------ process groups
+    def init_groups(self, global_rank: int) -> None:
+        """Create this rank's tp, pp, dp and mp (tp x pp) process groups.
+
+        Every rank must call this in the same order, since ``new_group`` is collective over the world.
+        """
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("ParallelLayout.init_groups needs torch.distributed to be initialised first")
+        if dist.get_world_size() != self.world_size:
+            raise RuntimeError(f"layout world_size={self.world_size} but torch.distributed has "
+                               f"{dist.get_world_size()} ranks")
+        self._groups.clear()
+        self._groups["rank"] = global_rank
+        for axis in ("tp", "pp", "dp", "mp"):
+            for ranks in self.group_ranks(axis):
+                group = dist.new_group(ranks)
+                if global_rank in ranks:
+                    self._groups[axis] = group
+
+    def group(self, axis: str):
+        """This rank's process group along ``axis`` ("tp", "pp", "dp" or "mp"); needs :meth:`init_groups`."""
+        if axis not in self._groups:
+            raise RuntimeError(f"no process group for axis {axis!r}: call init_groups() after init_process_group")
+        return self._groups[axis]
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``; needs :meth:`init_groups`."""
+        if "rank" not in self._groups:
+            raise RuntimeError("ParallelLayout.rank needs init_groups() first")
+        return self.coords(self._groups["rank"])[_check_axis(axis)]
+
+
+def _check_axis(axis: str) -> str:
+    if axis not in AXES:
+        raise ValueError(f"axis={axis!r} is unknown; choose one of {', '.join(AXES)}")
+    return axis

@@ -1,0 +1,216 @@
+"""A Llama-style decoder in plain PyTorch: RMSNorm, RoPE, SwiGLU, grouped-query attention.
+
+Architecture only. This file imports nothing distributed: tensor and pipeline parallelism are applied
+from outside (see ``llama_plan.py`` and ``lightning_mgpu.parallel``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Shape and options of a :class:`Llama` model."""
+
+    dim: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_hidden: int = 192
+    vocab_size: int = 256
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    activation_checkpointing: Literal["none", "full"] = "none"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.dim % self.n_heads:
+            problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            problems.append(f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+        if self.activation_checkpointing not in ("none", "full"):
+            problems.append(f"activation_checkpointing={self.activation_checkpointing!r}; choose 'none' or 'full'")
+        for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if problems:
+            raise ValueError("Invalid LlamaConfig:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_parameters(self) -> int:
+        """Parameter count, computed from the shape (no model is built)."""
+        hd = self.head_dim
+        attn = self.dim * (self.n_heads * hd) * 2 + self.dim * (self.n_kv_heads * hd) * 2
+        mlp = 3 * self.dim * self.ffn_hidden
+        block = attn + mlp + 2 * self.dim
+        emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * block + emb + self.dim
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "LlamaConfig":
+        """A named shape (``tiny``, ``llama3_1b``, ``llama3_8b``, ``llama3_70b``, ``llama3_405b``)."""
+        if name not in LLAMA_SHAPES:
+            raise ValueError(f"model {name!r} is unknown; choose one of {', '.join(LLAMA_SHAPES)}")
+        return replace(LLAMA_SHAPES[name], **overrides)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, max_seq_len=8192, n_kv_heads=8)
+#: Named shapes: ``tiny`` for CPUs, and the published Llama-3 shapes.
+LLAMA_SHAPES: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(),
+    "llama3_1b": LlamaConfig(dim=2048, n_layers=16, n_heads=32, ffn_hidden=8192, tie_embeddings=True, **_LLAMA3),
+    "llama3_8b": LlamaConfig(dim=4096, n_layers=32, n_heads=32, ffn_hidden=14336, **_LLAMA3),
+    "llama3_70b": LlamaConfig(dim=8192, n_layers=80, n_heads=64, ffn_hidden=28672, **_LLAMA3),
+    "llama3_405b": LlamaConfig(dim=16384, n_layers=126, n_heads=128, ffn_hidden=53248, **_LLAMA3),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape [seq_len, head_dim // 2] for rotary position embeddings."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [batch, heads, seq, head_dim] (the Hugging Face convention)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention. Head counts are read from the projections, so a
+    tensor-parallel plan that shards them leaves this code unchanged."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer returning logits ``[batch, seq, vocab]`` for token ids ``[batch, seq]``."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights, with output projections scaled by 1/sqrt(2 * n_layers) (GPT-2)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.config.n_layers))
+            else:
+                nn.init.normal_(p, std=std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        x = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            if self.config.activation_checkpointing == "full" and self.training and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
+        return self.output(self.norm(x))
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: Optional[int] = 20, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuation tokens after ``prompt`` [batch, seq] (no KV cache: for demos)."""
+        tokens = prompt
+        for _ in range(max_new_tokens):
+            logits = self(tokens[:, -self.config.max_seq_len:])[:, -1].float() / max(temperature, 1e-5)
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens

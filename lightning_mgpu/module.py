@@ -1,0 +1,128 @@
+"""LLMModule: causal-LM pre-training as a LightningModule (AdamW, warm-up + cosine, loss and perplexity)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Literal, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics.text import Perplexity
+
+from lightning_mgpu.models.llama import Llama, LlamaConfig
+
+
+def lr_multiplier(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if max_steps <= warmup_steps:
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def scaled_lr(lr: float, rule: Optional[str], global_batch_size: Optional[int], reference_batch_size: Optional[int]) -> float:
+    """The peak LR after adapting it to a changed global batch (``linear``: x ratio; ``sqrt``: x sqrt(ratio))."""
+    if rule is None:
+        return lr
+    if rule not in ("linear", "sqrt"):
+        raise ValueError(f"optim.lr_scaling={rule!r} is unknown; choose null, 'linear' or 'sqrt'")
+    if not global_batch_size or not reference_batch_size:
+        raise ValueError(f"optim.lr_scaling={rule!r} needs global_batch_size and optim.reference_batch_size "
+                         f"(got {global_batch_size} and {reference_batch_size})")
+    ratio = global_batch_size / reference_batch_size
+    return lr * (ratio if rule == "linear" else math.sqrt(ratio))
+
+
+class LLMModule(L.LightningModule):
+    """Next-token prediction on batches of token windows ``[batch, seq_len + 1]``.
+
+    ``training_step`` returns the mean loss of one (micro-)batch. With :class:`MGPUStrategy` the
+    strategy runs the micro-batches of a global batch and hands ``on_train_batch_end`` the loss averaged
+    over the whole global batch, which is what ``train/loss`` logs.
+    """
+
+    def __init__(self, model: LlamaConfig | dict | str = "tiny", lr: float = 3e-3, weight_decay: float = 0.1,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 10,
+                 max_steps: int = 1000, min_lr_ratio: float = 0.1,
+                 lr_scaling: Optional[Literal["linear", "sqrt"]] = None, reference_batch_size: Optional[int] = None,
+                 global_batch_size: Optional[int] = None, init_seed: int = 0) -> None:
+        super().__init__()
+        if isinstance(model, str):
+            model = LlamaConfig.from_name(model)
+        elif isinstance(model, dict):
+            model = LlamaConfig(**model)
+        self.config = model
+        self.save_hyperparameters({"model": model.to_dict(), "lr": lr, "weight_decay": weight_decay,
+                                   "betas": tuple(betas), "eps": eps, "warmup_steps": warmup_steps,
+                                   "max_steps": max_steps, "min_lr_ratio": min_lr_ratio, "lr_scaling": lr_scaling,
+                                   "reference_batch_size": reference_batch_size,
+                                   "global_batch_size": global_batch_size, "init_seed": init_seed})
+        self.peak_lr = scaled_lr(lr, lr_scaling, global_batch_size, reference_batch_size)
+        self.model: Optional[Llama] = None
+        self.val_ppl = Perplexity()
+        self._step_started: Optional[float] = None
+        self.tokens_seen = 0
+
+    def configure_model(self) -> None:
+        # Initial weights depend only on init_seed, never on how much randomness was drawn before.
+        if self.model is None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.hparams.init_seed)
+                self.model = Llama(self.config)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens)
+
+    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        logits = self(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()), logits
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
+        return self.loss(batch)[0]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._step_started = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        global_batch = self.hparams.global_batch_size or batch.shape[0] * self.trainer.world_size
+        tokens = global_batch * (batch.shape[-1] - 1)
+        self.tokens_seen += tokens
+        elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
+        self.log("train/loss", loss.detach().float(), prog_bar=True, on_step=True)
+        self.log("train/ppl", torch.exp(loss.detach().float()), on_step=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], on_step=True)
+        self.log("train/tokens_seen", float(self.tokens_seen), on_step=True)
+        if elapsed > 0:
+            self.log("tok/s", tokens / elapsed, prog_bar=True, on_step=True)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss, logits = self.loss(batch)
+        self.val_ppl.update(logits.float(), batch[:, 1:])
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self.log("val/ppl", self.val_ppl.compute())
+        self.val_ppl.reset()
+
+    def configure_optimizers(self):
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=self.peak_lr, betas=tuple(self.hparams.betas), eps=self.hparams.eps)
+        hp = self.hparams
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_multiplier(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["tokens_seen"] = self.tokens_seen
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.tokens_seen = int(checkpoint.get("tokens_seen", 0))

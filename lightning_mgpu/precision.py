@@ -1,0 +1,86 @@
+"""MGPUPrecision: Lightning precision strings mapped onto the DeepSpeed engine's precision settings."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Optional
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from torch import nn
+
+#: Accepted Trainer ``precision=`` values.
+SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+
+
+class MGPUPrecision(Precision):
+    """Precision served by the DeepSpeed engine.
+
+    * ``32-true``: fp32 everywhere.
+    * ``bf16-mixed``: bf16 parameters and activations, fp32 master weights and optimizer state kept by DeepSpeed.
+    * ``bf16-true``: the same engine settings; the module is also built in bf16 (less memory at init).
+    * ``16-mixed``: fp16 with fp32 master weights and dynamic loss scaling; a step whose gradients overflow
+      is skipped on every rank (the overflow check is global) and the scale is halved.
+
+    Gradient clipping is done by DeepSpeed over the global norm, so ``clip_gradients`` here does nothing.
+    """
+
+    def __init__(self, precision: str = "32-true") -> None:
+        precision = str(precision)
+        if precision not in SUPPORTED_PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not supported by MGPUStrategy; choose one of "
+                             f"{', '.join(repr(p) for p in SUPPORTED_PRECISIONS)}")
+        self.precision = precision
+
+    def deepspeed_config(self) -> dict:
+        """The precision section of the DeepSpeed config."""
+        if self.precision in ("bf16-mixed", "bf16-true"):
+            return {"bf16": {"enabled": True}}
+        if self.precision == "16-mixed":
+            return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                             "hysteresis": 2, "min_loss_scale": 1}}
+        return {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(
+            self.precision, torch.float32)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.precision == "bf16-true":
+            return module.to(dtype=torch.bfloat16)
+        return module
+
+    @contextmanager
+    def tensor_init_context(self) -> Generator[None, None, None]:
+        if self.precision != "bf16-true":
+            yield
+            return
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(default)
+
+    def backward(self, tensor: torch.Tensor, model: Any, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        """Backward is run by the strategy through the DeepSpeed engine, micro-batch by micro-batch."""
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Run the closure (all micro-batches' forward and backward), then one engine step (clip + update)."""
+        closure_result = closure()
+        self._after_closure(model, optimizer)
+        if closure_result is None and model.automatic_optimization:
+            raise RuntimeError("training_step returned None, which would skip the backward of every rank's "
+                               "micro-batches; MGPUStrategy needs a loss from every training_step")
+        return model.trainer.strategy.engine_step()
+
+    def clip_gradients(self, optimizer: Any, clip_val: Optional[float] = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        """DeepSpeed clips by the global norm inside ``engine.step()``."""
+
+
+def as_mgpu_precision(plugin: Precision) -> MGPUPrecision:
+    """The MGPUPrecision equivalent of the plugin Lightning picked from ``Trainer(precision=...)``."""
+    if isinstance(plugin, MGPUPrecision):
+        return plugin
+    return MGPUPrecision(getattr(plugin, "precision", "32-true"))

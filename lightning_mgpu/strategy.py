@@ -1,0 +1,315 @@
+"""MGPUStrategy: thin Lightning glue over the layout, the parallel transforms and the DeepSpeed engine."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from typing_extensions import override
+
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.microbatch import split_microbatches
+from lightning_mgpu.parallel.zero import (
+    EngineOwnedOptimizer,
+    init_deepspeed_comm,
+    initialize_engine,
+    keep_zero0_grad_norm,
+    zero_config,
+)
+from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
+
+log = logging.getLogger(__name__)
+CHECKPOINT_TAG = "checkpoint"
+
+
+class MGPUStrategy(ParallelStrategy):
+    """Tensor, pipeline and ZeRO data parallelism for ``lightning.Trainer``.
+
+    Every process holds one DeepSpeed engine whose ZeRO stage partitions over the data-parallel group
+    only. One Lightning batch is this rank's share of one global batch: ``training_step`` runs its
+    micro-batches (forward and backward through the engine) and the optimizer step is one
+    ``engine.step()`` — gradient clipping (``Trainer(gradient_clip_val=...)``) by the global norm included.
+
+    Args:
+        zero_stage: ZeRO stage 0-3 over the data-parallel group.
+        tensor_parallel_size: ranks that split each layer's matmuls (innermost axis).
+        pipeline_parallel_size: ranks that split the stack of layers into stages.
+        sequence_parallel: shard norms and dropout along the sequence inside tensor-parallel groups.
+        pipeline_schedule: pipeline schedule name (see ``lightning_mgpu.layout.SCHEDULES``).
+        virtual_pipeline_size: stage chunks per pipeline rank (interleaved schedules).
+        num_microbatches: micro-batches per global batch; ``None`` derives it from the data module.
+        offload_optimizer: ``None``, ``"cpu"`` or ``"nvme"``: where ZeRO keeps optimizer state.
+        offload_params: ``None``, ``"cpu"`` or ``"nvme"``: where ZeRO-3 keeps parameters.
+        nvme_path: directory for NVMe offload.
+        deepspeed_config: a dict merged over the generated DeepSpeed config (escape hatch).
+        process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "mgpu"
+
+    def __init__(self, zero_stage: int = 0, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 sequence_parallel: bool = False, pipeline_schedule: str = "1f1b", virtual_pipeline_size: int = 1,
+                 num_microbatches: Optional[int] = None, offload_optimizer: Optional[str] = None,
+                 offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
+                 deepspeed_config: Optional[dict] = None, process_group_backend: Optional[str] = None,
+                 timeout: Optional[timedelta] = default_pg_timeout, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._layout_args = dict(
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            zero_stage=zero_stage, pipeline_schedule=pipeline_schedule, virtual_pipeline_size=virtual_pipeline_size,
+            num_microbatches=num_microbatches, sequence_parallel=sequence_parallel,
+            offload_optimizer=offload_optimizer, offload_params=offload_params)
+        # Everything that does not depend on the world size is checked now, before any process exists.
+        ParallelLayout(world_size=tensor_parallel_size * pipeline_parallel_size
+                       if isinstance(tensor_parallel_size, int) and isinstance(pipeline_parallel_size, int)
+                       and tensor_parallel_size > 0 and pipeline_parallel_size > 0 else 1, **self._layout_args)
+        unsupported = [f"{k}={v}" for k, v in (("tensor_parallel_size", tensor_parallel_size),
+                                               ("pipeline_parallel_size", pipeline_parallel_size)) if v > 1]
+        if unsupported:
+            raise NotImplementedError(f"{' and '.join(unsupported)}: tensor and pipeline parallelism are not yet "
+                                      "supported by this version of MGPUStrategy; use 1 (data parallelism + ZeRO)")
+        self.nvme_path = nvme_path
+        self.deepspeed_config_overrides = dict(deepspeed_config or {})
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self.layout: Optional[ParallelLayout] = None
+        self.num_nodes = 1
+        self.last_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------------------ registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries = {
+            "mgpu": {},
+            "mgpu_zero1": {"zero_stage": 1},
+            "mgpu_zero2": {"zero_stage": 2},
+            "mgpu_zero3": {"zero_stage": 3},
+            "mgpu_zero3_offload": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+        }
+        for name, kwargs in entries.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"MGPUStrategy {kwargs or '(ZeRO-0)'}", **kwargs)
+
+    # ------------------------------------------------------------------------------- environment
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.layout.size("dp"), "rank": self.layout.rank("dp")}
+
+    @property
+    def engine(self):
+        """The DeepSpeed engine (available after ``setup``)."""
+        return self.model
+
+    @override
+    def _configure_launcher(self) -> None:
+        # The last moment before processes start: the world size is known, so check the layout now.
+        ParallelLayout(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
+                       **self._layout_args)
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.layout = ParallelLayout(world_size=self.world_size, devices_per_node=self.num_processes,
+                                     **self._layout_args)
+        self.layout.init_groups(self.global_rank)
+        init_deepspeed_comm(self._timeout)
+
+    @property
+    @override
+    def precision_plugin(self) -> MGPUPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else MGPUPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Lightning picks a torch-autocast plugin for strategies it does not know; DeepSpeed owns precision here.
+        self._precision_plugin = None if plugin is None else as_mgpu_precision(plugin)
+
+    # ---------------------------------------------------------------------------------- model setup
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        self.accelerator.setup(trainer)
+        if trainer.gradient_clip_algorithm not in (None, "norm") and trainer.gradient_clip_val:
+            raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported: "
+                             "MGPUStrategy clips by the global norm; use gradient_clip_algorithm='norm'")
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        module = self.model
+        optimizer = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(self.lightning_module)
+            if len(self.optimizers) != 1:
+                raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; MGPUStrategy "
+                                 "drives one DeepSpeed engine and needs exactly one")
+            optimizer = self.optimizers[0]
+        plan = getattr(trainer.datamodule, "batch_plan", None) if trainer.datamodule is not None else None
+        micro_batches = self._layout_args["num_microbatches"] or (plan.num_microbatches if plan else 1)
+        micro_size = plan.micro_batch_size if plan else 1
+        if plan:
+            rank_zero_info(plan.describe())
+        config = zero_config(self.layout, module, micro_size, micro_batches, trainer.gradient_clip_val,
+                             self.precision_plugin.deepspeed_config(), self.nvme_path, self.deepspeed_config_overrides)
+        self.num_microbatches = micro_batches
+        self.deepspeed_config = config
+        self.model, ds_optimizer = initialize_engine(module, optimizer, config, self.layout)
+        keep_zero0_grad_norm(self.model)
+        if optimizer is not None:
+            self.optimizers = [EngineOwnedOptimizer(ds_optimizer)]
+
+    @override
+    def model_to_device(self) -> None:
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------------------------ training
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of every micro-batch of this rank's share of the global batch.
+
+        Returns the loss averaged over the whole global batch (all micro-batches of all data-parallel
+        ranks), detached: the backward has already run.
+        """
+        batch, rest = args[0], args[1:]
+        losses = []
+        for micro_batch in split_microbatches(batch, self.num_microbatches):
+            with self.precision_plugin.train_step_context():
+                out = self._forward_redirection(self.model, self.lightning_module, "training_step", micro_batch,
+                                                *rest, **kwargs)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            self.model.backward(loss)  # scaled by 1 / num_microbatches inside the engine
+            losses.append(loss.detach().float())
+        mean = torch.stack(losses).mean()
+        if self.layout.size("dp") > 1:
+            dist.all_reduce(mean, group=self.layout.group("dp"))
+            mean /= self.layout.size("dp")
+        return mean
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Nothing to do: ``training_step`` already ran each micro-batch's backward through the engine."""
+        return closure_loss
+
+    def engine_step(self) -> None:
+        """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
+        self.model.step()
+        norm = self.model.get_global_grad_norm()
+        self.last_grad_norm = None if norm is None else float(norm)
+
+    # ---------------------------------------------------------------------------------- collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ---------------------------------------------------------------------------------- checkpoints
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # DeepSpeed writes the (possibly partitioned) weights itself
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # DeepSpeed writes the ZeRO partitions itself
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a checkpoint directory: DeepSpeed's model and ZeRO shards plus Lightning's state as client state."""
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported by MGPUStrategy: DeepSpeed writes the checkpoint")
+        filepath = self.broadcast(str(filepath))
+        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        self.model.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=client_state)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if not (path / CHECKPOINT_TAG).is_dir():
+            raise FileNotFoundError(f"ckpt_path={str(path)!r} is not an MGPUStrategy checkpoint directory (expected "
+                                    f"a '{CHECKPOINT_TAG}' folder inside); pass the directory given to save_checkpoint")
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _, client_state = self.model.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting,
+                                                     load_lr_scheduler_states=False,
+                                                     load_module_strict=self.lightning_module.strict_loading)
+        if client_state is None:
+            raise RuntimeError(f"DeepSpeed could not load the checkpoint at {path}")
+        return client_state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Weights were loaded by DeepSpeed in ``load_checkpoint``."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """ZeRO partitions were loaded by DeepSpeed in ``load_checkpoint``."""
+
+    @override
+    def teardown(self) -> None:
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+MGPUStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,93 @@
+"""Shared pieces of the tests: a tiny token file, a recorded Trainer run and its single-process reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from lightning_mgpu import LLMModule, MGPUStrategy
+from lightning_mgpu.data import TokenFileDataModule
+from lightning_mgpu.data.tokens import sample_starts
+from lightning_mgpu.models import LlamaConfig
+
+TINY = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64)
+SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH = 16, 8, 2
+OPTIM = dict(lr=3e-3, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, weight_decay=0.1)
+
+
+def make_token_file(directory: Path, n_tokens: int = 20_000, vocab: int = 64, seed: int = 0) -> Path:
+    """A token stream with learnable structure (a noisy repeating pattern) as a uint16 token file."""
+    rng = np.random.default_rng(seed)
+    pattern = rng.integers(0, vocab, size=97)
+    tokens = np.tile(pattern, n_tokens // len(pattern) + 1)[:n_tokens]
+    noise = rng.random(n_tokens) < 0.1
+    tokens[noise] = rng.integers(0, vocab, size=int(noise.sum()))
+    path = Path(directory) / "tokens.u16"
+    tokens.astype(np.uint16).tofile(path)
+    return path
+
+
+class Recorder(L.Callback):
+    """Records, per optimizer step, the global loss the strategy returned and the engine's grad norm."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[Optional[float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        self.grad_norms.append(getattr(trainer.strategy, "last_grad_norm", None))
+
+
+def datamodule(token_file: Path, **kw: Any) -> TokenFileDataModule:
+    args = dict(seq_len=SEQ_LEN, global_batch_size=GLOBAL_BATCH, micro_batch_size=MICRO_BATCH, seed=7, val_batches=1)
+    args.update(kw)
+    return TokenFileDataModule(token_file, **args)
+
+
+def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precision: str = "32-true",
+        clip: Optional[float] = 0.3, ckpt_path: Optional[str] = None, save_to: Optional[str] = None,
+        model: LlamaConfig = TINY, data: Optional[dict] = None, **strategy_kwargs: Any) -> dict:
+    """One Trainer.fit on this process (one rank of ``devices``); returns what it recorded."""
+    recorder = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs),
+                        precision=precision, max_steps=max_steps, gradient_clip_val=clip, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0, callbacks=[recorder])
+    module = LLMModule(model, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    trainer.fit(module, datamodule(token_file, **(data or {})), ckpt_path=ckpt_path)
+    if save_to:
+        trainer.save_checkpoint(save_to)
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "rank": rank}
+
+
+def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, model: LlamaConfig = TINY,
+              global_batch: int = GLOBAL_BATCH) -> dict:
+    """The same training, written as a plain single-process PyTorch loop over whole global batches."""
+    module = LLMModule(model, **OPTIM, global_batch_size=global_batch)
+    module.configure_model()
+    opt_cfg = module.configure_optimizers()
+    optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+    tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
+    train = tokens[: int(len(tokens) * 0.99)]
+    losses, norms = [], []
+    for step in range(steps):
+        starts = sample_starts(7, step, global_batch, len(train), SEQ_LEN)
+        batch = torch.from_numpy(np.stack([train[s:s + SEQ_LEN + 1] for s in starts]).astype(np.int64))
+        logits = module.model(batch[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(module.model.parameters(), clip if clip else float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return {"losses": losses, "grad_norms": norms}
