@@ -190,6 +190,8 @@ class MGPUStrategy(ParallelStrategy):
             rank_zero_info(plan.describe())
         config = zero_config(self.layout, module, micro_size, micro_batches, trainer.gradient_clip_val,
                              self.precision_plugin.deepspeed_config(), self.nvme_path, self.deepspeed_config_overrides)
+        if optimizer is None and config["zero_optimization"]["stage"] in (1, 2):
+            config["zero_optimization"]["stage"] = 0  # nothing to partition without optimizer state or gradients
         self.num_microbatches = micro_batches
         self.deepspeed_config = config
         self.model, ds_optimizer = initialize_engine(module, optimizer, config, self.layout)

@@ -1,0 +1,51 @@
+"""Turn a composed :class:`TrainConfig` into the Python objects it mirrors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_mgpu.data import StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
+from lightning_mgpu.models import LlamaConfig
+from lightning_mgpu.module import LLMModule
+from lightning_mgpu.strategy import MGPUStrategy
+
+_MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
+                    "tie_embeddings")
+
+
+def build_model_config(cfg: DictConfig) -> LlamaConfig:
+    overrides = {k: cfg.model[k] for k in _MODEL_OVERRIDES if cfg.model[k] is not None}
+    return LlamaConfig.from_name(cfg.model.name, activation_checkpointing=cfg.model.activation_checkpointing,
+                                 **overrides)
+
+
+def build_datamodule(cfg: DictConfig) -> TokenFileDataModule:
+    d = cfg.data
+    common = dict(seq_len=d.seq_len, global_batch_size=d.global_batch_size, micro_batch_size=d.micro_batch_size,
+                  seed=cfg.seed, val_fraction=d.val_fraction, val_batches=d.val_batches)
+    if d.source == "corpus":
+        return StdlibCorpusDataModule(cache=d.cache, **common)
+    if d.source == "text":
+        return TextFilesDataModule(list(d.files), text_key=d.text_key, cache=d.cache, **common)
+    if d.source == "tokens":
+        if not d.path or not Path(d.path).exists():
+            raise FileNotFoundError(f"data.path={d.path!r} does not exist; give the path of a token file")
+        return TokenFileDataModule(d.path, dtype=d.dtype, **common)
+    raise ValueError(f"data.source={d.source!r} is unknown; choose corpus, text or tokens")
+
+
+def build_module(cfg: DictConfig, model: Optional[LlamaConfig] = None) -> LLMModule:
+    o = cfg.optim
+    return LLMModule(model or build_model_config(cfg), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
+                     eps=o.eps, warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps,
+                     min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,
+                     reference_batch_size=o.reference_batch_size, global_batch_size=cfg.data.global_batch_size,
+                     init_seed=cfg.model.init_seed)
+
+
+def build_strategy(cfg: DictConfig) -> MGPUStrategy:
+    p = OmegaConf.to_container(cfg.parallel, resolve=True)
+    return MGPUStrategy(**p)

@@ -1,0 +1,129 @@
+"""Structured (dataclass) schemas of the Hydra configs: a typo'd key or a wrong type fails at composition.
+
+Each group mirrors one constructor: ``model`` -> :class:`LlamaConfig`, ``data`` -> the data modules,
+``parallel`` -> :class:`MGPUStrategy`, ``trainer`` -> ``lightning.Trainer``, ``optim`` -> :class:`LLMModule`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    """A named Llama shape, with optional overrides of single fields."""
+
+    name: str = "tiny"  #: tiny | llama3_1b | llama3_8b | llama3_70b | llama3_405b
+    activation_checkpointing: str = "none"  #: none | full
+    init_seed: int = 0  #: initial weights depend only on this
+    dim: Optional[int] = None
+    n_layers: Optional[int] = None
+    n_heads: Optional[int] = None
+    n_kv_heads: Optional[int] = None
+    ffn_hidden: Optional[int] = None
+    vocab_size: Optional[int] = None
+    max_seq_len: Optional[int] = None
+    tie_embeddings: Optional[bool] = None
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from and how a global batch is made."""
+
+    source: str = "corpus"  #: corpus (built-in, offline) | text (files) | tokens (pre-tokenised file)
+    path: Optional[str] = None  #: token file, for source=tokens
+    files: List[str] = field(default_factory=list)  #: glob patterns, for source=text
+    dtype: str = "uint16"  #: token dtype, for source=tokens
+    text_key: str = "text"  #: JSONL field, for source=text
+    seq_len: int = 128
+    global_batch_size: int = 16  #: samples per optimizer step, over all data-parallel replicas
+    micro_batch_size: int = 4  #: samples per forward/backward on one rank
+    val_fraction: float = 0.01
+    val_batches: int = 4
+    cache: Optional[str] = None  #: directory of derived token files (default ~/.cache/lightning_mgpu)
+
+
+@dataclass
+class ParallelConfig:
+    """The arguments of :class:`lightning_mgpu.MGPUStrategy`."""
+
+    zero_stage: int = 2
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    sequence_parallel: bool = False
+    pipeline_schedule: str = "1f1b"
+    virtual_pipeline_size: int = 1
+    num_microbatches: Optional[int] = None
+    offload_optimizer: Optional[str] = None
+    offload_params: Optional[str] = None
+    nvme_path: Optional[str] = None
+    deepspeed_config: Optional[Any] = None
+
+
+@dataclass
+class TrainerConfig:
+    """The ``lightning.Trainer`` arguments a run needs."""
+
+    accelerator: str = "cpu"
+    devices: int = 2
+    num_nodes: int = 1
+    max_steps: int = 300
+    precision: str = "32-true"
+    gradient_clip_val: Optional[float] = 1.0
+    log_every_n_steps: int = 1
+    val_check_interval: Optional[int] = None  #: validate every N steps; null = once, at the last step
+    enable_progress_bar: bool = True
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warm-up then cosine decay (the arguments of :class:`LLMModule`)."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+    lr_scaling: Optional[str] = None  #: null | linear | sqrt, relative to reference_batch_size
+    reference_batch_size: Optional[int] = None
+
+
+@dataclass
+class SampleConfig:
+    """The text generated after training."""
+
+    prompt: str = "def "
+    max_new_tokens: int = 160
+    temperature: float = 0.7
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    seed: int = 1234
+    ckpt_path: Optional[str] = None  #: resume from this checkpoint directory
+    save_checkpoint: bool = False  #: write a checkpoint into the run directory at the end
+
+
+def register_configs() -> None:
+    """Register the schemas (``train_schema`` and ``<group>_schema``) and the recipe group with Hydra."""
+    from omegaconf import OmegaConf
+
+    from lightning_mgpu.cli.paths import recipes_dir
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, schema in (("model", ModelConfig), ("data", DataConfig), ("parallel", ParallelConfig),
+                          ("trainer", TrainerConfig), ("optim", OptimConfig)):
+        cs.store(group=group, name=f"{group}_schema", node=schema)
+    for path in sorted(recipes_dir().glob("*.yaml")):
+        cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")

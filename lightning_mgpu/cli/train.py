@@ -1,0 +1,76 @@
+"""``mgpu-train``: the Hydra app. ``train(cfg)`` is a plain function (tests call it); ``main`` is the entry point."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.loggers import CSVLogger
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_module, build_strategy
+from lightning_mgpu.cli.config import register_configs
+from lightning_mgpu.cli.paths import conf_dir
+from lightning_mgpu.data import decode_bytes, encode_bytes
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    """Train as ``cfg`` says, writing ``config.yaml`` and ``metrics.csv`` into ``run_dir``; return final metrics."""
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    model_config = build_model_config(cfg)
+    strategy = build_strategy(cfg)  # validates the parallel settings before any process starts
+    datamodule = build_datamodule(cfg)
+    module = build_module(cfg, model_config)
+    t = cfg.trainer
+    trainer = L.Trainer(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
+        precision=t.precision, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
+        # The training stream is endless (one batch per step), so validation is scheduled in steps.
+        log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval or t.max_steps,
+        check_val_every_n_epoch=None,
+        enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, use_distributed_sampler=False,
+        logger=CSVLogger(save_dir=str(run_dir), name="", version=""), default_root_dir=str(run_dir),
+    )
+    if trainer.is_global_zero:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    trainer.fit(module, datamodule, ckpt_path=cfg.ckpt_path)
+    if cfg.save_checkpoint:
+        trainer.save_checkpoint(str(run_dir / "checkpoint"))
+    sample = generate_sample(module, cfg)
+    if trainer.is_global_zero:
+        print(f"\n--- sample after {trainer.global_step} steps ---\n{sample}\n---")
+    return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def generate_sample(module, cfg: DictConfig) -> str:
+    """A short continuation of ``sample.prompt``. Every rank runs it (ZeRO-3 gathers parameters collectively)
+    with the same generator, so all ranks produce the same text."""
+    model = module.model
+    model.eval()
+    device = next(model.parameters()).device
+    prompt = torch.from_numpy(encode_bytes(cfg.sample.prompt).astype("int64"))[None].to(device)
+    generator = torch.Generator(device=device).manual_seed(cfg.seed)
+    tokens = model.generate(prompt, cfg.sample.max_new_tokens, temperature=cfg.sample.temperature,
+                            generator=generator)
+    return decode_bytes(tokens[0].tolist())
+
+
+@hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
+def _hydra_main(cfg: DictConfig) -> None:
+    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def main() -> None:
+    """Console entry point of ``mgpu-train``."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Test-suite set-up shared by every tier."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# Forked children deadlock in their first matmul if this parent has started an OpenMP pool (see
+# lightning_mgpu.testing), so the parent stays single-threaded from the start.
+torch.set_num_threads(1)
+os.environ.setdefault("MGPU_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "mgpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def token_file(tmp_path_factory):
+    from helpers import make_token_file
+
+    return make_token_file(tmp_path_factory.mktemp("tokens"))
