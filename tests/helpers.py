@@ -69,18 +69,19 @@ def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precisio
 
 
 def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, model: LlamaConfig = TINY,
-              global_batch: int = GLOBAL_BATCH) -> dict:
+              global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ_LEN, seed: int = 7, optim: Optional[dict] = None,
+              val_fraction: float = 0.01) -> dict:
     """The same training, written as a plain single-process PyTorch loop over whole global batches."""
-    module = LLMModule(model, **OPTIM, global_batch_size=global_batch)
+    module = LLMModule(model, **(optim or OPTIM), global_batch_size=global_batch)
     module.configure_model()
     opt_cfg = module.configure_optimizers()
     optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
     tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
-    train = tokens[: int(len(tokens) * 0.99)]
+    train = tokens[: int(len(tokens) * (1.0 - val_fraction))]
     losses, norms = [], []
     for step in range(steps):
-        starts = sample_starts(7, step, global_batch, len(train), SEQ_LEN)
-        batch = torch.from_numpy(np.stack([train[s:s + SEQ_LEN + 1] for s in starts]).astype(np.int64))
+        starts = sample_starts(seed, step, global_batch, len(train), seq_len)
+        batch = torch.from_numpy(np.stack([train[s:s + seq_len + 1] for s in starts]).astype(np.int64))
         logits = module.model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
@@ -88,6 +89,11 @@ def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, mo
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
-        norms.append(float(norm))
+        losses.append(loss.item())
+        norms.append(norm.item())
     return {"losses": losses, "grad_norms": norms}
+
+
+def max_abs_diff(a: list, b: list) -> float:
+    assert len(a) == len(b), f"lengths differ: {len(a)} vs {len(b)}"
+    return max(abs(x - y) for x, y in zip(a, b))
