@@ -1,0 +1,92 @@
+"""Public names, registered strategies, precision and constructor errors: no processes needed."""
+
+import math
+
+import lightning as L
+import pytest
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_mgpu import LLMModule, MGPUPrecision, MGPUStrategy
+from lightning_mgpu.module import lr_multiplier, scaled_lr
+from lightning_mgpu.parallel.zero import deep_merge, zero_config
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.models import Llama, LlamaConfig
+
+
+def test_registered_names():
+    for name, stage in (("mgpu", 0), ("mgpu_zero1", 1), ("mgpu_zero2", 2), ("mgpu_zero3", 3),
+                        ("mgpu_zero3_offload", 3)):
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, MGPUStrategy) and strategy._layout_args["zero_stage"] == stage
+    offload = StrategyRegistry.get("mgpu_zero3_offload")._layout_args
+    assert offload["offload_optimizer"] == "cpu" and offload["offload_params"] == "cpu"
+
+
+def test_unknown_strategy_name_is_clear():
+    with pytest.raises(ValueError, match="mgpu_zero9"):
+        L.Trainer(strategy="mgpu_zero9", accelerator="cpu", devices=1)
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
+def test_supported_precisions(precision):
+    plugin = MGPUPrecision(precision)
+    config = plugin.deepspeed_config()
+    assert ("bf16" in config) == precision.startswith("bf16")
+    assert ("fp16" in config) == (precision == "16-mixed")
+    if precision == "16-mixed":
+        assert config["fp16"]["loss_scale"] == 0  # dynamic
+
+
+def test_unknown_precision_names_the_accepted_ones():
+    with pytest.raises(ValueError, match="precision='64-true' is not supported by MGPUStrategy; choose one of "
+                                         "'32-true', 'bf16-mixed', 'bf16-true', '16-mixed'"):
+        MGPUPrecision("64-true")
+
+
+def test_trainer_precision_becomes_mgpu_precision():
+    trainer = L.Trainer(strategy=MGPUStrategy(), accelerator="cpu", devices=1, precision="bf16-mixed")
+    assert isinstance(trainer.strategy.precision_plugin, MGPUPrecision)
+    assert trainer.strategy.precision_plugin.precision == "bf16-mixed"
+    with pytest.raises(ValueError, match="precision='64-true'"):
+        L.Trainer(strategy=MGPUStrategy(), accelerator="cpu", devices=1, precision="64-true")
+
+
+def test_strategy_validates_before_launch():
+    with pytest.raises(ValueError) as err:
+        MGPUStrategy(zero_stage=5, offload_params="cpu")
+    assert "zero_stage=5" in str(err.value) and "offload_params='cpu'" in str(err.value)
+
+
+def test_tensor_and_pipeline_parallel_not_yet_supported():
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
+        MGPUStrategy(tensor_parallel_size=2)
+
+
+def test_deepspeed_config_buckets_from_model_and_overrides_merge():
+    model = Llama(LlamaConfig())
+    layout = ParallelLayout(world_size=2, zero_stage=3)
+    cfg = zero_config(layout, model, 2, 4, 1.0, {"bf16": {"enabled": True}},
+                      overrides={"zero_optimization": {"overlap_comm": True}, "steps_per_print": 5})
+    z = cfg["zero_optimization"]
+    assert z["stage"] == 3 and z["reduce_bucket_size"] < 5e8 and z["overlap_comm"] is True
+    assert cfg["gradient_accumulation_steps"] == 4 and cfg["gradient_clipping"] == 1.0
+    assert cfg["bf16"] == {"enabled": True} and cfg["steps_per_print"] == 5
+    assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}}
+
+
+def test_lr_schedule_warmup_then_cosine():
+    assert lr_multiplier(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_multiplier(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_multiplier(55, 10, 100, 0.1) == pytest.approx(0.55)
+    assert lr_multiplier(100, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+def test_lr_scaling_rules():
+    assert scaled_lr(1e-3, "linear", 64, 32) == pytest.approx(2e-3)
+    assert scaled_lr(1e-3, "sqrt", 64, 32) == pytest.approx(1e-3 * math.sqrt(2))
+    assert LLMModule("tiny", lr=1e-3, lr_scaling="linear", reference_batch_size=8, global_batch_size=32).peak_lr == \
+        pytest.approx(4e-3)
+    with pytest.raises(ValueError, match="needs global_batch_size and optim.reference_batch_size"):
+        scaled_lr(1e-3, "linear", 64, None)
+    with pytest.raises(ValueError, match="optim.lr_scaling='cubic' is unknown"):
+        scaled_lr(1e-3, "cubic", 64, 32)

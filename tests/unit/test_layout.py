@@ -1,0 +1,90 @@
+"""ParallelLayout: rank arithmetic, groups and validation, without processes."""
+
+import pytest
+
+from lightning_mgpu.layout import ModelShape, ParallelLayout
+
+LLAMA_8B = ModelShape(n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=128256)
+
+
+def test_tp_is_innermost_then_pp_then_dp():
+    layout = ParallelLayout(world_size=16, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert layout.size("dp") == 4
+    assert layout.coords(0) == {"tp": 0, "pp": 0, "dp": 0}
+    assert layout.coords(1) == {"tp": 1, "pp": 0, "dp": 0}
+    assert layout.coords(2) == {"tp": 0, "pp": 1, "dp": 0}
+    assert layout.coords(7) == {"tp": 1, "pp": 1, "dp": 1}
+    for r in range(16):
+        assert layout.global_rank_of(**layout.coords(r)) == r
+
+
+def test_groups_partition_the_world():
+    layout = ParallelLayout(world_size=16, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert layout.group_ranks("tp")[0] == [0, 1]
+    assert layout.group_ranks("pp")[0] == [0, 2]
+    assert layout.group_ranks("dp")[0] == [0, 4, 8, 12]
+    assert layout.group_ranks("mp")[1] == [4, 5, 6, 7]
+    for axis in ("tp", "pp", "dp", "mp"):
+        flat = sorted(r for g in layout.group_ranks(axis) for r in g)
+        assert flat == list(range(16)), axis
+
+
+def test_eight_gpu_nodes_keep_tp_inside_a_node():
+    layout = ParallelLayout(world_size=64, tensor_parallel_size=8, pipeline_parallel_size=2, devices_per_node=8)
+    for group in layout.group_ranks("tp"):
+        assert len({r // 8 for r in group}) == 1
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(world_size=6, tensor_parallel_size=4), "world_size=6 is not divisible by"),
+    (dict(world_size=4, zero_stage=4), "zero_stage=4 is not a ZeRO stage"),
+    (dict(world_size=4, offload_optimizer="cpu"), "offload_optimizer='cpu' needs ZeRO"),
+    (dict(world_size=4, zero_stage=2, offload_params="cpu"), "offload_params='cpu' needs ZeRO stage 3"),
+    (dict(world_size=4, zero_stage=1, offload_optimizer="disk"), "offload_optimizer='disk' is not an offload device"),
+    (dict(world_size=4, sequence_parallel=True), "sequence_parallel=True needs tensor_parallel_size > 1"),
+    (dict(world_size=4, pipeline_schedule="zigzag"), "pipeline_schedule='zigzag' is unknown"),
+    (dict(world_size=4, pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b"),
+     "needs virtual_pipeline_size >= 2"),
+    (dict(world_size=4, virtual_pipeline_size=2, pipeline_schedule="1f1b"), "needs a multi-stage schedule"),
+    (dict(world_size=4, pipeline_parallel_size=2, pipeline_schedule="zbv", virtual_pipeline_size=2, zero_stage=3),
+     "zero_stage=3 cannot run pipeline_schedule='zbv'"),
+    (dict(world_size=4, pipeline_parallel_size=4, num_microbatches=2), "needs num_microbatches >= pipeline_parallel_size=4"),
+    (dict(world_size=0), "world_size=0 must be a positive integer"),
+    (dict(world_size=4, tensor_parallel_size=-1), "tensor_parallel_size=-1 must be a positive integer"),
+    (dict(world_size=3, tensor_parallel_size=3, model=LLAMA_8B), "tensor_parallel_size=3 does not divide n_heads=32"),
+    (dict(world_size=64, pipeline_parallel_size=64, model=LLAMA_8B), "64 stages is more than the model's n_layers=32"),
+])
+def test_each_rule_names_value_and_fix(kwargs, fragment):
+    with pytest.raises(ValueError, match="Invalid parallel layout") as err:
+        ParallelLayout(**kwargs)
+    assert fragment in str(err.value)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(ValueError) as err:
+        ParallelLayout(world_size=7, tensor_parallel_size=3, zero_stage=5, pipeline_schedule="nope",
+                       offload_params="cpu", model=LLAMA_8B)
+    message = str(err.value)
+    for fragment in ("world_size=7", "zero_stage=5", "pipeline_schedule='nope'", "offload_params='cpu'",
+                     "n_heads=32", "n_kv_heads=8"):
+        assert fragment in message
+    assert message.count("\n  - ") >= 6
+
+
+def test_fix_suggests_valid_tp_sizes():
+    with pytest.raises(ValueError) as err:
+        ParallelLayout(world_size=8, tensor_parallel_size=3, model=LLAMA_8B)
+    assert "choose 1, 2, 4 or 8" in str(err.value)
+
+
+def test_tp_across_nodes_warns_with_the_cost():
+    with pytest.warns(UserWarning, match="inter-node"):
+        ParallelLayout(world_size=32, tensor_parallel_size=16, devices_per_node=8)
+
+
+def test_groups_need_init():
+    layout = ParallelLayout(world_size=2)
+    with pytest.raises(RuntimeError, match="init_groups"):
+        layout.group("dp")
+    with pytest.raises(ValueError, match="axis='xy' is unknown"):
+        layout.size("xy")
