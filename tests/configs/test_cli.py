@@ -1,0 +1,113 @@
+"""The Hydra configs and the ``mgpu-train`` CLI, run for real in subprocesses."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import max_abs_diff, reference
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_strategy
+from lightning_mgpu.cli.config import register_configs
+from lightning_mgpu.cli.paths import conf_dir, recipes_dir
+from lightning_mgpu.models import LlamaConfig
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def composed(*overrides):
+    GlobalHydra.instance().clear()
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def group_options(group):
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["model", "data", "parallel", "trainer", "optim"])
+def test_every_group_option_composes(group):
+    for option in group_options(group):
+        extra = ["data.path=/dev/null"] if (group, option) == ("data", "tokens") else []
+        cfg = composed(f"{group}={option}", *extra)
+        build_model_config(cfg)
+        if group == "parallel":
+            assert build_strategy(cfg)._layout_args["zero_stage"] == cfg.parallel.zero_stage
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
+def test_every_recipe_composes_and_validates(recipe):
+    cfg = composed(f"recipe={recipe}")
+    build_model_config(cfg)
+    build_strategy(cfg)
+    build_datamodule(cfg)
+
+
+def test_typo_and_wrong_type_fail_at_composition():
+    with pytest.raises(ConfigCompositionException, match="max_step"):
+        composed("trainer.max_step=3")
+    with pytest.raises((ConfigCompositionException, ValidationError), match="zero_stage"):
+        composed("parallel.zero_stage=two")
+    with pytest.raises(ConfigCompositionException, match="nope"):
+        composed("model=nope")
+
+
+def test_named_model_and_overrides_build_the_shape():
+    cfg = composed("model=llama3_8b", "model.n_layers=4")
+    assert build_model_config(cfg) == LlamaConfig.from_name("llama3_8b", n_layers=4, activation_checkpointing="full")
+
+
+def read_losses(metrics: Path) -> list[float]:
+    rows = list(csv.DictReader(metrics.open()))
+    return [float(r["train/loss"]) for r in sorted(rows, key=lambda r: int(r["step"])) if r.get("train/loss")]
+
+
+def test_cli_two_processes_match_single_process(token_file, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}",
+            "data.seq_len=16", "data.global_batch_size=8", "data.micro_batch_size=2", "model.dim=32",
+            "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.vocab_size=64",
+            "model.max_seq_len=64", "trainer.max_steps=10", "trainer.gradient_clip_val=0.3", "optim.warmup_steps=2",
+            "seed=7", "sample.prompt=0", "sample.max_new_tokens=4", "trainer.enable_progress_bar=false",
+            f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "global batch 8 = 2 per micro-batch x 2 micro-batches x 2 data-parallel replicas" in proc.stdout + proc.stderr
+    assert (run_dir / "config.yaml").is_file()
+    assert not list(tmp_path.glob("outputs"))  # every rank used the one run directory
+    losses = read_losses(run_dir / "metrics.csv")
+    model = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64)
+    ref = reference(token_file, steps=10, clip=0.3, model=model, seed=7,
+                    optim=dict(lr=3e-3, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, weight_decay=0.1))
+    assert max_abs_diff(losses, ref["losses"]) < 1e-5
+
+
+def test_cli_after_non_editable_install(tmp_path):
+    site = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                              "--target", str(site), str(REPO)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr[-3000:]
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = dict(os.environ, PYTHONPATH=str(site))
+    where = subprocess.run([sys.executable, "-c", "import lightning_mgpu; print(lightning_mgpu.__file__)"], cwd=work,
+                           env=env, capture_output=True, text=True)
+    assert where.stdout.startswith(str(site)), where.stdout + where.stderr
+    job = subprocess.run([sys.executable, "-m", "lightning_mgpu.train", "recipe=tiny_zero3", "--cfg", "job"], cwd=work,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert "zero_stage: 3" in job.stdout
+    run = subprocess.run([sys.executable, "-m", "lightning_mgpu.train", "trainer.devices=1", "trainer.max_steps=3",
+                          "data.seq_len=32", "sample.max_new_tokens=8", "trainer.enable_progress_bar=false",
+                          "hydra.run.dir=run"], cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert len(read_losses(work / "run" / "metrics.csv")) == 3
+    assert "--- sample after 3 steps ---" in run.stdout
