@@ -196,6 +196,8 @@ class MGPUStrategy(ParallelStrategy):
         self.deepspeed_config = config
         self.model, ds_optimizer = initialize_engine(module, optimizer, config, self.layout)
         keep_zero0_grad_norm(self.model)
+        if self.layout.size("dp") == 1 and config["zero_optimization"]["stage"] == 0:
+            self.model.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
         if optimizer is not None:
             self.optimizers = [EngineOwnedOptimizer(ds_optimizer)]
 

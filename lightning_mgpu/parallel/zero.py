@@ -72,11 +72,11 @@ class LayoutMPU:
 
 
 def bucket_elements(model: nn.Module) -> int:
-    """Communication bucket size sized from the model: one bucket for small models, DeepSpeed's
-    default for large ones. DeepSpeed's fixed 5e8-element buckets cost GBs and tens of seconds
+    """Communication bucket size sized from the model: a quarter of it (at least 2**17 elements), at most DeepSpeed's
+    default. DeepSpeed's fixed 5e8-element buckets cost GBs and tens of seconds
     on a tiny CPU model (FIELD-NOTES)."""
     total = sum(p.numel() for p in model.parameters())
-    return int(min(MAX_BUCKET_ELEMENTS, max(MIN_BUCKET_ELEMENTS, total)))
+    return int(min(MAX_BUCKET_ELEMENTS, max(MIN_BUCKET_ELEMENTS, total // 4)))
 
 
 def deep_merge(base: dict, override: dict) -> dict:
