@@ -7,7 +7,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.data import StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
+from lightning_mgpu.data import BYTE_VOCAB_SIZE, StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.module import LLMModule
 from lightning_mgpu.strategy import MGPUStrategy
@@ -20,6 +20,18 @@ def build_model_config(cfg: DictConfig) -> LlamaConfig:
     overrides = {k: cfg.model[k] for k in _MODEL_OVERRIDES if cfg.model[k] is not None}
     return LlamaConfig.from_name(cfg.model.name, activation_checkpointing=cfg.model.activation_checkpointing,
                                  **overrides)
+
+
+def data_model_problems(cfg: DictConfig, model: LlamaConfig) -> list[str]:
+    """Ways the data and the model do not fit each other, each with its fix."""
+    out = []
+    if cfg.data.source in ("corpus", "text") and model.vocab_size < BYTE_VOCAB_SIZE:
+        out.append(f"model.vocab_size={model.vocab_size} is smaller than the {BYTE_VOCAB_SIZE} byte tokens of "
+                   f"data.source={cfg.data.source}; set model.vocab_size>={BYTE_VOCAB_SIZE}")
+    if cfg.data.seq_len > model.max_seq_len:
+        out.append(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; lower "
+                   f"data.seq_len or set model.max_seq_len>={cfg.data.seq_len}")
+    return out
 
 
 def build_datamodule(cfg: DictConfig) -> TokenFileDataModule:

@@ -12,7 +12,13 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_module, build_strategy
+from lightning_mgpu.cli.build import (
+    build_datamodule,
+    build_model_config,
+    build_module,
+    build_strategy,
+    data_model_problems,
+)
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.data import decode_bytes, encode_bytes
@@ -22,6 +28,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Train as ``cfg`` says, writing ``config.yaml`` and ``metrics.csv`` into ``run_dir``; return final metrics."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model_config = build_model_config(cfg)
+    problems = data_model_problems(cfg, model_config)
+    if problems:
+        raise ValueError("Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     strategy = build_strategy(cfg)  # validates the parallel settings before any process starts
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, model_config)

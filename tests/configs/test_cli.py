@@ -13,7 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_strategy
+from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_strategy, data_model_problems
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir, recipes_dir
 from lightning_mgpu.models import LlamaConfig
@@ -63,6 +63,14 @@ def test_typo_and_wrong_type_fail_at_composition():
 def test_named_model_and_overrides_build_the_shape():
     cfg = composed("model=llama3_8b", "model.n_layers=4")
     assert build_model_config(cfg) == LlamaConfig.from_name("llama3_8b", n_layers=4, activation_checkpointing="full")
+
+
+def test_data_and_model_mismatch_is_listed():
+    cfg = composed("model.vocab_size=64", "data.seq_len=512")
+    problems = data_model_problems(cfg, build_model_config(cfg))
+    assert len(problems) == 2
+    assert "model.vocab_size=64 is smaller than the 256 byte tokens" in problems[0]
+    assert "data.seq_len=512 exceeds the model's max_seq_len=256" in problems[1]
 
 
 def read_losses(metrics: Path) -> list[float]:
