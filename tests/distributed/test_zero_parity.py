@@ -21,6 +21,14 @@ def test_zero_matches_single_process(token_file, ref, zero_stage):
     assert ref["losses"][-1] < ref["losses"][0] - 0.2  # the run learns, so the comparison means something
 
 
+@pytest.mark.parametrize("offload", [dict(zero_stage=2, offload_optimizer="cpu"),
+                                     dict(zero_stage=3, offload_optimizer="cpu", offload_params="cpu")])
+def test_cpu_offload_matches_single_process(token_file, ref, offload):
+    result = run_distributed(fit, 2, token_file, 2, **offload)[0]
+    assert max_abs_diff(result["losses"], ref["losses"]) < 1e-5
+    assert max_abs_diff(result["grad_norms"], ref["grad_norms"]) < 1e-5
+
+
 def test_single_process_strategy_matches_reference(token_file, ref):
     (result,) = run_distributed(fit, 1, token_file, 1, zero_stage=0)
     assert max_abs_diff(result["losses"], ref["losses"]) < 1e-5
