@@ -98,7 +98,7 @@ class LLMModule(L.LightningModule):
         if elapsed > 0:
             self.log("tok/s", tokens / elapsed, prog_bar=True, on_step=True)
         # Each self.log costs Lightning ~2 ms of bookkeeping; the rest is only logged when it is written.
-        if (self.trainer.global_step - 1) % max(1, self.trainer.log_every_n_steps) == 0:
+        if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             self.log_dict({"train/ppl": torch.exp(loss), "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
                            "train/tokens_seen": float(self.tokens_seen)}, on_step=True)
 

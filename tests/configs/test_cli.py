@@ -1,6 +1,7 @@
 """The Hydra configs and the ``mgpu-train`` CLI, run for real in subprocesses."""
 
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -96,6 +97,10 @@ def test_cli_two_processes_match_single_process(token_file, tmp_path):
     ref = reference(token_file, steps=10, clip=0.3, model=model, seed=7,
                     optim=dict(lr=3e-3, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, weight_decay=0.1))
     assert max_abs_diff(losses, ref["losses"]) < 1e-5
+    rows = [r for r in csv.DictReader((run_dir / "metrics.csv").open()) if r.get("train/loss")]
+    for r in rows:  # the other per-step metrics belong to the same step as the loss
+        assert float(r["train/ppl"]) == pytest.approx(math.exp(float(r["train/loss"])), rel=1e-5)
+        assert float(r["train/tokens_seen"]) == (int(r["step"]) + 1) * 8 * 16
 
 
 def test_cli_after_non_editable_install(tmp_path):
