@@ -53,7 +53,6 @@ def live_storage_bytes() -> int:
 
 class Measure(L.Callback):
     def __init__(self) -> None:
-        self.baseline = 0
         self.after_step = 0
 
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:

@@ -115,15 +115,12 @@ class TrainConfig:
 
 
 def register_configs() -> None:
-    """Register the schemas (``train_schema`` and ``<group>_schema``) and the recipe group with Hydra."""
+    """Register the schema (``train_schema``, which types every group) and the recipe group with Hydra."""
     from omegaconf import OmegaConf
 
     from lightning_mgpu.cli.paths import recipes_dir
 
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
-    for group, schema in (("model", ModelConfig), ("data", DataConfig), ("parallel", ParallelConfig),
-                          ("trainer", TrainerConfig), ("optim", OptimConfig)):
-        cs.store(group=group, name=f"{group}_schema", node=schema)
     for path in sorted(recipes_dir().glob("*.yaml")):
         cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")

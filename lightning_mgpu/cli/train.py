@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import hydra
@@ -76,7 +75,6 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point of ``mgpu-train``."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     register_configs()
     _hydra_main()
 
