@@ -1,0 +1,208 @@
+"""Megatron-style tensor-parallel layers on plain local-shard parameters.
+
+Each layer is built from an existing full layer (``from_module``) and keeps only this rank's shard of
+its weights, so a model initialised (or loaded) whole becomes the same function split over ``T`` ranks.
+Parameter names are unchanged (``weight``, ``bias``), so state dicts keep their keys.
+
+Where the collectives sit (per transformer block: two in forward, two in backward):
+
+* a ``ParallelNorm`` is where activations enter the tensor-parallel region: the norm runs on its input
+  (a sequence shard under sequence parallelism) and its affine part is fused with the all-gather
+  (sequence parallel) or the gradient all-reduce (not), see :class:`~lightning_mgpu.parallel.regions.ScaledGather`;
+* ``ColumnParallelLinear`` consumes the region's tensor with no collective and yields sharded features;
+  with ``enters_region=True`` it enters the region itself;
+* ``RowParallelLinear`` sums its partial products: all-reduce, or reduce-scatter to sequence shards;
+* ``VocabParallelEmbedding`` looks up its slice of the vocabulary and sums like a row-parallel layer;
+* ``VocabParallelOutput`` yields logits sharded over the vocabulary, for
+  :func:`~lightning_mgpu.parallel.cross_entropy.vocab_parallel_cross_entropy`.
+
+Which layers enter the region is decided by the plan, not at run time (a tensor cannot be tagged: ZeRO-3
+rewraps module outputs): a column-parallel layer fed directly by a ``ParallelNorm`` uses the style
+``colwise``; one fed by anything else uses ``colwise_enter`` and enters the region itself.
+
+Sharded parameters carry ``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride``,
+the attributes DeepSpeed reads to count them once per tensor-parallel group in the global grad norm.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mgpu.parallel.regions import (
+    CopyToRegion,
+    GatherSequence,
+    ReduceFromRegion,
+    ReduceScatterSequence,
+    ScaledGather,
+    SharedBiasBeforeReduce,
+)
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
+    """Tag a shard the way Megatron does, which is what DeepSpeed's grad-norm and checkpoint code reads."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+    return param
+
+
+def _shard(tensor: torch.Tensor, dim: int, rank: int, T: int, padded: Optional[int] = None) -> nn.Parameter:
+    """This rank's contiguous slice of ``tensor`` along ``dim``, zero-padded to ``padded`` rows first."""
+    data = tensor.detach()
+    if padded is not None and padded > data.shape[dim]:
+        pad_shape = list(data.shape)
+        pad_shape[dim] = padded - data.shape[dim]
+        data = torch.cat([data, data.new_zeros(pad_shape)], dim=dim)
+    return nn.Parameter(data.chunk(T, dim=dim)[rank].clone(), requires_grad=tensor.requires_grad)
+
+
+def enter_region(x: torch.Tensor, group: Any, sequence_parallel: bool) -> torch.Tensor:
+    """The tensor every rank of the group needs whole: gathered (sequence parallel) or copied."""
+    return GatherSequence.apply(x, group) if sequence_parallel else CopyToRegion.apply(x, group)
+
+
+def leave_region(x: torch.Tensor, group: Any, sequence_parallel: bool) -> torch.Tensor:
+    """Sum the ranks' partial results: reduce-scattered to sequence shards, or all-reduced."""
+    return ReduceScatterSequence.apply(x, group) if sequence_parallel else ReduceFromRegion.apply(x, group)
+
+
+class _TensorParallel(nn.Module):
+    def __init__(self, group: Any, sequence_parallel: bool) -> None:
+        super().__init__()
+        self.group = group
+        self.sequence_parallel = sequence_parallel
+        self.tp_size = dist.get_world_size(group)
+        self.tp_rank = dist.get_rank(group)
+
+    def extra_repr(self) -> str:
+        return f"tp={self.tp_rank}/{self.tp_size}, sequence_parallel={self.sequence_parallel}"
+
+
+class ColumnParallelLinear(_TensorParallel):
+    """``nn.Linear`` whose output features are split over the group.
+
+    Its input is already in the region (``enters_region=False``, fed by a ``ParallelNorm``), or it
+    enters the region itself.
+    """
+
+    def __init__(self, linear: nn.Linear, group: Any, sequence_parallel: bool = False,
+                 enters_region: bool = False) -> None:
+        super().__init__(group, sequence_parallel)
+        self.enters_region = enters_region
+        self.in_features, self.out_features = linear.in_features, linear.out_features // self.tp_size
+        self.weight = mark_tensor_parallel(_shard(linear.weight, 0, self.tp_rank, self.tp_size), 0)
+        self.bias = None if linear.bias is None else mark_tensor_parallel(
+            _shard(linear.bias, 0, self.tp_rank, self.tp_size), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enters_region:
+            x = enter_region(x, self.group, self.sequence_parallel)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(_TensorParallel):
+    """``nn.Linear`` whose input features are split over the group; sums the partial products."""
+
+    def __init__(self, linear: nn.Linear, group: Any, sequence_parallel: bool = False) -> None:
+        super().__init__(group, sequence_parallel)
+        self.in_features, self.out_features = linear.in_features // self.tp_size, linear.out_features
+        self.weight = mark_tensor_parallel(_shard(linear.weight, 1, self.tp_rank, self.tp_size), 1)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = F.linear(x, self.weight)
+        if self.bias is None:
+            return leave_region(partial, self.group, self.sequence_parallel)
+        if self.sequence_parallel:  # bias before the reduce-scatter keeps its gradient complete
+            return leave_region(partial + SharedBiasBeforeReduce.apply(self.bias, self.tp_size), self.group, True)
+        return leave_region(partial, self.group, False) + self.bias
+
+
+class VocabParallelEmbedding(_TensorParallel):
+    """``nn.Embedding`` split over the vocabulary (padded to a multiple of the group size)."""
+
+    def __init__(self, embedding: nn.Embedding, group: Any, sequence_parallel: bool = False) -> None:
+        super().__init__(group, sequence_parallel)
+        for option in ("padding_idx", "max_norm"):
+            if getattr(embedding, option) is not None:
+                raise ValueError(f"VocabParallelEmbedding does not support {option}="
+                                 f"{getattr(embedding, option)}; build the embedding without it")
+        self.vocab_size = embedding.num_embeddings
+        self.padded_vocab_size = padded_size(self.vocab_size, self.tp_size)
+        self.per_rank = self.padded_vocab_size // self.tp_size
+        self.vocab_start = self.tp_rank * self.per_rank
+        self.embedding_dim = embedding.embedding_dim
+        self.weight = mark_tensor_parallel(
+            _shard(embedding.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return leave_region(out, self.group, self.sequence_parallel)
+
+
+class VocabParallelOutput(_TensorParallel):
+    """The language-model head: logits sharded over the (padded) vocabulary, never gathered.
+
+    Logits of padding rows are ``-inf``, so they take no probability in the loss or when sampling.
+    """
+
+    def __init__(self, linear: nn.Linear, group: Any, sequence_parallel: bool = False,
+                 enters_region: bool = False) -> None:
+        super().__init__(group, sequence_parallel)
+        self.enters_region = enters_region
+        self.in_features, self.vocab_size = linear.in_features, linear.out_features
+        self.padded_vocab_size = padded_size(self.vocab_size, self.tp_size)
+        self.per_rank = self.padded_vocab_size // self.tp_size
+        self.vocab_start = self.tp_rank * self.per_rank
+        self.weight = mark_tensor_parallel(
+            _shard(linear.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0)
+        self.bias = None if linear.bias is None else mark_tensor_parallel(
+            _shard(linear.bias, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0)
+        self.num_padding = max(0, min(self.per_rank, self.vocab_start + self.per_rank - self.vocab_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enters_region:
+            x = enter_region(x, self.group, self.sequence_parallel)
+        logits = F.linear(x, self.weight, self.bias)
+        if self.num_padding:
+            keep = torch.arange(self.per_rank, device=logits.device) < self.per_rank - self.num_padding
+            logits = logits.masked_fill(~keep, float("-inf"))
+        return logits
+
+
+class ParallelNorm(_TensorParallel):
+    """A norm whose output enters the tensor-parallel region (feeds column-parallel layers).
+
+    Works for any norm computed as ``normalise(x) * weight (+ bias)`` (RMSNorm, LayerNorm): the wrapped
+    module computes ``normalise(x)`` with its weight replaced by ones (and bias by zeros), and the affine
+    part is fused with the region's collective so that the weight and bias gradients come out complete
+    on every rank, also when the norm sees only a sequence shard.
+    """
+
+    def __init__(self, norm: nn.Module, group: Any, sequence_parallel: bool = False) -> None:
+        super().__init__(group, sequence_parallel)
+        self.weight = nn.Parameter(norm.weight.detach().clone())
+        bias = getattr(norm, "bias", None)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        del norm.weight
+        norm.register_buffer("weight", torch.ones_like(self.weight), persistent=False)
+        if bias is not None:
+            del norm.bias
+            norm.register_buffer("bias", torch.zeros_like(self.bias), persistent=False)
+        self.normalize = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x_hat = self.normalize(x)
+        return ScaledGather.apply(x_hat, self.weight, self.bias, self.group, self.sequence_parallel)
+
+
+def padded_size(size: int, multiple: int) -> int:
+    """``size`` rounded up to a multiple of ``multiple``."""
+    return -(-size // multiple) * multiple
