@@ -8,10 +8,13 @@ from typing import Any, Literal, Optional
 
 import lightning as L
 import torch
-import torch.nn.functional as F
-from torchmetrics.text import Perplexity
+from torchmetrics import MeanMetric
 
+from lightning_mgpu.layout import ModelShape
 from lightning_mgpu.models.llama import Llama, LlamaConfig
+from lightning_mgpu.models.llama_plan import llama_tp_plan
+from lightning_mgpu.parallel.cross_entropy import cross_entropy, gather_logits
+from lightning_mgpu.parallel.tensor import ParallelNorm
 
 
 def lr_multiplier(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -63,7 +66,7 @@ class LLMModule(L.LightningModule):
                                    "global_batch_size": global_batch_size, "init_seed": init_seed})
         self.peak_lr = scaled_lr(lr, lr_scaling, global_batch_size, reference_batch_size)
         self.model: Optional[Llama] = None
-        self.val_ppl = Perplexity()
+        self.val_nll = MeanMetric()  # token-weighted mean loss; val/ppl = exp of it
         self._step_started: Optional[float] = None
         self.tokens_seen = 0
 
@@ -74,23 +77,46 @@ class LLMModule(L.LightningModule):
                 torch.manual_seed(self.hparams.init_seed)
                 self.model = Llama(self.config)
 
+    @property
+    def model_shape(self) -> ModelShape:
+        """The numbers that constrain how the model may be split (checked by MGPUStrategy)."""
+        c = self.config
+        return ModelShape(c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.vocab_size)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """How MGPUStrategy splits the model when ``tensor_parallel_size > 1``."""
+        return llama_tp_plan(prefix="model.")
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
-    def loss(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss; the logits may be sharded over the vocabulary (tensor parallelism)."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
-        logits = self(inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()), logits
+        return cross_entropy(self(inputs), targets, head=self.model.output)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
+        """``Llama.generate`` that also works tensor-parallel: every rank of a group must call it with the same
+        prompt and generator; the vocabulary shards are gathered and, under sequence parallelism, the
+        context is right-padded to a multiple of the group size."""
+        head = self.model.output
+        sequence_parallel = any(isinstance(m, ParallelNorm) and m.sequence_parallel for m in self.model.modules())
+        multiple = getattr(head, "tp_size", 1) if sequence_parallel else 1
+        return self.model.generate(prompt, max_new_tokens, logits_hook=lambda logits: gather_logits(logits, head),
+                                   seq_multiple=multiple, **kwargs)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
-        return self.loss(batch)[0]
+        return self.loss(batch)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._step_started = time.perf_counter()
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().float()
-        global_batch = self.hparams.global_batch_size or batch.shape[0] * self.trainer.world_size
+        layout = getattr(self.trainer.strategy, "layout", None)  # tensor/pipeline ranks share their replica's batch
+        replicas = layout.size("dp") if layout is not None else self.trainer.world_size
+        global_batch = self.hparams.global_batch_size or batch.shape[0] * replicas
         tokens = global_batch * (batch.shape[-1] - 1)
         self.tokens_seen += tokens
         elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
@@ -104,13 +130,13 @@ class LLMModule(L.LightningModule):
                            "train/tokens_seen": float(self.tokens_seen)}, on_step=True)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        loss, logits = self.loss(batch)
-        self.val_ppl.update(logits.float(), batch[:, 1:])
+        loss = self.loss(batch)
+        self.val_nll.update(loss.detach().float(), weight=batch[:, 1:].numel())
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/ppl", self.val_ppl.compute())
-        self.val_ppl.reset()
+        self.log("val/ppl", torch.exp(self.val_nll.compute()))
+        self.val_nll.reset()
 
     def configure_optimizers(self):
         decay = [p for p in self.model.parameters() if p.dim() >= 2]

@@ -29,6 +29,7 @@ from typing_extensions import override
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.microbatch import split_microbatches
+from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
 from lightning_mgpu.parallel.zero import (
     EngineOwnedOptimizer,
     init_deepspeed_comm,
@@ -54,7 +55,10 @@ class MGPUStrategy(ParallelStrategy):
         zero_stage: ZeRO stage 0-3 over the data-parallel group.
         tensor_parallel_size: ranks that split each layer's matmuls (innermost axis).
         pipeline_parallel_size: ranks that split the stack of layers into stages.
-        sequence_parallel: shard norms and dropout along the sequence inside tensor-parallel groups.
+        sequence_parallel: run norms on sequence shards, with all-gather / reduce-scatter in place of
+            all-reduce inside tensor-parallel groups (needs ``tensor_parallel_size > 1``).
+        tensor_parallel_plan: ``{module name pattern: style}`` that splits the LightningModule's layers (see
+            ``lightning_mgpu.parallel.plan``); default: the module's ``tensor_parallel_plan()``.
         pipeline_schedule: pipeline schedule name (see ``lightning_mgpu.layout.SCHEDULES``).
         virtual_pipeline_size: stage chunks per pipeline rank (interleaved schedules).
         num_microbatches: micro-batches per global batch; ``None`` derives it from the data module.
@@ -73,7 +77,8 @@ class MGPUStrategy(ParallelStrategy):
                  num_microbatches: Optional[int] = None, offload_optimizer: Optional[str] = None,
                  offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
                  deepspeed_config: Optional[dict] = None, process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = default_pg_timeout, **kwargs: Any) -> None:
+                 timeout: Optional[timedelta] = default_pg_timeout,
+                 tensor_parallel_plan: Optional[TensorParallelPlan] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._layout_args = dict(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -84,11 +89,12 @@ class MGPUStrategy(ParallelStrategy):
         ParallelLayout(world_size=tensor_parallel_size * pipeline_parallel_size
                        if isinstance(tensor_parallel_size, int) and isinstance(pipeline_parallel_size, int)
                        and tensor_parallel_size > 0 and pipeline_parallel_size > 0 else 1, **self._layout_args)
-        unsupported = [f"{k}={v}" for k, v in (("tensor_parallel_size", tensor_parallel_size),
-                                               ("pipeline_parallel_size", pipeline_parallel_size)) if v > 1]
-        if unsupported:
-            raise NotImplementedError(f"{' and '.join(unsupported)}: tensor and pipeline parallelism are not yet "
-                                      "supported by this version of MGPUStrategy; use 1 (data parallelism + ZeRO)")
+        if pipeline_parallel_size > 1:
+            raise NotImplementedError(f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not "
+                                      "yet supported by this version of MGPUStrategy; use 1 (tensor and data "
+                                      "parallelism + ZeRO)")
+        self.tensor_parallel_plan = tensor_parallel_plan
+        self.tensor_parallel_notes: list[str] = []
         self.nvme_path = nvme_path
         self.deepspeed_config_overrides = dict(deepspeed_config or {})
         self._process_group_backend = process_group_backend
@@ -173,6 +179,9 @@ class MGPUStrategy(ParallelStrategy):
         if trainer.gradient_clip_algorithm not in (None, "norm") and trainer.gradient_clip_val:
             raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported: "
                              "MGPUStrategy clips by the global norm; use gradient_clip_algorithm='norm'")
+        self._check_model_shape()
+        if self.layout.size("tp") > 1:
+            self._apply_tensor_parallel()
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         module = self.model
@@ -200,6 +209,27 @@ class MGPUStrategy(ParallelStrategy):
             self.model.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
         if optimizer is not None:
             self.optimizers = [EngineOwnedOptimizer(ds_optimizer)]
+
+    def _check_model_shape(self) -> None:
+        """Validate the layout against the module's shape, when it declares one (``model_shape``)."""
+        shape = getattr(self.lightning_module, "model_shape", None)
+        if shape is not None:
+            ParallelLayout(world_size=self.world_size, model=shape, **self._layout_args)
+
+    def _apply_tensor_parallel(self) -> None:
+        """Split the LightningModule's layers over the tensor-parallel group, as its plan says."""
+        module = self.lightning_module
+        plan = self.tensor_parallel_plan
+        if plan is None and callable(getattr(module, "tensor_parallel_plan", None)):
+            plan = module.tensor_parallel_plan()
+        if plan is None:
+            raise ValueError(f"tensor_parallel_size={self.layout.size('tp')} needs a tensor-parallel plan: define "
+                             f"tensor_parallel_plan() on {type(module).__name__} returning {{module name pattern: "
+                             "style}, or pass MGPUStrategy(tensor_parallel_plan=...)")
+        self.tensor_parallel_notes = apply_tensor_parallel(module, plan, self.layout.group("tp"),
+                                                           self.layout.sequence_parallel)
+        for note in self.tensor_parallel_notes:
+            rank_zero_info(note)
 
     @override
     def model_to_device(self) -> None:

@@ -54,18 +54,29 @@ def datamodule(token_file: Path, **kw: Any) -> TokenFileDataModule:
 
 def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precision: str = "32-true",
         clip: Optional[float] = 0.3, ckpt_path: Optional[str] = None, save_to: Optional[str] = None,
-        model: LlamaConfig = TINY, data: Optional[dict] = None, **strategy_kwargs: Any) -> dict:
+        model: LlamaConfig = TINY, data: Optional[dict] = None, module: Optional[L.LightningModule] = None,
+        callbacks: Optional[list] = None, **strategy_kwargs: Any) -> dict:
     """One Trainer.fit on this process (one rank of ``devices``); returns what it recorded."""
     recorder = Recorder()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs),
                         precision=precision, max_steps=max_steps, gradient_clip_val=clip, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[recorder])
-    module = LLMModule(model, **OPTIM, global_batch_size=GLOBAL_BATCH)
+                        limit_val_batches=0, callbacks=[recorder, *(callbacks or [])])
+    module = module or LLMModule(model, **OPTIM, global_batch_size=GLOBAL_BATCH)
     trainer.fit(module, datamodule(token_file, **(data or {})), ckpt_path=ckpt_path)
     if save_to:
         trainer.save_checkpoint(save_to)
     return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "rank": rank}
+
+
+def global_batches(token_file: Path, steps: int, global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ_LEN,
+                   seed: int = 7, val_fraction: float = 0.01):
+    """The global batches ``[global_batch, seq_len + 1]`` the data module serves, in order, as one tensor each."""
+    tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
+    train = tokens[: int(len(tokens) * (1.0 - val_fraction))]
+    for step in range(steps):
+        starts = sample_starts(seed, step, global_batch, len(train), seq_len)
+        yield torch.from_numpy(np.stack([train[s:s + seq_len + 1] for s in starts]).astype(np.int64))
 
 
 def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, model: LlamaConfig = TINY,
@@ -76,12 +87,8 @@ def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, mo
     module.configure_model()
     opt_cfg = module.configure_optimizers()
     optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
-    tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
-    train = tokens[: int(len(tokens) * (1.0 - val_fraction))]
     losses, norms = [], []
-    for step in range(steps):
-        starts = sample_starts(seed, step, global_batch, len(train), seq_len)
-        batch = torch.from_numpy(np.stack([train[s:s + seq_len + 1] for s in starts]).astype(np.int64))
+    for batch in global_batches(token_file, steps, global_batch, seq_len, seed, val_fraction):
         logits = module.model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()

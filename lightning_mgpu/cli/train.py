@@ -63,7 +63,7 @@ def generate_sample(module, cfg: DictConfig) -> str:
     device = next(model.parameters()).device
     prompt = torch.from_numpy(encode_bytes(cfg.sample.prompt).astype("int64"))[None].to(device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
-    tokens = model.generate(prompt, cfg.sample.max_new_tokens, temperature=cfg.sample.temperature,
+    tokens = module.generate(prompt, cfg.sample.max_new_tokens, temperature=cfg.sample.temperature,
                             generator=generator)
     return decode_bytes(tokens[0].tolist())
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, replace
-from typing import Literal, Optional
+from typing import Callable, Literal, Optional
 
 import torch
 import torch.nn.functional as F
@@ -203,11 +203,26 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: Optional[int] = 20, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Sample ``max_new_tokens`` continuation tokens after ``prompt`` [batch, seq] (no KV cache: for demos)."""
+                 top_k: Optional[int] = 20, generator: Optional[torch.Generator] = None,
+                 logits_hook: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                 seq_multiple: int = 1) -> torch.Tensor:
+        """Sample ``max_new_tokens`` continuation tokens after ``prompt`` [batch, seq] (no KV cache: for demos).
+
+        ``logits_hook`` post-processes each step's logits (e.g. gathers vocabulary shards); ``seq_multiple``
+        right-pads the context to a multiple of it, which a causal model ignores (e.g. for sequence shards).
+        """
         tokens = prompt
+        window = self.config.max_seq_len // seq_multiple * seq_multiple
         for _ in range(max_new_tokens):
-            logits = self(tokens[:, -self.config.max_seq_len:])[:, -1].float() / max(temperature, 1e-5)
+            context = tokens[:, -window:]
+            last = context.shape[1] - 1
+            pad = -context.shape[1] % seq_multiple
+            if pad:
+                context = torch.cat([context, context.new_zeros((context.shape[0], pad))], dim=1)
+            logits = self(context)[:, last]
+            if logits_hook is not None:
+                logits = logits_hook(logits)
+            logits = logits.float() / max(temperature, 1e-5)
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -57,9 +57,14 @@ def test_strategy_validates_before_launch():
     assert "zero_stage=5" in str(err.value) and "offload_params='cpu'" in str(err.value)
 
 
-def test_tensor_and_pipeline_parallel_not_yet_supported():
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
-        MGPUStrategy(tensor_parallel_size=2)
+def test_pipeline_parallel_not_yet_supported():
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
+        MGPUStrategy(pipeline_parallel_size=2)
+
+
+def test_sequence_parallel_without_tensor_parallel_is_refused_at_construction():
+    with pytest.raises(ValueError, match="sequence_parallel=True needs tensor_parallel_size > 1"):
+        MGPUStrategy(sequence_parallel=True)
 
 
 def test_deepspeed_config_buckets_from_model_and_overrides_merge():
