@@ -231,6 +231,18 @@ class ParallelLayout:
         return self.coords(self._groups["rank"])[_check_axis(axis)]
 
 
+class _UncheckedLayout(ParallelLayout):
+    """A layout that skips validation on construction, so its problems can be listed instead of raised."""
+
+    def __post_init__(self) -> None:
+        pass
+
+
+def layout_problems(**kwargs) -> list[str]:
+    """Every rule the layout ``ParallelLayout(**kwargs)`` would break, without raising (empty when valid)."""
+    return _UncheckedLayout(**kwargs).problems()
+
+
 def _check_axis(axis: str) -> str:
     if axis not in AXES:
         raise ValueError(f"axis={axis!r} is unknown; choose one of {', '.join(AXES)}")

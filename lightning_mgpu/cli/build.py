@@ -8,6 +8,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.data import BYTE_VOCAB_SIZE, StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
+from lightning_mgpu.layout import ModelShape, layout_problems
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.module import LLMModule
 from lightning_mgpu.strategy import MGPUStrategy
@@ -31,6 +32,23 @@ def data_model_problems(cfg: DictConfig, model: LlamaConfig) -> list[str]:
     if cfg.data.seq_len > model.max_seq_len:
         out.append(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; lower "
                    f"data.seq_len or set model.max_seq_len>={cfg.data.seq_len}")
+    return out
+
+
+def parallel_problems(cfg: DictConfig, model: LlamaConfig) -> list[str]:
+    """Ways the parallel layout does not fit the model, the devices or the data, checked before any process starts."""
+    p, t = cfg.parallel, cfg.trainer
+    shape = ModelShape(model.n_layers, model.n_heads, model.n_kv_heads, model.ffn_hidden, model.vocab_size)
+    out = layout_problems(world_size=t.devices * t.num_nodes, tensor_parallel_size=p.tensor_parallel_size,
+                          pipeline_parallel_size=p.pipeline_parallel_size, zero_stage=p.zero_stage,
+                          pipeline_schedule=p.pipeline_schedule, virtual_pipeline_size=p.virtual_pipeline_size,
+                          num_microbatches=p.num_microbatches, sequence_parallel=p.sequence_parallel,
+                          offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape)
+    T = p.tensor_parallel_size
+    if p.sequence_parallel and isinstance(T, int) and T > 1 and cfg.data.seq_len % T:
+        out.append(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tensor_parallel_size={T}: sequence "
+                   f"parallelism splits each sequence into {T} shards; use a multiple of {T} or "
+                   "parallel.sequence_parallel=false")
     return out
 
 

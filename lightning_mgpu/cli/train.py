@@ -17,6 +17,7 @@ from lightning_mgpu.cli.build import (
     build_module,
     build_strategy,
     data_model_problems,
+    parallel_problems,
 )
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
@@ -27,7 +28,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     """Train as ``cfg`` says, writing ``config.yaml`` and ``metrics.csv`` into ``run_dir``; return final metrics."""
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     model_config = build_model_config(cfg)
-    problems = data_model_problems(cfg, model_config)
+    problems = data_model_problems(cfg, model_config) + parallel_problems(cfg, model_config)
     if problems:
         raise ValueError("Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     strategy = build_strategy(cfg)  # validates the parallel settings before any process starts

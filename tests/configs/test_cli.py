@@ -14,7 +14,13 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_strategy, data_model_problems
+from lightning_mgpu.cli.build import (
+    build_datamodule,
+    build_model_config,
+    build_strategy,
+    data_model_problems,
+    parallel_problems,
+)
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir, recipes_dir
 from lightning_mgpu.models import LlamaConfig
@@ -74,14 +80,30 @@ def test_data_and_model_mismatch_is_listed():
     assert "data.seq_len=512 exceeds the model's max_seq_len=256" in problems[1]
 
 
+def test_parallel_layout_problems_are_listed_before_launch():
+    cfg = composed("parallel.tensor_parallel_size=3", "trainer.devices=6", "parallel.sequence_parallel=true",
+                   "data.seq_len=128")
+    problems = parallel_problems(cfg, build_model_config(cfg))
+    text = "\n".join(problems)
+    for fragment in ("tensor_parallel_size=3 does not divide n_heads=4", "does not divide n_kv_heads=2",
+                     "data.seq_len=128 is not divisible"):
+        assert fragment in text
+    assert parallel_problems(composed("parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"),
+                             build_model_config(cfg)) == []
+
+
 def read_losses(metrics: Path) -> list[float]:
     rows = list(csv.DictReader(metrics.open()))
     return [float(r["train/loss"]) for r in sorted(rows, key=lambda r: int(r["step"])) if r.get("train/loss")]
 
 
-def test_cli_two_processes_match_single_process(token_file, tmp_path):
+@pytest.mark.parametrize("parallel, plan", [
+    ("zero2", "2 per micro-batch x 2 micro-batches x 2 data-parallel replicas"),
+    ("tp2_sp", "2 per micro-batch x 4 micro-batches x 1 data-parallel replicas"),
+])
+def test_cli_two_processes_match_single_process(token_file, tmp_path, parallel, plan):
     run_dir = tmp_path / "run"
-    args = [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}",
+    args = [str(BIN / "mgpu-train"), "trainer.devices=2", f"parallel={parallel}", "data=tokens", f"data.path={token_file}",
             "data.seq_len=16", "data.global_batch_size=8", "data.micro_batch_size=2", "model.dim=32",
             "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.vocab_size=64",
             "model.max_seq_len=64", "trainer.max_steps=10", "trainer.gradient_clip_val=0.3", "optim.warmup_steps=2",
@@ -89,7 +111,8 @@ def test_cli_two_processes_match_single_process(token_file, tmp_path):
             f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "global batch 8 = 2 per micro-batch x 2 micro-batches x 2 data-parallel replicas" in proc.stdout + proc.stderr
+    assert f"global batch 8 = {plan}" in proc.stdout + proc.stderr
+    assert "--- sample after 10 steps ---" in proc.stdout
     assert (run_dir / "config.yaml").is_file()
     assert not list(tmp_path.glob("outputs"))  # every rank used the one run directory
     losses = read_losses(run_dir / "metrics.csv")
