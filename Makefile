@@ -25,6 +25,7 @@ test: install
 benchmarks: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/zero_memory.py
+	$(PY) benchmarks/tp_vs_dtensor.py
 
 clean:
 	rm -rf $(VENV) outputs multirun build *.egg-info
