@@ -199,6 +199,12 @@ class ParallelNorm(_TensorParallel):
         self.normalize = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm = self.normalize
+        if norm.weight.dtype != self.weight.dtype or norm.weight.device != self.weight.device:
+            # the unit affine follows the real parameters when an engine casts or moves only parameters
+            norm.weight = torch.ones_like(self.weight)
+            if self.bias is not None:
+                norm.bias = torch.zeros_like(self.bias)
         x_hat = self.normalize(x)
         return ScaledGather.apply(x_hat, self.weight, self.bias, self.group, self.sequence_parallel)
 

@@ -122,3 +122,11 @@ def test_collectives_per_block_are_megatrons_minimum(token_file, sequence_parall
         outside = {("all_reduce", "forward"): 3, ("all_reduce", "backward"): 1}
     two_layers = {k: v // micro_batches for k, v in per_layers[2].items()}
     assert two_layers == {k: outside.get(k, 0) + 2 * per_block.get(k, 0) for k in set(outside) | set(per_block)}
+
+
+def test_tp2_sp_bf16_mixed_ends_near_fp32(token_file, ref):
+    losses = run_distributed(fit, 2, token_file, 2, precision="bf16-mixed", tensor_parallel_size=2,
+                             sequence_parallel=True, zero_stage=1)[0]["losses"]
+    assert all(loss == loss for loss in losses)  # no NaN
+    assert abs(losses[-1] - ref["losses"][-1]) < 2e-2
+    assert losses != ref["losses"]  # it really ran in bf16
