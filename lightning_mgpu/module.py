@@ -12,8 +12,9 @@ from torchmetrics import MeanMetric
 
 from lightning_mgpu.layout import ModelShape
 from lightning_mgpu.models.llama import Llama, LlamaConfig
-from lightning_mgpu.models.llama_plan import llama_tp_plan
+from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
 from lightning_mgpu.parallel.cross_entropy import cross_entropy, gather_logits
+from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.tensor import ParallelNorm
 
 
@@ -87,11 +88,35 @@ class LLMModule(L.LightningModule):
         """How MGPUStrategy splits the model when ``tensor_parallel_size > 1``."""
         return llama_tp_plan(prefix="model.")
 
+    # -------------------------------------------------------------- pipeline parallelism (MGPUStrategy)
+    def pipeline_stages(self, stage_ids: list[int], num_stages: int,
+                        boundaries: Optional[list[int]] = None) -> torch.nn.ModuleDict:
+        """Keep only the given stages of the model: ``self.model`` becomes their container (returned)."""
+        self.model = stage_container(llama_stages(self.model, stage_ids, num_stages, boundaries))
+        return self.model
+
+    def pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first stage's input, last stage's target) of a batch."""
+        return batch[:, :-1], batch[:, 1:]
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of one micro-batch on the last stage."""
+        head = next(stage.output for stage in self.model.values() if stage.output is not None)
+        return cross_entropy(logits, targets, head=head)
+
+    def _pipeline(self):
+        return getattr(self._trainer.strategy, "pipeline", None) if self._trainer is not None else None
+
+    # ------------------------------------------------------------------------------------------- steps
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens)
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss; the logits may be sharded over the vocabulary (tensor parallelism)."""
+        """Mean next-token loss; the logits may be sharded over the vocabulary (tensor parallelism). With pipeline
+        parallelism it runs the pipeline forward-only and every rank gets the loss."""
+        pipeline = self._pipeline()
+        if pipeline is not None:
+            return pipeline.evaluate(*self.pipeline_batch(batch))
         inputs, targets = batch[:, :-1], batch[:, 1:]
         return cross_entropy(self(inputs), targets, head=self.model.output)
 
@@ -100,6 +125,9 @@ class LLMModule(L.LightningModule):
         """``Llama.generate`` that also works tensor-parallel: every rank of a group must call it with the same
         prompt and generator; the vocabulary shards are gathered and, under sequence parallelism, the
         context is right-padded to a multiple of the group size."""
+        if self._pipeline() is not None:
+            raise NotImplementedError("generate() needs the whole model on each rank; it is not available with "
+                                      "pipeline parallelism (pipeline_parallel_size > 1)")
         head = self.model.output
         sequence_parallel = any(isinstance(m, ParallelNorm) and m.sequence_parallel for m in self.model.modules())
         multiple = getattr(head, "tp_size", 1) if sequence_parallel else 1

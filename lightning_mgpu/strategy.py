@@ -29,7 +29,9 @@ from typing_extensions import override
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.microbatch import split_microbatches
+from lightning_mgpu.parallel.pipeline import Pipeline, num_stages, stage_ids
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
+from lightning_mgpu.parallel.timeline import PipelineTimeline
 from lightning_mgpu.parallel.zero import (
     EngineOwnedOptimizer,
     init_deepspeed_comm,
@@ -59,6 +61,9 @@ class MGPUStrategy(ParallelStrategy):
             all-reduce inside tensor-parallel groups (needs ``tensor_parallel_size > 1``).
         tensor_parallel_plan: ``{module name pattern: style}`` that splits the LightningModule's layers (see
             ``lightning_mgpu.parallel.plan``); default: the module's ``tensor_parallel_plan()``.
+        pipeline_boundaries: ``stages + 1`` block indices from 0 to ``n_layers`` where stages start; default:
+            balanced by block count.
+        pipeline_timeline: record when each pipeline action ran on this rank (``strategy.pipeline.timeline``).
         pipeline_schedule: pipeline schedule name (see ``lightning_mgpu.layout.SCHEDULES``).
         virtual_pipeline_size: stage chunks per pipeline rank (interleaved schedules).
         num_microbatches: micro-batches per global batch; ``None`` derives it from the data module.
@@ -78,7 +83,9 @@ class MGPUStrategy(ParallelStrategy):
                  offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
                  deepspeed_config: Optional[dict] = None, process_group_backend: Optional[str] = None,
                  timeout: Optional[timedelta] = default_pg_timeout,
-                 tensor_parallel_plan: Optional[TensorParallelPlan] = None, **kwargs: Any) -> None:
+                 tensor_parallel_plan: Optional[TensorParallelPlan] = None,
+                 pipeline_boundaries: Optional[list[int]] = None, pipeline_timeline: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._layout_args = dict(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -89,10 +96,9 @@ class MGPUStrategy(ParallelStrategy):
         ParallelLayout(world_size=tensor_parallel_size * pipeline_parallel_size
                        if isinstance(tensor_parallel_size, int) and isinstance(pipeline_parallel_size, int)
                        and tensor_parallel_size > 0 and pipeline_parallel_size > 0 else 1, **self._layout_args)
-        if pipeline_parallel_size > 1:
-            raise NotImplementedError(f"pipeline_parallel_size={pipeline_parallel_size}: pipeline parallelism is not "
-                                      "yet supported by this version of MGPUStrategy; use 1 (tensor and data "
-                                      "parallelism + ZeRO)")
+        self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
+        self.pipeline_timeline = pipeline_timeline
+        self.pipeline: Optional[Pipeline] = None
         self.tensor_parallel_plan = tensor_parallel_plan
         self.tensor_parallel_notes: list[str] = []
         self.nvme_path = nvme_path
@@ -179,12 +185,19 @@ class MGPUStrategy(ParallelStrategy):
         if trainer.gradient_clip_algorithm not in (None, "norm") and trainer.gradient_clip_val:
             raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported: "
                              "MGPUStrategy clips by the global norm; use gradient_clip_algorithm='norm'")
-        self._check_model_shape()
+        plan = getattr(trainer.datamodule, "batch_plan", None) if trainer.datamodule is not None else None
+        micro_batches = self._layout_args["num_microbatches"] or (plan.num_microbatches if plan else 1)
+        micro_size = plan.micro_batch_size if plan else 1
+        if plan:
+            rank_zero_info(plan.describe())
+        self._check_model_shape(micro_batches)
         if self.layout.size("tp") > 1:
             self._apply_tensor_parallel()
+        module = self._split_pipeline() if self.layout.size("pp") > 1 else self.model
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        module = self.model
+        if self.layout.size("pp") == 1:
+            module = self.model
         optimizer = None
         if trainer.state.fn == TrainerFn.FITTING:
             self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(self.lightning_module)
@@ -192,11 +205,6 @@ class MGPUStrategy(ParallelStrategy):
                 raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; MGPUStrategy "
                                  "drives one DeepSpeed engine and needs exactly one")
             optimizer = self.optimizers[0]
-        plan = getattr(trainer.datamodule, "batch_plan", None) if trainer.datamodule is not None else None
-        micro_batches = self._layout_args["num_microbatches"] or (plan.num_microbatches if plan else 1)
-        micro_size = plan.micro_batch_size if plan else 1
-        if plan:
-            rank_zero_info(plan.describe())
         config = zero_config(self.layout, module, micro_size, micro_batches, trainer.gradient_clip_val,
                              self.precision_plugin.deepspeed_config(), self.nvme_path, self.deepspeed_config_overrides)
         if optimizer is None and config["zero_optimization"]["stage"] in (1, 2):
@@ -209,12 +217,33 @@ class MGPUStrategy(ParallelStrategy):
             self.model.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
         if optimizer is not None:
             self.optimizers = [EngineOwnedOptimizer(ds_optimizer)]
+        if self.layout.size("pp") > 1:
+            self.pipeline = Pipeline(self.model, self.layout, self.root_device, self.lightning_module.pipeline_loss,
+                                     micro_batches, PipelineTimeline() if self.pipeline_timeline else None)
 
-    def _check_model_shape(self) -> None:
-        """Validate the layout against the module's shape, when it declares one (``model_shape``)."""
-        shape = getattr(self.lightning_module, "model_shape", None)
-        if shape is not None:
-            ParallelLayout(world_size=self.world_size, model=shape, **self._layout_args)
+    def _check_model_shape(self, num_microbatches: int) -> None:
+        """Validate the layout against the module's shape (when it declares ``model_shape``) and the micro-batch
+        count the data gives; refuse what the pipeline cannot run."""
+        args = dict(self._layout_args, num_microbatches=num_microbatches)
+        ParallelLayout(world_size=self.world_size, model=getattr(self.lightning_module, "model_shape", None), **args)
+        if self.layout.size("pp") > 1:
+            problems = []
+            if self.precision_plugin.precision == "16-mixed":
+                problems.append("precision='16-mixed' is not supported with pipeline parallelism (the schedule runs "
+                                "backward outside DeepSpeed's loss scaler); use 'bf16-mixed' or '32-true'")
+            missing = [h for h in ("pipeline_stages", "pipeline_batch", "pipeline_loss")
+                       if not callable(getattr(self.lightning_module, h, None))]
+            if missing:
+                name = type(self.lightning_module).__name__
+                problems.append(f"pipeline_parallel_size={self.layout.size('pp')} needs {name} to define "
+                                f"{', '.join(missing)} (see LLMModule)")
+            if problems:
+                raise ValueError("Invalid pipeline setup:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    def _split_pipeline(self) -> torch.nn.Module:
+        """Keep only this rank's pipeline stages; return them in the one container the engine wraps."""
+        ids = stage_ids(self.layout.rank("pp"), self.layout)
+        return self.lightning_module.pipeline_stages(ids, num_stages(self.layout), self.pipeline_boundaries)
 
     def _apply_tensor_parallel(self) -> None:
         """Split the LightningModule's layers over the tensor-parallel group, as its plan says."""
@@ -244,6 +273,9 @@ class MGPUStrategy(ParallelStrategy):
         ranks), detached: the backward has already run.
         """
         batch, rest = args[0], args[1:]
+        if self.pipeline is not None:
+            mean = self.pipeline.train_step(*self.lightning_module.pipeline_batch(batch))
+            return self._mean_over_replicas(mean)
         losses = []
         for micro_batch in split_microbatches(batch, self.num_microbatches):
             with self.precision_plugin.train_step_context():
@@ -252,11 +284,27 @@ class MGPUStrategy(ParallelStrategy):
             loss = out["loss"] if isinstance(out, Mapping) else out
             self.model.backward(loss)  # scaled by 1 / num_microbatches inside the engine
             losses.append(loss.detach().float())
-        mean = torch.stack(losses).mean()
+        return self._mean_over_replicas(torch.stack(losses).mean())
+
+    def _mean_over_replicas(self, mean: torch.Tensor) -> torch.Tensor:
         if self.layout.size("dp") > 1:
             dist.all_reduce(mean, group=self.layout.group("dp"))
             mean /= self.layout.size("dp")
         return mean
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        with self.precision_plugin.val_step_context():  # the module's loss() runs the pipeline forward-only
+            return self.lightning_module.validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is None:
+            return super().test_step(*args, **kwargs)
+        with self.precision_plugin.test_step_context():
+            return self.lightning_module.test_step(*args, **kwargs)
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -315,11 +363,17 @@ class MGPUStrategy(ParallelStrategy):
             raise TypeError("storage_options is not supported by MGPUStrategy: DeepSpeed writes the checkpoint")
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.model.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=client_state)
+        self.model.save_checkpoint(str(self._stage_dir(filepath)), tag=CHECKPOINT_TAG, client_state=client_state)
+
+    def _stage_dir(self, path: Any) -> Path:
+        """Where this rank's engine writes: DeepSpeed names files by data- and tensor-parallel rank only, so
+        each pipeline rank gets its own subdirectory."""
+        path = Path(path)
+        return path / f"pipeline_rank_{self.layout.rank('pp'):03d}" if self.layout.size("pp") > 1 else path
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
+        path = self._stage_dir(checkpoint_path)
         if not (path / CHECKPOINT_TAG).is_dir():
             raise FileNotFoundError(f"ckpt_path={str(path)!r} is not an MGPUStrategy checkpoint directory (expected "
                                     f"a '{CHECKPOINT_TAG}' folder inside); pass the directory given to save_checkpoint")

@@ -50,9 +50,13 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     trainer.fit(module, datamodule, ckpt_path=cfg.ckpt_path)
     if cfg.save_checkpoint:
         trainer.save_checkpoint(str(run_dir / "checkpoint"))
-    sample = generate_sample(module, cfg)
-    if trainer.is_global_zero:
-        print(f"\n--- sample after {trainer.global_step} steps ---\n{sample}\n---")
+    if cfg.parallel.pipeline_parallel_size > 1:
+        if trainer.is_global_zero:
+            print("(no sample: generation needs the whole model on each rank, and it is split into pipeline stages)")
+    else:
+        sample = generate_sample(module, cfg)
+        if trainer.is_global_zero:
+            print(f"\n--- sample after {trainer.global_step} steps ---\n{sample}\n---")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 

@@ -126,6 +126,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        cos, sin = cos[: q.shape[2]], sin[: q.shape[2]]  # tables may be longer than this sequence
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
@@ -160,6 +161,16 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, activation_checkpointing: str) -> torch.Tensor:
+    """Apply transformer blocks in order, recomputing each in backward when ``activation_checkpointing="full"``."""
+    for layer in layers:
+        if activation_checkpointing == "full" and layer.training and torch.is_grad_enabled():
+            x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+        else:
+            x = layer(x, cos, sin)
+    return x
+
+
 class Llama(nn.Module):
     """Decoder-only transformer returning logits ``[batch, seq, vocab]`` for token ids ``[batch, seq]``."""
 
@@ -192,14 +203,8 @@ class Llama(nn.Module):
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            if self.config.activation_checkpointing == "full" and self.training and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin)
-        return self.output(self.norm(x))
+        return self.output(self.norm(run_layers(self.layers, self.tok_embeddings(tokens), self.rope_cos,
+                                                self.rope_sin, self.config.activation_checkpointing)))
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,

@@ -1,11 +1,19 @@
-"""How :class:`~lightning_mgpu.models.llama.Llama` is split: its tensor-parallel plan.
+"""How :class:`~lightning_mgpu.models.llama.Llama` is split: its tensor-parallel plan and its pipeline stages.
 
-Data only, beside the model; applied by :func:`lightning_mgpu.parallel.plan.apply_tensor_parallel`.
-Attention heads are split by splitting ``wq`` (query heads) and ``wk``/``wv`` (key/value heads) by
-output rows, so each rank keeps whole heads and its query heads' own key/value group.
+The plan is data, applied by :func:`lightning_mgpu.parallel.plan.apply_tensor_parallel`. Attention heads
+are split by splitting ``wq`` (query heads) and ``wk``/``wv`` (key/value heads) by output rows, so each
+rank keeps whole heads and its query heads' own key/value group. Pipeline stages are contiguous runs of
+blocks; the first stage also holds the embedding, the last the final norm and the head.
 """
 
 from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mgpu.models.llama import Llama, run_layers
 
 #: Module name pattern -> tensor-parallel style (see ``lightning_mgpu.parallel.plan``).
 LLAMA_TP_PLAN: dict[str, str] = {
@@ -27,3 +35,64 @@ LLAMA_TP_PLAN: dict[str, str] = {
 def llama_tp_plan(prefix: str = "") -> dict[str, str]:
     """The Llama plan with every pattern under ``prefix`` (e.g. ``"model."`` inside a LightningModule)."""
     return {prefix + key: style for key, style in LLAMA_TP_PLAN.items()}
+
+
+class LlamaStage(nn.Module):
+    """Blocks ``[start, end)`` of a :class:`Llama`, sharing its modules; tokens in on the first stage, logits out
+    of the last, hidden states ``[batch, seq, dim]`` in between."""
+
+    def __init__(self, model: Llama, start: int, end: int) -> None:
+        super().__init__()
+        first, last = start == 0, end == model.config.n_layers
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(start, end)})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.activation_checkpointing = model.config.activation_checkpointing
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        x = run_layers(self.layers.values(), x, self.rope_cos, self.rope_sin, self.activation_checkpointing)
+        return self.output(self.norm(x)) if self.output is not None else x
+
+
+def balanced_boundaries(n_layers: int, num_stages: int) -> list[int]:
+    """``num_stages + 1`` block indices from 0 to ``n_layers``: stage ``i`` runs blocks ``[b[i], b[i+1])``.
+
+    Block counts differ by at most one; extra blocks go to middle stages first, since the first and last
+    stages also carry the embedding and the head."""
+    base, extra = divmod(n_layers, num_stages)
+    order = sorted(range(num_stages), key=lambda i: (i in (0, num_stages - 1), i))
+    sizes = [base + (1 if i in order[:extra] else 0) for i in range(num_stages)]
+    return [sum(sizes[:i]) for i in range(num_stages + 1)]
+
+
+def boundary_problems(boundaries: Sequence[int], n_layers: int, num_stages: int) -> list[str]:
+    """Why ``boundaries`` (``num_stages + 1`` block indices, 0 first and ``n_layers`` last) cannot split the model."""
+    b = list(boundaries)
+    example = balanced_boundaries(n_layers, num_stages)
+    if len(b) != num_stages + 1 or b[0] != 0 or b[-1] != n_layers or any(x >= y for x, y in zip(b, b[1:])):
+        return [f"pipeline_boundaries={b} must be {num_stages + 1} strictly increasing block indices from 0 to "
+                f"n_layers={n_layers} (one stage per pipeline_parallel_size*virtual_pipeline_size={num_stages}), "
+                f"e.g. {example}"]
+    return []
+
+
+def llama_stages(model: Llama, stage_ids: Sequence[int], num_stages: int,
+                 boundaries: Optional[Sequence[int]] = None) -> dict[int, LlamaStage]:
+    """This rank's stages of ``model`` (``stage_id -> LlamaStage``), balanced by block count unless
+    ``boundaries`` says where each stage starts."""
+    n = model.config.n_layers
+    problems = boundary_problems(boundaries, n, num_stages) if boundaries is not None else []
+    if model.config.tie_embeddings:
+        problems.append("tie_embeddings=True cannot be split into pipeline stages (the embedding lives on the first "
+                        "stage, the head on the last); set tie_embeddings=False or pipeline_parallel_size=1")
+    if num_stages > n:
+        problems.append(f"{num_stages} pipeline stages is more than n_layers={n}; use at most {n}")
+    if problems:
+        raise ValueError("Cannot split the model into pipeline stages:\n" + "\n".join(f"  - {p}" for p in problems))
+    b = list(boundaries) if boundaries is not None else balanced_boundaries(n, num_stages)
+    return {i: LlamaStage(model, b[i], b[i + 1]) for i in stage_ids}

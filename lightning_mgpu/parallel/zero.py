@@ -95,10 +95,14 @@ def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int,
                 overrides: Optional[dict] = None) -> dict:
     """The DeepSpeed config of one run.
 
-    Gradient accumulation is unmanaged: the strategy runs every micro-batch's backward and then calls
-    ``engine.step()`` once, which is the accumulation boundary (one optimizer step per global batch).
+    Without pipeline parallelism gradient accumulation is unmanaged: the strategy runs every micro-batch's
+    backward through the engine and then calls ``engine.step()`` once, which is the accumulation boundary
+    (one optimizer step per global batch). With it, the schedule runs all micro-batches inside
+    ``engine.coalesce_grad_reduction()``, which DeepSpeed supports (ZeRO 1-3) only with managed
+    accumulation: then the whole schedule counts as one micro-step of ``micro_batch_size * num_microbatches``.
     ``overrides`` (the user's ``deepspeed_config``) is merged over the result.
     """
+    coalesced = layout.pipeline_parallel_size > 1 and layout.zero_stage >= 1
     bucket = bucket_elements(model)
     zero: dict[str, Any] = {
         "stage": layout.zero_stage,
@@ -122,9 +126,9 @@ def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int,
             if device == "nvme":
                 zero[key]["nvme_path"] = nvme_path or "/local_nvme"
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": num_microbatches,
-        "managed_gradient_accumulation": False,
+        "train_micro_batch_size_per_gpu": micro_batch_size * num_microbatches if coalesced else micro_batch_size,
+        "gradient_accumulation_steps": 1 if coalesced else num_microbatches,
+        "managed_gradient_accumulation": coalesced,
         "gradient_clipping": float(gradient_clipping or 0.0),
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,

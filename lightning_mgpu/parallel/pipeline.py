@@ -1,0 +1,121 @@
+"""Pipeline parallelism: ``torch.distributed.pipelining`` schedules over stage chunks owned by a DeepSpeed engine.
+
+The recipe measured in FIELD-NOTES: this rank's stage chunks sit in one ``ModuleDict`` that is the
+engine's module (even for one chunk: with ZeRO-3 and a stage as the engine's root, ranks deadlock); each
+``PipelineStage`` wraps ``engine.module[str(stage_id)]``; the schedule runs inside
+``engine.coalesce_grad_reduction()`` (ZeRO 1-3: the per-parameter hooks do nothing, one data-parallel
+reduction on exit), the loss is divided by the number of micro-batches and the schedule does not scale
+gradients; then ``engine.step()`` clips by the global norm and updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from lightning_mgpu.layout import V_SCHEDULES, ParallelLayout
+from lightning_mgpu.parallel.timeline import PipelineTimeline
+
+SCHEDULE_CLASSES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def num_stages(layout: ParallelLayout) -> int:
+    """Stages of the whole pipeline: ``pipeline_parallel_size * virtual_pipeline_size`` (2 per rank for V shapes)."""
+    per_rank = 2 if layout.pipeline_schedule in V_SCHEDULES else layout.virtual_pipeline_size
+    return layout.pipeline_parallel_size * per_rank
+
+
+def stage_ids(pp_rank: int, layout: ParallelLayout) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` runs: looped (``r, r+P, ...``), or V-shaped (``r, 2P-1-r``)."""
+    P = layout.pipeline_parallel_size
+    if layout.pipeline_schedule in V_SCHEDULES:
+        return [pp_rank, 2 * P - 1 - pp_rank]
+    return [pp_rank + k * P for k in range(num_stages(layout) // P)]
+
+
+def stage_owner(stage_id: int, layout: ParallelLayout) -> int:
+    """The pipeline rank that runs ``stage_id``."""
+    return next(r for r in range(layout.pipeline_parallel_size) if stage_id in stage_ids(r, layout))
+
+
+class Pipeline:
+    """Runs one global batch (this replica's share) through the schedule, for training or evaluation.
+
+    ``loss_fn(output, target)`` is the mean loss of one micro-batch; every rank of the replica gets the
+    mean over all micro-batches back (broadcast from the rank that holds the last stage).
+    """
+
+    def __init__(self, engine: Any, layout: ParallelLayout, device: torch.device,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_microbatches: int,
+                 timeline: Optional[PipelineTimeline] = None) -> None:
+        self.engine, self.layout, self.n_microbatches = engine, layout, n_microbatches
+        self.loss_fn = loss_fn
+        self.group = layout.group("pp")
+        total = num_stages(layout)
+        ids = stage_ids(layout.rank("pp"), layout)
+        self.stages = [PipelineStage(engine.module[str(i)], i, total, device, group=self.group) for i in ids]
+        self.timeline = timeline
+        if timeline is not None:
+            for stage in self.stages:
+                timeline.instrument(stage)
+        name = layout.pipeline_schedule
+        stages: Any = self.stages[0] if name in SINGLE_STAGE_SCHEDULES else self.stages
+        self.schedule = SCHEDULE_CLASSES[name](stages, n_microbatches, loss_fn=self._microbatch_loss,
+                                               scale_grads=False)
+        self.has_first, self.has_last = 0 in ids, total - 1 in ids
+        self.last_rank = layout.global_rank_of(layout.rank("tp"), stage_owner(total - 1, layout), layout.rank("dp"))
+
+    def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, target) / self.n_microbatches
+
+    def _run(self, run: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        run(*args, target=targets if self.has_last else None, losses=losses)
+        total = torch.stack([loss.detach().float() for loss in losses]).sum() if self.has_last else \
+            torch.zeros((), device=inputs.device)
+        if self.layout.size("pp") > 1:
+            dist.broadcast(total, src=self.last_rank, group=self.group)
+        return total
+
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; gradients stay in the engine for ``engine.step()``."""
+        if self.timeline is not None:
+            self.timeline.next_step()
+        coalesce = self.engine.coalesce_grad_reduction() if self.engine.zero_optimization_stage() >= 1 \
+            else contextlib.nullcontext()
+        with coalesce:
+            return self._run(self.schedule.step, inputs, targets)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only; the mean loss over the micro-batches on every rank."""
+        return self._run(self.schedule.eval, inputs, targets)
+
+
+def stage_container(stages: dict[int, nn.Module]) -> nn.ModuleDict:
+    """This rank's stage chunks in the one container the DeepSpeed engine wraps (keys: stage ids)."""
+    return nn.ModuleDict({str(i): m for i, m in sorted(stages.items())})

@@ -1,0 +1,114 @@
+"""Pipeline timelines: when each forward / backward action ran on each rank, the bubble, and a Gantt chart.
+
+Recording wraps the three per-micro-batch methods of a ``PipelineStage`` (forward, backward, and the
+zero-bubble schedules' separate weight-gradient step) with wall-clock timers. Times are
+``time.perf_counter()``, one system-wide monotonic clock on Linux, so ranks of one machine are
+comparable; ranks on different machines are not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from lightning_mgpu.layout import V_SCHEDULES
+
+_ACTIONS = (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W"))
+
+
+@dataclass(frozen=True)
+class Action:
+    """One action of one micro-batch on one stage: kind "F", "B" or "W", wall-clock start and end (s)."""
+
+    step: int
+    stage: int
+    kind: str
+    microbatch: int
+    start: float
+    end: float
+
+
+class PipelineTimeline:
+    """Records this rank's actions, step by step (``MGPUStrategy(pipeline_timeline=True)`` turns it on)."""
+
+    def __init__(self) -> None:
+        self.actions: list[Action] = []
+        self.step = -1
+
+    def next_step(self) -> None:
+        self.step += 1
+
+    def instrument(self, stage: Any) -> None:
+        """Time ``stage``'s forward, backward and weight-gradient calls."""
+        for method, kind in _ACTIONS:
+            original = getattr(stage, method)
+
+            def timed(chunk_id: int, *args: Any, _original=original, _kind=kind, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                out = _original(chunk_id, *args, **kwargs)
+                self.actions.append(Action(self.step, stage.stage_index, _kind, chunk_id, start,
+                                           time.perf_counter()))
+                return out
+
+            setattr(stage, method, timed)
+
+    def of_step(self, step: int) -> list[Action]:
+        return [a for a in self.actions if a.step == step]
+
+
+def bubble_fraction(per_rank: Sequence[Sequence[Action]]) -> float:
+    """Idle share of the step: ``1 - busy / (ranks * makespan)``, the makespan from the first action on any
+    rank to the last one on any rank."""
+    actions = [a for rank in per_rank for a in rank]
+    if not actions:
+        raise ValueError("no pipeline actions recorded; was the timeline enabled and a step run?")
+    span = max(a.end for a in actions) - min(a.start for a in actions)
+    busy = sum(a.end - a.start for a in actions)
+    return 1.0 - busy / (len(per_rank) * span)
+
+
+def theoretical_bubble(schedule: str, P: int, M: int, V: int = 1) -> float:
+    """The schedule's bubble under the usual unit-cost model.
+
+    GPipe and 1F1B: ``(P-1)/(M+P-1)``; interleaved 1F1B and looped BFS with ``V`` stages per rank:
+    ``(P-1)/(V*M+P-1)``; zero-bubble schedules (backward split into input and weight gradients, each costing
+    as much as a forward): ``(P-1)/(3*V*M+P-1)``, with ``V=2`` for the V-shaped ``zbv`` and ``dualpipev``.
+    """
+    if schedule in V_SCHEDULES:
+        V = 2
+    if schedule in ("gpipe", "1f1b"):
+        return (P - 1) / (M + P - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (P - 1) / (V * M + P - 1)
+    return (P - 1) / (3 * V * M + P - 1)
+
+
+def plot_timeline(per_rank: Sequence[Sequence[Action]], path: str | Path, title: str = "") -> Path:
+    """Write a Gantt chart (one row per pipeline rank, forward / backward / weight colours, micro-batch labels)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+    t0 = min(a.start for rank in per_rank for a in rank)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * len(per_rank) + 1.2))
+    for row, actions in enumerate(per_rank):
+        for a in actions:
+            ax.broken_barh([((a.start - t0) * 1e3, (a.end - a.start) * 1e3)], (row - 0.4, 0.8),
+                           facecolors=colours[a.kind], edgecolor="white", linewidth=0.5)
+            ax.text((a.start - t0 + (a.end - a.start) / 2) * 1e3, row, str(a.microbatch), ha="center", va="center",
+                    fontsize=6, color="white")
+    ax.set_yticks(range(len(per_rank)), [f"rank {r}" for r in range(len(per_rank))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(handles, ["forward", "backward", "weight grad"], loc="upper right", fontsize=7)
+    ax.set_title(title or f"bubble {bubble_fraction(per_rank):.1%}")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
