@@ -55,18 +55,28 @@ def datamodule(token_file: Path, **kw: Any) -> TokenFileDataModule:
 def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precision: str = "32-true",
         clip: Optional[float] = 0.3, ckpt_path: Optional[str] = None, save_to: Optional[str] = None,
         model: LlamaConfig = TINY, data: Optional[dict] = None, module: Optional[L.LightningModule] = None,
-        callbacks: Optional[list] = None, **strategy_kwargs: Any) -> dict:
-    """One Trainer.fit on this process (one rank of ``devices``); returns what it recorded."""
+        callbacks: Optional[list] = None, validate: bool = False, **strategy_kwargs: Any) -> dict:
+    """One Trainer.fit on this process (one rank of ``devices``); returns what it recorded.
+
+    With ``validate`` one validation batch runs after the last step and its ``val/loss`` is returned."""
     recorder = Recorder()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs),
                         precision=precision, max_steps=max_steps, gradient_clip_val=clip, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, callbacks=[recorder, *(callbacks or [])])
+                        limit_val_batches=1 if validate else 0, val_check_interval=max_steps if validate else None,
+                        check_val_every_n_epoch=None if validate else 1, num_sanity_val_steps=0,
+                        callbacks=[recorder, *(callbacks or [])])
     module = module or LLMModule(model, **OPTIM, global_batch_size=GLOBAL_BATCH)
     trainer.fit(module, datamodule(token_file, **(data or {})), ckpt_path=ckpt_path)
     if save_to:
         trainer.save_checkpoint(save_to)
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "rank": rank}
+    result = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "rank": rank}
+    if validate:
+        result["val_loss"] = float(trainer.callback_metrics["val/loss"])
+    pipeline = getattr(trainer.strategy, "pipeline", None)
+    if pipeline is not None and pipeline.timeline is not None:
+        result["timeline"] = pipeline.timeline.actions
+    return result
 
 
 def global_batches(token_file: Path, steps: int, global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ_LEN,

@@ -36,7 +36,7 @@ def _gather_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     front = x.transpose(0, SEQ_DIM).contiguous()
     out = front.new_empty((front.shape[0] * T, *front.shape[1:]))
     dist.all_gather_single(out, front, group=group)
-    return out.transpose(0, SEQ_DIM)
+    return out.transpose(0, SEQ_DIM).contiguous()
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -46,7 +46,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     front = x.transpose(0, SEQ_DIM).contiguous()
     out = front.new_empty((front.shape[0] // T, *front.shape[1:]))
     dist.reduce_scatter_single(out, front, group=group)
-    return out.transpose(0, SEQ_DIM)
+    return out.transpose(0, SEQ_DIM).contiguous()
 
 
 def _split_seq(x: torch.Tensor, group: Any) -> torch.Tensor:

@@ -87,8 +87,10 @@ def theoretical_bubble(schedule: str, P: int, M: int, V: int = 1) -> float:
 
 def plot_timeline(per_rank: Sequence[Sequence[Action]], path: str | Path, title: str = "") -> Path:
     """Write a Gantt chart (one row per pipeline rank, forward / backward / weight colours, micro-batch labels)."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise ImportError("plot_timeline needs matplotlib: pip install 'lightning_mgpu[plot]'") from err
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -170,6 +170,9 @@ def initialize_engine(module: nn.Module, optimizer: torch.optim.Optimizer, confi
 
     engine, ds_optimizer, _, _ = deepspeed.initialize(
         model=module, optimizer=optimizer, config=config, mpu=LayoutMPU(layout), dist_init_required=False)
+    # DeepSpeed names and counts checkpoint files per model-parallel rank, which the mpu makes the tp rank: one
+    # pipeline stage's directory holds tp files, not tp x pp (the grad norm reads the mpu, not this number).
+    engine.mp_world_size = layout.size("tp")
     return engine, ds_optimizer
 
 

@@ -1,0 +1,113 @@
+"""Pipeline parallelism with every schedule, alone and with tensor parallelism and ZeRO, against one process."""
+
+from dataclasses import replace
+
+import pytest
+from helpers import TINY, fit, max_abs_diff, reference
+
+from lightning_mgpu.layout import SCHEDULES, V_SCHEDULES
+from lightning_mgpu.parallel.timeline import bubble_fraction, plot_timeline, theoretical_bubble
+from lightning_mgpu.testing import run_distributed
+
+DEEP = replace(TINY, n_layers=8)  # enough blocks for 8 stages (pp=4 x 2 virtual)
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def ref(token_file):
+    return reference(token_file, steps=STEPS, clip=0.3, model=DEEP)
+
+
+def run(token_file, ranks, **kw):
+    return run_distributed(fit, ranks, token_file, ranks, max_steps=STEPS, model=DEEP, **kw)
+
+
+def assert_parity(results, expected):
+    for r in results:  # every rank reports the global-batch loss, also ranks without the last stage
+        assert len(r["losses"]) == STEPS
+        assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5
+        assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5
+    assert expected["losses"][-1] < expected["losses"][0] - 0.2
+
+
+def virtual(schedule):
+    return 1 if schedule in ("gpipe", "1f1b") else 2
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_each_schedule_matches_single_process(token_file, ref, schedule):
+    results = run(token_file, 2, pipeline_parallel_size=2, pipeline_schedule=schedule,
+                  virtual_pipeline_size=virtual(schedule))
+    assert_parity(results, ref)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_pp4_matches_single_process(token_file, ref, schedule):
+    results = run(token_file, 4, pipeline_parallel_size=4, pipeline_schedule=schedule,
+                  virtual_pipeline_size=virtual(schedule))
+    assert_parity(results, ref)
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_pp2_dp2_zero_matches_single_process(token_file, ref, zero_stage):
+    results = run(token_file, 4, pipeline_parallel_size=2, zero_stage=zero_stage)
+    assert_parity(results, ref)
+
+
+def test_pp2_tp2_with_sequence_parallel_matches_single_process(token_file, ref):
+    results = run(token_file, 4, pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
+                  pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2)
+    assert_parity(results, ref)
+
+
+def test_3d_pp2_tp2_dp2_zero1_matches_single_process(token_file, ref):
+    results = run(token_file, 8, pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1)
+    assert_parity(results, ref)
+
+
+def test_explicit_boundaries_give_the_same_function(token_file, ref):
+    results = run(token_file, 2, pipeline_parallel_size=2, pipeline_boundaries=[0, 2, 8])
+    assert_parity(results, ref)
+
+
+def test_validation_runs_the_pipeline_forward_only(token_file):
+    kw = dict(max_steps=3, model=DEEP, validate=True)
+    split = run_distributed(fit, 2, token_file, 2, pipeline_parallel_size=2, **kw)
+    whole = run_distributed(fit, 1, token_file, 1, **kw)[0]
+    for r in split:
+        assert r["losses"] == pytest.approx(whole["losses"], abs=1e-5)  # and training went on after validation
+        assert abs(r["val_loss"] - whole["val_loss"]) < 1e-5
+
+
+def test_save_resume_pp2_dp2_is_bit_identical(token_file, tmp_path):
+    kw = dict(pipeline_parallel_size=2, zero_stage=2)
+    whole = run_distributed(fit, 4, token_file, 4, max_steps=6, model=DEEP, **kw)[0]["losses"]
+    ckpt = tmp_path / "ckpt"
+    first = run_distributed(fit, 4, token_file, 4, max_steps=3, model=DEEP, save_to=str(ckpt), **kw)[0]["losses"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["pipeline_rank_000", "pipeline_rank_001"]
+    resumed = run_distributed(fit, 4, token_file, 4, max_steps=6, model=DEEP, ckpt_path=str(ckpt), **kw)[0]["losses"]
+    assert first == whole[:3]
+    assert resumed == whole[3:]
+
+
+def test_timeline_records_every_action_and_draws_a_gantt_chart(token_file, tmp_path):
+    results = run(token_file, 2, pipeline_parallel_size=2, pipeline_timeline=True)
+    last = STEPS - 1
+    per_rank = [[a for a in r["timeline"] if a.step == last] for r in results]
+    for rank, actions in enumerate(per_rank):  # 4 micro-batches: a forward and a backward each, on this rank's stage
+        assert sorted((a.kind, a.microbatch) for a in actions) == sorted((k, m) for k in "FB" for m in range(4))
+        assert {a.stage for a in actions} == {rank}
+    first_backward = min(a.start for a in per_rank[1] if a.kind == "B")
+    assert max(a.end for a in per_rank[0] if a.kind == "F" and a.microbatch == 0) <= first_backward
+    bubble = bubble_fraction(per_rank)
+    assert 0.0 < bubble < 1.0
+    png = plot_timeline(per_rank, tmp_path / "timeline.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_theoretical_bubbles():
+    assert theoretical_bubble("1f1b", P=4, M=8) == pytest.approx(3 / 11)
+    assert theoretical_bubble("gpipe", P=2, M=4) == pytest.approx(1 / 5)
+    assert theoretical_bubble("interleaved_1f1b", P=4, M=8, V=2) == pytest.approx(3 / 19)
+    for schedule in V_SCHEDULES:  # always two stages per rank
+        assert theoretical_bubble(schedule, P=2, M=4, V=1) == pytest.approx(1 / 25)
