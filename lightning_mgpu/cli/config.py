@@ -61,6 +61,8 @@ class ParallelConfig:
     offload_params: Optional[str] = None
     nvme_path: Optional[str] = None
     deepspeed_config: Optional[Any] = None
+    pipeline_boundaries: Optional[list[int]] = None
+    pipeline_timeline: bool = False
 
 
 @dataclass

@@ -22,6 +22,7 @@ from lightning_mgpu.cli.build import (
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.data import decode_bytes, encode_bytes
+from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, theoretical_bubble
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
@@ -50,6 +51,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     trainer.fit(module, datamodule, ckpt_path=cfg.ckpt_path)
     if cfg.save_checkpoint:
         trainer.save_checkpoint(str(run_dir / "checkpoint"))
+    if cfg.parallel.pipeline_timeline and strategy.pipeline is not None:
+        report_timeline(strategy, trainer.global_step - 1, run_dir)
     if cfg.parallel.pipeline_parallel_size > 1:
         if trainer.is_global_zero:
             print("(no sample: generation needs the whole model on each rank, and it is split into pipeline stages)")
@@ -58,6 +61,21 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         if trainer.is_global_zero:
             print(f"\n--- sample after {trainer.global_step} steps ---\n{sample}\n---")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+
+def report_timeline(strategy, step: int, run_dir: Path) -> None:
+    """Write the last step's pipeline Gantt chart to ``timeline.png`` and print its bubble beside the theory."""
+    layout = strategy.layout
+    per_rank = gather_step(strategy.pipeline.timeline, layout, step)
+    if per_rank is None:
+        return
+    measured = bubble_fraction(per_rank)
+    theory = theoretical_bubble(layout.pipeline_schedule, layout.pipeline_parallel_size, strategy.num_microbatches,
+                                layout.virtual_pipeline_size)
+    title = (f"{layout.pipeline_schedule}, P={layout.pipeline_parallel_size}, M={strategy.num_microbatches}, "
+             f"V={layout.virtual_pipeline_size}: bubble {measured:.1%} measured, {theory:.1%} theoretical")
+    path = plot_timeline(per_rank, run_dir / "timeline.png", title)
+    print(f"pipeline timeline of step {step}: {path} ({title})")
 
 
 def generate_sample(module, cfg: DictConfig) -> str:

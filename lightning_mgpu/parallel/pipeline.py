@@ -113,6 +113,8 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only; the mean loss over the micro-batches on every rank."""
+        if self.timeline is not None:
+            self.timeline.pause()
         return self._run(self.schedule.eval, inputs, targets)
 
 

@@ -36,9 +36,16 @@ class PipelineTimeline:
     def __init__(self) -> None:
         self.actions: list[Action] = []
         self.step = -1
+        self.recording = False
 
     def next_step(self) -> None:
+        """Start recording the next training step."""
         self.step += 1
+        self.recording = True
+
+    def pause(self) -> None:
+        """Stop recording (evaluation passes are not part of a training step)."""
+        self.recording = False
 
     def instrument(self, stage: Any) -> None:
         """Time ``stage``'s forward, backward and weight-gradient calls."""
@@ -48,8 +55,9 @@ class PipelineTimeline:
             def timed(chunk_id: int, *args: Any, _original=original, _kind=kind, **kwargs: Any) -> Any:
                 start = time.perf_counter()
                 out = _original(chunk_id, *args, **kwargs)
-                self.actions.append(Action(self.step, stage.stage_index, _kind, chunk_id, start,
-                                           time.perf_counter()))
+                if self.recording:
+                        self.actions.append(Action(self.step, stage.stage_index, _kind, chunk_id, start,
+                                               time.perf_counter()))
                 return out
 
             setattr(stage, method, timed)
@@ -107,10 +115,25 @@ def plot_timeline(per_rank: Sequence[Sequence[Action]], path: str | Path, title:
     ax.invert_yaxis()
     ax.set_xlabel("ms")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
-    ax.legend(handles, ["forward", "backward", "weight grad"], loc="upper right", fontsize=7)
+    ax.legend(handles, ["forward", "backward", "weight grad"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax.set_title(title or f"bubble {bubble_fraction(per_rank):.1%}")
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def gather_step(timeline: "PipelineTimeline | None", layout: Any, step: int) -> list[list[Action]] | None:
+    """One step's actions of the first model replica's pipeline ranks (tp rank 0, dp rank 0), ordered by pipeline
+    rank, on global rank 0 (``None`` elsewhere). Collective: every rank calls it."""
+    import torch.distributed as dist
+
+    mine = timeline.of_step(step) if timeline is not None else []
+    coords = layout.coords(dist.get_rank())
+    box: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(box, (coords, mine))
+    if dist.get_rank() != 0:
+        return None
+    rows = {c["pp"]: actions for c, actions in box if c["tp"] == 0 and c["dp"] == 0}
+    return [rows[p] for p in sorted(rows)]

@@ -98,12 +98,14 @@ def read_losses(metrics: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("parallel, plan", [
-    ("zero2", "2 per micro-batch x 2 micro-batches x 2 data-parallel replicas"),
-    ("tp2_sp", "2 per micro-batch x 4 micro-batches x 1 data-parallel replicas"),
-])
+    (["parallel=zero2"], "2 per micro-batch x 2 micro-batches x 2 data-parallel replicas"),
+    (["parallel=tp2_sp"], "2 per micro-batch x 4 micro-batches x 1 data-parallel replicas"),
+    (["parallel.pipeline_parallel_size=2", "parallel.pipeline_timeline=true"],
+     "2 per micro-batch x 4 micro-batches x 1 data-parallel replicas"),
+], ids=["zero2", "tp2_sp", "pp2"])
 def test_cli_two_processes_match_single_process(token_file, tmp_path, parallel, plan):
     run_dir = tmp_path / "run"
-    args = [str(BIN / "mgpu-train"), "trainer.devices=2", f"parallel={parallel}", "data=tokens", f"data.path={token_file}",
+    args = [str(BIN / "mgpu-train"), "trainer.devices=2", *parallel, "data=tokens", f"data.path={token_file}",
             "data.seq_len=16", "data.global_batch_size=8", "data.micro_batch_size=2", "model.dim=32",
             "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.vocab_size=64",
             "model.max_seq_len=64", "trainer.max_steps=10", "trainer.gradient_clip_val=0.3", "optim.warmup_steps=2",
@@ -112,7 +114,11 @@ def test_cli_two_processes_match_single_process(token_file, tmp_path, parallel, 
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"global batch 8 = {plan}" in proc.stdout + proc.stderr
-    assert "--- sample after 10 steps ---" in proc.stdout
+    if "parallel.pipeline_parallel_size=2" in parallel:
+        assert "pipeline timeline of step 9" in proc.stdout and "theoretical" in proc.stdout
+        assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+    else:
+        assert "--- sample after 10 steps ---" in proc.stdout
     assert (run_dir / "config.yaml").is_file()
     assert not list(tmp_path.glob("outputs"))  # every rank used the one run directory
     losses = read_losses(run_dir / "metrics.csv")

@@ -57,9 +57,17 @@ def test_strategy_validates_before_launch():
     assert "zero_stage=5" in str(err.value) and "offload_params='cpu'" in str(err.value)
 
 
-def test_pipeline_parallel_not_yet_supported():
-    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
-        MGPUStrategy(pipeline_parallel_size=2)
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(pipeline_parallel_size=2, zero_stage=3, pipeline_schedule="zbv", virtual_pipeline_size=2),
+     "zero_stage=3 cannot run pipeline_schedule='zbv'"),
+    (dict(pipeline_parallel_size=4, num_microbatches=2), "needs num_microbatches >= pipeline_parallel_size=4"),
+    (dict(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="1f1b"), "needs a multi-stage schedule"),
+    (dict(pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b"), "needs virtual_pipeline_size >= 2"),
+])
+def test_impossible_pipelines_are_refused_at_construction(kwargs, fragment):
+    with pytest.raises(ValueError, match="Invalid parallel layout") as err:
+        MGPUStrategy(**kwargs)
+    assert fragment in str(err.value)
 
 
 def test_sequence_parallel_without_tensor_parallel_is_refused_at_construction():
