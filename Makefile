@@ -26,6 +26,7 @@ benchmarks: install
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/zero_memory.py
 	$(PY) benchmarks/tp_vs_dtensor.py
+	$(PY) benchmarks/pipeline_bubble.py
 
 clean:
 	rm -rf $(VENV) outputs multirun build *.egg-info

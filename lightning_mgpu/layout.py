@@ -143,6 +143,9 @@ class ParallelLayout:
             elif P > 1 and s != "gpipe" and M < P:
                 out.append(f"pipeline_schedule={s!r} needs num_microbatches >= pipeline_parallel_size={P} "
                            f"(got {M}); set num_microbatches={P} or more")
+            elif P > 1 and s == "dualpipev" and M < 2 * P:
+                out.append(f"pipeline_schedule='dualpipev' needs num_microbatches >= its 2*pipeline_parallel_size="
+                           f"{2 * P} stages (got {M}); set num_microbatches={2 * P} or more")
             elif P > 1 and s in ("interleaved_1f1b", "interleaved_zero_bubble") and M % P != 0:
                 out.append(f"pipeline_schedule={s!r} needs num_microbatches divisible by pipeline_parallel_size={P} "
                            f"(got {M}); use {max(P, (M // P) * P)} or {(M // P + 1) * P}")

@@ -49,6 +49,8 @@ def test_eight_gpu_nodes_keep_tp_inside_a_node():
     (dict(world_size=4, pipeline_parallel_size=2, pipeline_schedule="zbv", virtual_pipeline_size=2, zero_stage=3),
      "zero_stage=3 cannot run pipeline_schedule='zbv'"),
     (dict(world_size=4, pipeline_parallel_size=4, num_microbatches=2), "needs num_microbatches >= pipeline_parallel_size=4"),
+    (dict(world_size=4, pipeline_parallel_size=4, pipeline_schedule="dualpipev", virtual_pipeline_size=2,
+          num_microbatches=4), "needs num_microbatches >= its 2*pipeline_parallel_size=8 stages"),
     (dict(world_size=0), "world_size=0 must be a positive integer"),
     (dict(world_size=4, tensor_parallel_size=-1), "tensor_parallel_size=-1 must be a positive integer"),
     (dict(world_size=3, tensor_parallel_size=3, model=LLAMA_8B), "tensor_parallel_size=3 does not divide n_heads=32"),
