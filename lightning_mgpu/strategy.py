@@ -300,6 +300,14 @@ class MGPUStrategy(ParallelStrategy):
             return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.pipeline is not None:
+            raise NotImplementedError("predict is not supported with pipeline parallelism (pipeline_parallel_size > 1): "
+                                      "a prediction needs outputs of the last stage on every rank; use validation "
+                                      "or pipeline_parallel_size=1")
+        return super().predict_step(*args, **kwargs)
+
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.pipeline is None:
             return super().test_step(*args, **kwargs)
