@@ -111,3 +111,10 @@ def test_theoretical_bubbles():
     assert theoretical_bubble("interleaved_1f1b", P=4, M=8, V=2) == pytest.approx(3 / 19)
     for schedule in V_SCHEDULES:  # always two stages per rank
         assert theoretical_bubble(schedule, P=2, M=4, V=1) == pytest.approx(1 / 25)
+
+
+def test_pp2_bf16_mixed_ends_near_fp32(token_file, ref):
+    losses = run(token_file, 2, pipeline_parallel_size=2, zero_stage=1, precision="bf16-mixed")[0]["losses"]
+    assert all(loss == loss for loss in losses)
+    assert abs(losses[-1] - ref["losses"][-1]) < 2e-2
+    assert losses != ref["losses"]
