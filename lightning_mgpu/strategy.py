@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
+from lightning_mgpu.launcher import WorkerCommandLauncher
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.microbatch import split_microbatches
 from lightning_mgpu.parallel.pipeline import Pipeline, num_stages, stage_ids
@@ -99,6 +100,8 @@ class MGPUStrategy(ParallelStrategy):
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
         self.pipeline_timeline = pipeline_timeline
         self.pipeline: Optional[Pipeline] = None
+        #: When set, local ranks 1..N-1 run this command instead of re-running the script (see launcher.py).
+        self.worker_command: Optional[list[str]] = None
         self.tensor_parallel_plan = tensor_parallel_plan
         self.tensor_parallel_notes: list[str] = []
         self.nvme_path = nvme_path
@@ -150,7 +153,12 @@ class MGPUStrategy(ParallelStrategy):
         ParallelLayout(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
                        **self._layout_args)
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            if self.worker_command:
+                self._launcher = WorkerCommandLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                                       self.worker_command)
+            else:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
+                                                           self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
@@ -189,7 +197,7 @@ class MGPUStrategy(ParallelStrategy):
         micro_batches = self._layout_args["num_microbatches"] or (plan.num_microbatches if plan else 1)
         micro_size = plan.micro_batch_size if plan else 1
         if plan:
-            rank_zero_info(plan.describe())
+            rank_zero_info(plan.describe(self.layout.size("pp")))
         self._check_model_shape(micro_batches)
         if self.layout.size("tp") > 1:
             self._apply_tensor_parallel()

@@ -7,8 +7,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.data import BYTE_VOCAB_SIZE, StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
-from lightning_mgpu.layout import ModelShape, layout_problems
+from lightning_mgpu.data import StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.module import LLMModule
 from lightning_mgpu.strategy import MGPUStrategy
@@ -21,35 +20,6 @@ def build_model_config(cfg: DictConfig) -> LlamaConfig:
     overrides = {k: cfg.model[k] for k in _MODEL_OVERRIDES if cfg.model[k] is not None}
     return LlamaConfig.from_name(cfg.model.name, activation_checkpointing=cfg.model.activation_checkpointing,
                                  **overrides)
-
-
-def data_model_problems(cfg: DictConfig, model: LlamaConfig) -> list[str]:
-    """Ways the data and the model do not fit each other, each with its fix."""
-    out = []
-    if cfg.data.source in ("corpus", "text") and model.vocab_size < BYTE_VOCAB_SIZE:
-        out.append(f"model.vocab_size={model.vocab_size} is smaller than the {BYTE_VOCAB_SIZE} byte tokens of "
-                   f"data.source={cfg.data.source}; set model.vocab_size>={BYTE_VOCAB_SIZE}")
-    if cfg.data.seq_len > model.max_seq_len:
-        out.append(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={model.max_seq_len}; lower "
-                   f"data.seq_len or set model.max_seq_len>={cfg.data.seq_len}")
-    return out
-
-
-def parallel_problems(cfg: DictConfig, model: LlamaConfig) -> list[str]:
-    """Ways the parallel layout does not fit the model, the devices or the data, checked before any process starts."""
-    p, t = cfg.parallel, cfg.trainer
-    shape = ModelShape(model.n_layers, model.n_heads, model.n_kv_heads, model.ffn_hidden, model.vocab_size)
-    out = layout_problems(world_size=t.devices * t.num_nodes, tensor_parallel_size=p.tensor_parallel_size,
-                          pipeline_parallel_size=p.pipeline_parallel_size, zero_stage=p.zero_stage,
-                          pipeline_schedule=p.pipeline_schedule, virtual_pipeline_size=p.virtual_pipeline_size,
-                          num_microbatches=p.num_microbatches, sequence_parallel=p.sequence_parallel,
-                          offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape)
-    T = p.tensor_parallel_size
-    if p.sequence_parallel and isinstance(T, int) and T > 1 and cfg.data.seq_len % T:
-        out.append(f"data.seq_len={cfg.data.seq_len} is not divisible by parallel.tensor_parallel_size={T}: sequence "
-                   f"parallelism splits each sequence into {T} shards; use a multiple of {T} or "
-                   "parallel.sequence_parallel=false")
-    return out
 
 
 def build_datamodule(cfg: DictConfig) -> TokenFileDataModule:

@@ -6,10 +6,12 @@ Each group mirrors one constructor: ``model`` -> :class:`LlamaConfig`, ``data`` 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 
 @dataclass
@@ -104,6 +106,13 @@ class SampleConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """How processes are started: ``local`` (Lightning), ``torchrun`` or ``slurm`` (hydra-submitit-launcher)."""
+
+    launcher: str = "local"
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -111,15 +120,28 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     seed: int = 1234
     ckpt_path: Optional[str] = None  #: resume from this checkpoint directory
     save_checkpoint: bool = False  #: write a checkpoint into the run directory at the end
 
 
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise ValueError(f"cluster=torchrun reads {name} from torchrun's environment, but it is not set: start the "
+                         "job under torchrun, or use cluster=local")
+    return int(value)
+
+
+# Resolvers of cluster=torchrun: sizes from torchrun's environment.
+OmegaConf.register_new_resolver("mgpu_env_int", _env_int, replace=True)
+OmegaConf.register_new_resolver("mgpu_torchrun_nodes", lambda: _env_int("WORLD_SIZE") // _env_int("LOCAL_WORLD_SIZE"),
+                                replace=True)
+
+
 def register_configs() -> None:
     """Register the schema (``train_schema``, which types every group) and the recipe group with Hydra."""
-    from omegaconf import OmegaConf
-
     from lightning_mgpu.cli.paths import recipes_dir
 
     cs = ConfigStore.instance()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import sys
 from pathlib import Path
 
 import hydra
@@ -11,28 +14,35 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.cli.build import (
-    build_datamodule,
-    build_model_config,
-    build_module,
-    build_strategy,
-    data_model_problems,
-    parallel_problems,
-)
+from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_module, build_strategy
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
+from lightning_mgpu.cli.validate import config_problems
 from lightning_mgpu.data import decode_bytes, encode_bytes
 from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, theoretical_bubble
 
+#: The resolved config of a run, in its run directory; local workers load it.
+CONFIG_NAME = "config.yaml"
 
-def train(cfg: DictConfig, run_dir: Path) -> dict:
-    """Train as ``cfg`` says, writing ``config.yaml`` and ``metrics.csv`` into ``run_dir``; return final metrics."""
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
-    model_config = build_model_config(cfg)
-    problems = data_model_problems(cfg, model_config) + parallel_problems(cfg, model_config)
+
+def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
+    """Train as ``cfg`` says, writing ``config.yaml`` and ``metrics.csv`` into ``run_dir``; return final metrics.
+
+    Every problem with ``cfg`` is reported at once before anything starts. The resolved config is written
+    once, by the process that starts first; with ``cluster=local`` the other local ranks are started as
+    workers that load it (``worker=True``), so every rank trains from the same config in the same directory.
+    """
+    problems = config_problems(cfg)
     if problems:
         raise ValueError("Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    if not worker and _launch_rank() == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / CONFIG_NAME, resolve=True)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    model_config = build_model_config(cfg)
     strategy = build_strategy(cfg)  # validates the parallel settings before any process starts
+    if cfg.cluster.launcher == "local" and not worker:
+        strategy.worker_command = [sys.executable, "-m", "lightning_mgpu.cli.worker", str(run_dir.resolve())]
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, model_config)
     t = cfg.trainer
@@ -44,10 +54,42 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         check_val_every_n_epoch=None,
         enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, use_distributed_sampler=False,
         logger=CSVLogger(save_dir=str(run_dir), name="", version=""), default_root_dir=str(run_dir),
+        callbacks=[SameConfigOnEveryRank(cfg)],
     )
-    if trainer.is_global_zero:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(cfg, run_dir / "config.yaml", resolve=True)
+    try:
+        return _fit(cfg, run_dir, trainer, strategy, module, datamodule)
+    finally:
+        if torch.distributed.is_initialized():  # the next job of a multirun sweep starts its own group
+            torch.distributed.destroy_process_group()
+
+
+def _launch_rank() -> int:
+    """This process's global rank as its launcher set it (0 for the process that starts a local job)."""
+    for name in ("RANK", "SLURM_PROCID"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return 0
+
+
+class SameConfigOnEveryRank(L.Callback):
+    """Refuse to train when ranks resolved different configs (e.g. torchrun nodes given different overrides)."""
+
+    def __init__(self, cfg: DictConfig) -> None:
+        self.digest = hashlib.sha256(OmegaConf.to_yaml(cfg, resolve=True).encode()).hexdigest()[:12]
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not torch.distributed.is_initialized():
+            return
+        digests: list = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(digests, self.digest)
+        if len(set(digests)) > 1:
+            ranks = ", ".join(f"rank {r}: {d}" for r, d in enumerate(digests))
+            raise RuntimeError(f"ranks resolved different configs ({ranks}): start every rank with the same recipe and "
+                               "overrides (with cluster=torchrun, the same --rdzv-id on every node)")
+
+
+def _fit(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, strategy, module, datamodule) -> dict:
+    """Fit, then optionally save, report the pipeline timeline and print a sample."""
     trainer.fit(module, datamodule, ckpt_path=cfg.ckpt_path)
     if cfg.save_checkpoint:
         trainer.save_checkpoint(str(run_dir / "checkpoint"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -14,6 +15,7 @@ class BatchPlan:
     global_batch_size: int
     micro_batch_size: int
     data_parallel_size: int
+    seq_len: Optional[int] = None  #: tokens per sample, for the tokens-per-step figure
 
     def __post_init__(self) -> None:
         problems = batch_problems(self.global_batch_size, self.micro_batch_size, self.data_parallel_size)
@@ -28,10 +30,16 @@ class BatchPlan:
     def num_microbatches(self) -> int:
         return self.per_rank // self.micro_batch_size
 
-    def describe(self) -> str:
+    def describe(self, pipeline_parallel_size: int = 1) -> str:
         """One line saying how the global batch is made, printed at the start of training."""
-        return (f"global batch {self.global_batch_size} = {self.micro_batch_size} per micro-batch x "
+        line = (f"global batch {self.global_batch_size} = {self.micro_batch_size} per micro-batch x "
                 f"{self.num_microbatches} micro-batches x {self.data_parallel_size} data-parallel replicas")
+        if self.seq_len:
+            line += f" = {self.global_batch_size * self.seq_len:,} tokens per step"
+        if pipeline_parallel_size > 1:
+            return line + (f"; the {self.num_microbatches} micro-batches flow through {pipeline_parallel_size} "
+                           "pipeline ranks, one optimizer step per schedule")
+        return line + f"; {self.num_microbatches} gradient-accumulation steps per optimizer step"
 
 
 def batch_problems(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> list[str]:

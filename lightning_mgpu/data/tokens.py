@@ -96,7 +96,7 @@ class TokenFileDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         dp_rank, dp_size = _data_parallel_coords(self.trainer)
-        self.batch_plan = BatchPlan(self.global_batch_size, self.micro_batch_size, dp_size)
+        self.batch_plan = BatchPlan(self.global_batch_size, self.micro_batch_size, dp_size, self.seq_len)
         self._dp_rank = dp_rank
         tokens = np.memmap(self.token_file(), dtype=TOKEN_DTYPES[self.dtype], mode="r")
         split = int(len(tokens) * (1.0 - self.val_fraction))

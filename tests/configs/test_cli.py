@@ -14,15 +14,10 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from lightning_mgpu.cli.build import (
-    build_datamodule,
-    build_model_config,
-    build_strategy,
-    data_model_problems,
-    parallel_problems,
-)
+from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_strategy
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir, recipes_dir
+from lightning_mgpu.cli.validate import config_problems
 from lightning_mgpu.models import LlamaConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +35,7 @@ def group_options(group):
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize("group", ["model", "data", "parallel", "trainer", "optim"])
+@pytest.mark.parametrize("group", ["model", "data", "parallel", "trainer", "optim", "cluster"])
 def test_every_group_option_composes(group):
     for option in group_options(group):
         extra = ["data.path=/dev/null"] if (group, option) == ("data", "tokens") else []
@@ -53,6 +48,9 @@ def test_every_group_option_composes(group):
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
 def test_every_recipe_composes_and_validates(recipe):
     cfg = composed(f"recipe={recipe}")
+    if cfg.cluster.launcher == "slurm":  # as inside the submitted job
+        cfg = composed(f"recipe={recipe}", "cluster=local")
+    assert config_problems(cfg) == []
     build_model_config(cfg)
     build_strategy(cfg)
     build_datamodule(cfg)
@@ -70,26 +68,6 @@ def test_typo_and_wrong_type_fail_at_composition():
 def test_named_model_and_overrides_build_the_shape():
     cfg = composed("model=llama3_8b", "model.n_layers=4")
     assert build_model_config(cfg) == LlamaConfig.from_name("llama3_8b", n_layers=4, activation_checkpointing="full")
-
-
-def test_data_and_model_mismatch_is_listed():
-    cfg = composed("model.vocab_size=64", "data.seq_len=512")
-    problems = data_model_problems(cfg, build_model_config(cfg))
-    assert len(problems) == 2
-    assert "model.vocab_size=64 is smaller than the 256 byte tokens" in problems[0]
-    assert "data.seq_len=512 exceeds the model's max_seq_len=256" in problems[1]
-
-
-def test_parallel_layout_problems_are_listed_before_launch():
-    cfg = composed("parallel.tensor_parallel_size=3", "trainer.devices=6", "parallel.sequence_parallel=true",
-                   "data.seq_len=128")
-    problems = parallel_problems(cfg, build_model_config(cfg))
-    text = "\n".join(problems)
-    for fragment in ("tensor_parallel_size=3 does not divide n_heads=4", "does not divide n_kv_heads=2",
-                     "data.seq_len=128 is not divisible"):
-        assert fragment in text
-    assert parallel_problems(composed("parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true"),
-                             build_model_config(cfg)) == []
 
 
 def read_losses(metrics: Path) -> list[float]:

@@ -34,9 +34,12 @@ def test_stream_restarts_at_saved_position():
 
 
 def test_batch_plan_arithmetic_and_description():
-    plan = BatchPlan(32, 4, 2)
+    plan = BatchPlan(32, 4, 2, seq_len=128)
     assert (plan.per_rank, plan.num_microbatches) == (16, 4)
-    assert plan.describe() == "global batch 32 = 4 per micro-batch x 4 micro-batches x 2 data-parallel replicas"
+    assert plan.describe() == ("global batch 32 = 4 per micro-batch x 4 micro-batches x 2 data-parallel replicas = "
+                               "4,096 tokens per step; 4 gradient-accumulation steps per optimizer step")
+    assert plan.describe(pipeline_parallel_size=2).endswith(
+        "; the 4 micro-batches flow through 2 pipeline ranks, one optimizer step per schedule")
 
 
 def test_batch_plan_refuses_non_dividing_sizes_with_nearest_values():

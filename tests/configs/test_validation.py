@@ -1,0 +1,90 @@
+"""Validation before launch: every bad input is reported with its key, value, rule and fix, all at once,
+before any process or process group exists."""
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from test_cli import composed
+
+from lightning_mgpu.cli.train import train
+from lightning_mgpu.cli.validate import config_problems
+
+PP2 = ["parallel.pipeline_parallel_size=2"]
+
+BAD_INPUTS = [
+    (["trainer.devices=6", "parallel.tensor_parallel_size=4"], "world_size=6 is not divisible by"),
+    (["trainer.devices=3", "parallel.tensor_parallel_size=3"], "does not divide n_heads=4"),
+    (["trainer.devices=4", "parallel.tensor_parallel_size=4"], "does not divide n_kv_heads=2"),
+    (["parallel.tensor_parallel_size=2", "model.ffn_hidden=191"], "does not divide ffn_hidden=191"),
+    ([*PP2, "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_pipeline_size=4"],
+     "8 stages is more than the model's n_layers=4"),
+    (["parallel.pipeline_schedule=zigzag"], "parallel.pipeline_schedule='zigzag' is unknown"),
+    (["trainer.devices=4", "parallel.pipeline_parallel_size=4", "data.global_batch_size=8"],
+     "needs num_microbatches >= pipeline_parallel_size=4 (got 2)"),
+    (["parallel.zero_stage=4"], "parallel.zero_stage=4 is not a ZeRO stage"),
+    (["parallel.zero_stage=0", "parallel.offload_optimizer=cpu"], "parallel.offload_optimizer='cpu' needs ZeRO"),
+    ([*PP2, "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2", "parallel.zero_stage=3"],
+     "zero_stage=3 cannot run pipeline_schedule='zbv'"),
+    (["data.global_batch_size=30"], "data.global_batch_size=30 is not divisible by data.micro_batch_size"),
+    (["data.seq_len=512"], "data.seq_len=512 exceeds the model's max_seq_len=256"),
+    (["model.name=llama9"], "model.name='llama9' is unknown"),
+    (["trainer.precision=fp8"], "trainer.precision='fp8' is not supported"),
+    (["trainer.devices=0"], "trainer.devices=0 must be an integer >= 1"),
+    (["data.micro_batch_size=0"], "data.micro_batch_size=0 must be a positive integer"),
+    (["data=tokens", "data.path=/no/such/tokens.u16"], "data.path='/no/such/tokens.u16' does not exist"),
+    (["model.vocab_size=64"], "model.vocab_size=64 is smaller than the 256 byte tokens"),
+    (["parallel.sequence_parallel=true"], "sequence_parallel=True needs tensor_parallel_size > 1"),
+    (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "data.seq_len=127"],
+     "data.seq_len=127 is not divisible by parallel.tensor_parallel_size=2"),
+    (["parallel.offload_params=cpu"], "parallel.offload_params='cpu' needs ZeRO stage 3"),
+    (["parallel.offload_optimizer=disk"], "parallel.offload_optimizer='disk' is not an offload device"),
+    ([*PP2, "parallel.virtual_pipeline_size=2"], "virtual_pipeline_size=2 needs a multi-stage schedule"),
+    ([*PP2, "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_pipeline_size=2",
+      "data.global_batch_size=12"], "needs num_microbatches divisible by pipeline_parallel_size=2 (got 3)"),
+    ([*PP2, "parallel.pipeline_schedule=dualpipev", "parallel.virtual_pipeline_size=2", "data.global_batch_size=8"],
+     "pipeline_schedule='dualpipev' needs num_microbatches >= its 2*pipeline_parallel_size=4 stages (got 2)"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator='tpu' is unknown"),
+    (["optim.lr=0"], "optim.lr=0.0 must be > 0"),
+    (["optim.warmup_steps=500", "trainer.max_steps=100"], "optim.warmup_steps=500 is longer than trainer.max_steps=100"),
+    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be between 0 and 1"),
+    ([*PP2, "model.tie_embeddings=true"], "model.tie_embeddings=true cannot be split into pipeline stages"),
+    ([*PP2, "trainer.precision=16-mixed"], "'16-mixed' is not supported with pipeline parallelism"),
+    ([*PP2, "parallel.pipeline_boundaries=[0,3,2]"], "parallel.pipeline_boundaries=[0, 3, 2] must be 3 strictly"),
+    (["data=text", "data.files=[/no/such/dir/*.txt]"], "data.files pattern '/no/such/dir/*.txt' matches no file"),
+    (["model.dim=30"], "model: dim=30 is not divisible by n_heads=4"),
+    (["optim.lr_scaling=cubic"], "optim.lr_scaling='cubic' is unknown"),
+    (["data.val_fraction=0"], "data.val_fraction=0.0 must be between 0 and 1"),
+    (["parallel.num_microbatches=0"], "num_microbatches=0 must be a positive integer"),
+    (["trainer.num_nodes=0"], "trainer.num_nodes=0 must be an integer >= 1"),
+    (["cluster=torchrun"], "cluster=torchrun, but this process was not started by torchrun"),
+    (["cluster=slurm"], "use `mgpu-train -m cluster=slurm ...`"),
+]
+
+
+@pytest.mark.parametrize("overrides, fragment", BAD_INPUTS, ids=[f[:48] for _, f in BAD_INPUTS])
+def test_each_bad_input_is_named_with_its_fix(overrides, fragment):
+    problems = config_problems(composed(*overrides))
+    assert any(fragment in p for p in problems), problems
+
+
+def test_the_table_covers_many_distinct_rules():
+    assert len({fragment for _, fragment in BAD_INPUTS}) >= 25
+
+
+def test_defaults_and_every_recipe_are_clean():
+    assert config_problems(composed()) == []
+
+
+def test_every_problem_is_listed_at_once_before_anything_starts(tmp_path):
+    cfg = composed("trainer.devices=3", "parallel.tensor_parallel_size=3", "parallel.zero_stage=5",
+                   "data.seq_len=512", "optim.lr=-1", "trainer.precision=fp8")
+    with pytest.raises(ValueError, match="Invalid configuration") as err:
+        train(cfg, tmp_path / "run")
+    message = str(err.value)
+    for fragment in ("n_heads=4", "n_kv_heads=2", "zero_stage=5", "data.seq_len=512", "optim.lr=-1", "fp8"):
+        assert fragment in message
+    assert not (tmp_path / "run").exists()  # refused before writing anything
+
+
+def test_unknown_recipe_fails_at_composition():
+    with pytest.raises(ConfigCompositionException, match="llama3_1t"):
+        composed("recipe=llama3_1t")
