@@ -23,6 +23,9 @@ from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_
 
 #: The resolved config of a run, in its run directory; local workers load it.
 CONFIG_NAME = "config.yaml"
+#: Set by Lightning's launcher in the launching process; with LOCAL_RANK left set, a next job would take its
+#: processes for externally launched ones.
+_LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
 
 
 def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
@@ -46,6 +49,7 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, model_config)
     t = cfg.trainer
+    launch_env = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
     trainer = L.Trainer(
         accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
         precision=t.precision, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
@@ -58,9 +62,14 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
     )
     try:
         return _fit(cfg, run_dir, trainer, strategy, module, datamodule)
-    finally:
-        if torch.distributed.is_initialized():  # the next job of a multirun sweep starts its own group
+    finally:  # leave the process as it was, so that the next job of a multirun sweep starts its own ranks
+        if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        for name, value in launch_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _launch_rank() -> int:

@@ -119,10 +119,6 @@ def optim_problems(cfg: DictConfig) -> list[str]:
     elif o.lr_scaling and not o.reference_batch_size:
         out.append(f"optim.lr_scaling={o.lr_scaling!r} needs optim.reference_batch_size (the batch the LR was tuned "
                    "for)")
-    if isinstance(o.warmup_steps, int) and isinstance(cfg.trainer.max_steps, int) and \
-            o.warmup_steps > cfg.trainer.max_steps:
-        out.append(f"optim.warmup_steps={o.warmup_steps} is longer than trainer.max_steps={cfg.trainer.max_steps}; "
-                   "the LR would never reach its peak: lower optim.warmup_steps")
     return out
 
 

@@ -24,11 +24,11 @@ REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 
-def composed(*overrides):
+def composed(*overrides, return_hydra_config=False):
     GlobalHydra.instance().clear()
     register_configs()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
 def group_options(group):

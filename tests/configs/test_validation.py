@@ -44,7 +44,7 @@ BAD_INPUTS = [
      "pipeline_schedule='dualpipev' needs num_microbatches >= its 2*pipeline_parallel_size=4 stages (got 2)"),
     (["trainer.accelerator=tpu"], "trainer.accelerator='tpu' is unknown"),
     (["optim.lr=0"], "optim.lr=0.0 must be > 0"),
-    (["optim.warmup_steps=500", "trainer.max_steps=100"], "optim.warmup_steps=500 is longer than trainer.max_steps=100"),
+    (["optim.betas=[0.9]"], "optim.betas=[0.9] must be two numbers in [0, 1)"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be between 0 and 1"),
     ([*PP2, "model.tie_embeddings=true"], "model.tie_embeddings=true cannot be split into pipeline stages"),
     ([*PP2, "trainer.precision=16-mixed"], "'16-mixed' is not supported with pipeline parallelism"),

@@ -1,0 +1,86 @@
+"""Launching: one resolved config and directory per job (multirun, submitit), SLURM scripts, and two torchrun
+"nodes" on one machine."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import max_abs_diff, reference
+from omegaconf import OmegaConf
+from test_cli import composed, read_losses
+
+from lightning_mgpu.cli.slurm import sbatch_script
+from lightning_mgpu.models import LlamaConfig
+from lightning_mgpu.testing import free_port
+
+BIN = Path(sys.executable).parent
+TINY_ARGS = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64",
+             "model.vocab_size=64", "model.max_seq_len=64", "data.seq_len=16", "data.global_batch_size=8",
+             "data.micro_batch_size=2", "trainer.enable_progress_bar=false", "sample.max_new_tokens=2",
+             "sample.prompt=0", "optim.warmup_steps=2", "seed=7"]
+
+
+def run(args, cwd, timeout=240, env=None):
+    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_multirun_gives_one_directory_and_config_per_job(token_file, tmp_path):
+    sweep = tmp_path / "sweep"
+    run([str(BIN / "mgpu-train"), "-m", "parallel.zero_stage=1,2", "trainer.devices=2", "data=tokens",
+         f"data.path={token_file}", "trainer.max_steps=2", *TINY_ARGS, f"hydra.sweep.dir={sweep}"], tmp_path)
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert jobs == ["0", "1"]
+    for job, stage in (("0", 1), ("1", 2)):
+        assert OmegaConf.load(sweep / job / "config.yaml").parallel.zero_stage == stage
+        assert len(read_losses(sweep / job / "metrics.csv")) == 2  # both ranks trained in this job's directory
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_submitit_runs_the_job_with_the_config_resolved_at_submission(token_file, tmp_path):
+    sweep = tmp_path / "sweep"
+    run([str(BIN / "mgpu-train"), "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+         "trainer.devices=2", "data=tokens", f"data.path={token_file}", "trainer.max_steps=2", *TINY_ARGS,
+         f"hydra.sweep.dir={sweep}"], tmp_path)
+    assert (sweep / "0" / "config.yaml").is_file()
+    assert len(read_losses(sweep / "0" / "metrics.csv")) == 2
+    assert list((sweep / ".submitit").iterdir())  # it really went through submitit
+
+
+def test_slurm_cluster_writes_the_expected_sbatch_script(tmp_path):
+    cfg = composed("recipe=llama3_70b_8node", "hydra.launcher.partition=gpu", "hydra.launcher.account=proj42",
+                   "hydra.launcher.timeout_min=720", return_hydra_config=True)
+    script = sbatch_script(cfg.hydra.launcher, str(tmp_path))
+    for line in ("#SBATCH --nodes=8", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --partition=gpu", "#SBATCH --account=proj42", "#SBATCH --time=720",
+                 "#SBATCH --job-name=mgpu-llama3_70b"):
+        assert line in script
+    assert "srun" in script and "submitit.core._submit" in script  # one task per GPU, started by srun
+
+
+def test_two_torchrun_nodes_train_tp2_dp2_at_parity(token_file, tmp_path):
+    port, run_dir = free_port(), tmp_path / "run"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}", "--master-addr=127.0.0.1",
+         f"--master-port={port}", "-m", "lightning_mgpu.train", "cluster=torchrun",
+         "parallel.tensor_parallel_size=2", "parallel.zero_stage=2", "data=tokens", f"data.path={token_file}",
+         "trainer.max_steps=10", "trainer.gradient_clip_val=0.3", *TINY_ARGS, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "global batch 8 = 2 per micro-batch x 2 micro-batches x 2 data-parallel replicas" in outputs[0]
+    model = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64)
+    ref = reference(token_file, steps=10, clip=0.3, model=model, seed=7,
+                    optim=dict(lr=3e-3, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, weight_decay=0.1))
+    assert max_abs_diff(read_losses(run_dir / "metrics.csv"), ref["losses"]) < 1e-5
+
+
+def test_tiny_cpu_recipe_trains_3d_on_four_processes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run([str(BIN / "mgpu-train"), "recipe=tiny_cpu", "trainer.max_steps=3", "trainer.enable_progress_bar=false",
+                f"hydra.run.dir={run_dir}"], tmp_path)
+    assert "global batch 16 = 4 per micro-batch x 4 micro-batches x 1 data-parallel replicas" in proc.stdout + proc.stderr
+    assert len(read_losses(run_dir / "metrics.csv")) == 3
