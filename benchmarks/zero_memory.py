@@ -1,8 +1,9 @@
 """Bytes held per rank by parameters, gradients and optimizer state under ZeRO 0-3 (bf16-mixed, Adam),
 measured next to the ZeRO paper's formulas.
 
-Measured: just before the second optimizer step (Adam moments exist, gradients not yet freed), every live tensor in the process is found through the garbage
-collector and its storage counted once (model, DeepSpeed's fp32 master partitions, gradient partitions
+Measured: just before the second optimizer step (Adam moments exist, gradients not yet freed), every live
+tensor in the process is found through the garbage collector (plus the parameters' ``.grad``, which only
+autograd holds) and its storage counted once (model, DeepSpeed's fp32 master partitions, gradient partitions
 and buckets, Adam moments: everything DeepSpeed allocates), minus the storages that exist before the
 engine is built apart from the model. Paper (Rajbhandari et al. 2020, mixed precision with Adam,
 K = 12): ZeRO-0 16 psi, ZeRO-1 4 psi + 12 psi / N, ZeRO-2 2 psi + 14 psi / N, ZeRO-3 16 psi / N.
@@ -11,7 +12,6 @@ Prints one row per (stage, N) and the worst measured / paper ratio.
 
 from __future__ import annotations
 
-import gc
 import sys
 import tempfile
 from pathlib import Path
@@ -27,28 +27,13 @@ from helpers import make_token_file  # noqa: E402
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.data import TokenFileDataModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
-from lightning_mgpu.testing import run_distributed  # noqa: E402
+from lightning_mgpu.testing import live_tensor_bytes, run_distributed  # noqa: E402
 
 MODEL = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=1024, vocab_size=256, max_seq_len=64)
 
 
 def paper_bytes_per_param(stage: int, n: int) -> float:
     return {0: 16.0, 1: 4 + 12 / n, 2: 2 + 14 / n, 3: 16 / n}[stage]
-
-
-def live_storage_bytes() -> int:
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if isinstance(obj, torch.Tensor) and not obj.is_meta:
-                storage = obj.untyped_storage()
-                if storage.data_ptr() not in seen and storage.nbytes() > 0:
-                    seen.add(storage.data_ptr())
-                    total += storage.nbytes()
-        except Exception:  # some tensor subclasses have no storage
-            continue
-    return total
 
 
 class Measure(L.Callback):
@@ -58,12 +43,12 @@ class Measure(L.Callback):
     def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
         # Second step: Adam moments exist (made by the first) and this step's gradients are not yet freed.
         if trainer.global_step == 1:
-            self.after_step = live_storage_bytes()
+            self.after_step = live_tensor_bytes(trainer.strategy.model.module)
 
 
 def run(rank: int, token_file: Path, stage: int, n: int) -> float:
     measure = Measure()
-    before = live_storage_bytes()  # nothing of the model exists yet (it is built in configure_model)
+    before = live_tensor_bytes()  # nothing of the model exists yet (it is built in configure_model)
     trainer = L.Trainer(accelerator="cpu", devices=n, strategy=MGPUStrategy(zero_stage=stage), precision="bf16-mixed",
                         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[measure])

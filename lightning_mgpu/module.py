@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Literal, Optional
 
 import lightning as L
@@ -16,6 +15,7 @@ from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
 from lightning_mgpu.parallel.cross_entropy import cross_entropy, gather_logits
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.tensor import ParallelNorm
+from lightning_mgpu.planner.model_stats import model_flops_per_token
 
 
 def lr_multiplier(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
@@ -68,7 +68,6 @@ class LLMModule(L.LightningModule):
         self.peak_lr = scaled_lr(lr, lr_scaling, global_batch_size, reference_batch_size)
         self.model: Optional[Llama] = None
         self.val_nll = MeanMetric()  # token-weighted mean loss; val/ppl = exp of it
-        self._step_started: Optional[float] = None
         self.tokens_seen = 0
 
     def configure_model(self) -> None:
@@ -137,25 +136,22 @@ class LLMModule(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
         return self.loss(batch)
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        self._step_started = time.perf_counter()
-
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().float()
         layout = getattr(self.trainer.strategy, "layout", None)  # tensor/pipeline ranks share their replica's batch
         replicas = layout.size("dp") if layout is not None else self.trainer.world_size
         global_batch = self.hparams.global_batch_size or batch.shape[0] * replicas
-        tokens = global_batch * (batch.shape[-1] - 1)
-        self.tokens_seen += tokens
-        elapsed = time.perf_counter() - (self._step_started or time.perf_counter())
+        self.tokens_seen += global_batch * (batch.shape[-1] - 1)
         self.log("train/loss", loss, prog_bar=True, on_step=True)
-        if elapsed > 0:
-            self.log("tok/s", tokens / elapsed, prog_bar=True, on_step=True)
         # Each self.log costs Lightning ~5 ms of bookkeeping on a CPU (measured, benchmarks/overhead.py): log the
-        # progress-bar values every step and the rest only on the steps the logger writes.
+        # progress-bar value every step and the rest only on the steps the logger writes.
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:
             self.log_dict({"train/ppl": torch.exp(loss), "lr": self.trainer.optimizers[0].param_groups[0]["lr"],
                            "train/tokens_seen": float(self.tokens_seen)}, on_step=True)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model training FLOPs per token at ``seq_len`` (for MFU; see ``lightning_mgpu.callbacks``)."""
+        return model_flops_per_token(self.config, seq_len)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self.loss(batch)

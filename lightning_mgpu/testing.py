@@ -64,3 +64,28 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 if p.is_alive():
                     p.kill()
         return [pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def live_tensor_bytes(*modules: "torch.nn.Module") -> int:
+    """Bytes of every tensor storage alive in this process, each storage counted once.
+
+    Tensors are found through the garbage collector, plus the ``.grad`` of the given modules' parameters:
+    a gradient that only autograd holds has no Python object for the collector to find.
+    """
+    import gc
+
+    gc.collect()
+    tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    tensors += [p.grad for m in modules for p in m.parameters() if p.grad is not None]
+    seen, total = set(), 0
+    for tensor in tensors:
+        try:
+            if tensor.is_meta:
+                continue
+            storage = tensor.untyped_storage()
+        except Exception:  # tensor subclasses without a storage
+            continue
+        if storage.data_ptr() not in seen and storage.nbytes() > 0:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

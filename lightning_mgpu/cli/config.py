@@ -80,6 +80,8 @@ class TrainerConfig:
     log_every_n_steps: int = 1
     val_check_interval: Optional[int] = None  #: validate every N steps; null = once, at the last step
     enable_progress_bar: bool = True
+    throughput: bool = True  #: log tokens/s, TFLOP/s per GPU and MFU (lightning_mgpu.callbacks.ThroughputCallback)
+    peak_flops: Optional[float] = None  #: bf16 peak FLOP/s of one device for MFU; null = from the CUDA device name
 
 
 @dataclass
@@ -113,6 +115,16 @@ class ClusterConfig:
 
 
 @dataclass
+class PlanConfig:
+    """``mgpu-plan``: the GPU kind (cluster size is trainer.num_nodes x trainer.devices) and what to print."""
+
+    gpu: str = "h100_80gb"  #: a100_80gb | h100_80gb | h200_141gb
+    achievable: float = 0.5  #: fraction of the bf16 peak that compute reaches
+    top: int = 15  #: rows of the table
+    commands: int = 3  #: best layouts printed as mgpu-train command lines
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -121,6 +133,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234
     ckpt_path: Optional[str] = None  #: resume from this checkpoint directory
     save_checkpoint: bool = False  #: write a checkpoint into the run directory at the end

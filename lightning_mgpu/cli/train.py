@@ -14,6 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_mgpu.callbacks import ThroughputCallback
 from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_module, build_strategy
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
@@ -58,7 +59,7 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
         check_val_every_n_epoch=None,
         enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, use_distributed_sampler=False,
         logger=CSVLogger(save_dir=str(run_dir), name="", version=""), default_root_dir=str(run_dir),
-        callbacks=[SameConfigOnEveryRank(cfg)],
+        callbacks=[SameConfigOnEveryRank(cfg)] + ([ThroughputCallback(t.peak_flops)] if t.throughput else []),
     )
     try:
         return _fit(cfg, run_dir, trainer, strategy, module, datamodule)

@@ -1,0 +1,77 @@
+"""``mgpu-plan``: memory and step time of candidate layouts for a model on a cluster, best first.
+
+Composed like ``mgpu-train`` (same configs, recipes and overrides): the model from ``model``, the sequence
+length and global batch from ``data``, the cluster from ``trainer.num_nodes`` x ``trainer.devices`` and
+``plan.gpu``. Prints a table and the best layouts as ``mgpu-train`` command lines.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from lightning_mgpu.cli.build import build_model_config
+from lightning_mgpu.cli.config import register_configs
+from lightning_mgpu.cli.paths import conf_dir
+from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
+
+GB = 1e9
+
+
+def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
+    """The planner's table and suggested command lines for a composed config."""
+    if cfg.plan.gpu not in GPUS:
+        raise ValueError(f"plan.gpu={cfg.plan.gpu!r} is unknown; choose one of {', '.join(GPUS)}")
+    model = build_model_config(cfg)
+    gpu = GPUS[cfg.plan.gpu]
+    cluster = ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices, gpu)
+    seq, batch = cfg.data.seq_len, cfg.data.global_batch_size
+    rows = plan_layouts(model, cluster, seq, batch, str(cfg.trainer.precision), cfg.plan.achievable)
+    fitting = [r for r in rows if r.fits]
+    lines = [f"{cfg.model.name}: {model.num_parameters() / 1e9:.2f}B parameters; {cluster.nodes} x "
+             f"{cluster.gpus_per_node} {gpu.name} ({gpu.memory_bytes / GB:.0f} GB, "
+             f"{gpu.bf16_peak_flops / 1e12:.0f} TFLOP/s bf16); sequence {seq}, global batch {batch} "
+             f"({batch * seq:,} tokens); compute at {cfg.plan.achievable:.0%} of peak",
+             f"{len(rows)} layouts, {len(fitting)} fit in {gpu.memory_bytes / GB:.0f} GB",
+             "",
+             f"{'tp':>3} {'pp':>3} {'V':>2} {'dp':>4} {'zero':>4} {'mb':>3} {'ckpt':>4} | "
+             f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} {'total':>6} {'fits':>4} | "
+             f"{'compute':>8} {'tp':>6} {'bubble':>7} {'p2p':>6} {'dp':>6} {'step':>7} | {'tok/s/GPU':>9} {'MFU':>5}"]
+    for r in rows[: cfg.plan.top]:
+        c, m, t = r.candidate, r.memory, r.time
+        lines.append(
+            f"{c.tp:>3} {c.pp:>3} {c.virtual:>2} {c.dp:>4} {c.zero_stage:>4} {c.micro_batch:>3} "
+            f"{'full' if c.recompute else 'none':>4} | {m.parameters / GB:7.1f} {m.gradients / GB:6.1f} "
+            f"{m.optimizer / GB:6.1f} {m.activations / GB:6.1f} {m.buffers / GB:5.1f} {m.total / GB:6.1f} "
+            f"{'yes' if r.fits else 'no':>4} | {t.compute:8.2f} {t.tensor_parallel:6.2f} {t.pipeline_bubble:7.2f} "
+            f"{t.pipeline_p2p:6.2f} {t.data_parallel:6.2f} {t.total:7.2f} | {t.tokens_per_second_per_gpu:9.0f} "
+            f"{t.mfu:5.1%}")
+    lines += ["", "memory in GB per GPU; time in seconds per optimizer step"]
+    if fitting:
+        lines += ["", "best layouts:"]
+        base = " ".join(o for o in overrides if not o.startswith(("parallel.", "data.micro_batch_size",
+                                                                   "model.activation_checkpointing", "plan.")))
+        for r in fitting[: cfg.plan.commands]:
+            lines.append(f"  mgpu-train {base + ' ' if base else ''}{' '.join(r.candidate.overrides())}")
+    else:
+        lines += ["", "no layout fits: use more GPUs, a shorter sequence or a smaller global batch"]
+    return "\n".join(lines)
+
+
+def compose_plan_config(overrides: Sequence[str]) -> DictConfig:
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return compose("config", overrides=list(overrides))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point of ``mgpu-plan``."""
+    overrides = list(sys.argv[1:] if argv is None else argv)
+    print(plan_report(compose_plan_config(overrides), overrides))
+
+
+if __name__ == "__main__":
+    main()

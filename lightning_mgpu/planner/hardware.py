@@ -1,0 +1,48 @@
+"""GPU and cluster specifications the planner and the throughput callback use."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """One GPU kind: memory, dense bf16 peak, and per-GPU bandwidths inside a node (NVLink) and across nodes."""
+
+    name: str
+    memory_bytes: float
+    bf16_peak_flops: float
+    intra_node_bandwidth: float  #: bytes/s per GPU per direction (NVLink)
+    inter_node_bandwidth: float  #: bytes/s per GPU per direction (InfiniBand / RoCE)
+
+
+#: Published dense bf16 peaks (no sparsity) and typical HGX interconnects (one 200/400 Gb/s NIC per GPU).
+GPUS: dict[str, GPUSpec] = {
+    "a100_80gb": GPUSpec("A100-SXM4-80GB", 80e9, 312e12, 300e9, 25e9),
+    "h100_80gb": GPUSpec("H100-SXM5-80GB", 80e9, 989e12, 450e9, 50e9),
+    "h200_141gb": GPUSpec("H200-SXM-141GB", 141e9, 989e12, 450e9, 50e9),
+}
+
+
+def gpu_by_device_name(device_name: str) -> Optional[GPUSpec]:
+    """The preset whose kind appears in a CUDA device name (``torch.cuda.get_device_name()``), if any."""
+    name = device_name.upper()
+    for key, spec in GPUS.items():
+        kind = key.split("_")[0].upper()
+        if kind in name and (kind != "H100" or "H200" not in name):
+            return spec
+    return None
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``nodes`` x ``gpus_per_node`` GPUs of one kind."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu: GPUSpec
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node

@@ -1,0 +1,92 @@
+"""Memory per GPU of a layout: model states as DeepSpeed allocates them, activations as Megatron's formulas say.
+
+Model states, per parameter held by the rank (``w`` = 2 bytes in bf16-mixed, 4 in fp32; ``N`` = data-parallel
+size), measured on this project's engine (tests/distributed/test_planner_memory.py checks them to 5%):
+
+========  ==========  ===========  =========================  ==========  =========================
+ZeRO      parameters  gradients    fp32 master                Adam        buffers
+========  ==========  ===========  =========================  ==========  =========================
+0         w           w            4 (bf16), none (fp32)      8           none
+1         w           w            4 / N                      8 / N       one bucket of w-byte elements
+2         w           w / N        4 / N                      8 / N       none
+3         w / N       w / N        4 / N                      8 / N       one bucket of w-byte elements
+========  ==========  ===========  =========================  ==========  =========================
+
+DeepSpeed keeps a separate fp32 master partition even in fp32 training (FIELD-NOTES), hence the 4 / N.
+
+Activations per transformer block and micro-batch, in bytes, with ``s`` sequence, ``b`` micro-batch,
+``h`` hidden size, ``t`` tensor-parallel size (Korthikanti et al. 2022, "Reducing Activation Recomputation
+in Large Transformer Models", with the attention-score term ``5as/h`` dropped because
+``scaled_dot_product_attention`` does not store the scores): ``34 s b h`` without tensor parallelism,
+``s b h (10 + 24 / t)`` with it, ``34 s b h / t`` with sequence parallelism, and ``2 s b h`` (``/ t`` with
+sequence parallelism) for a block whose forward is recomputed (only its input is kept). With pipeline
+parallelism the first stage holds ``P`` micro-batches in flight under 1F1B (``P (1 + (P - 1) / (P V))`` with
+``V`` interleaved stages per rank). The head's fp32 logits and their bf16 copy add ``6 s b V / t``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_mgpu.models.llama import LlamaConfig
+from lightning_mgpu.planner.model_stats import max_rank_parameters
+
+MIN_BUCKET, MAX_BUCKET = 1 << 17, 500_000_000  # as lightning_mgpu.parallel.zero.bucket_elements
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU, by kind."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+
+    @property
+    def model_states(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.buffers
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations
+
+
+def model_state_bytes(n_params: int, zero_stage: int, dp: int, precision: str = "bf16-mixed") -> dict[str, float]:
+    """Parameters, gradients, optimizer state and buffers (bytes) for ``n_params`` parameters held by one rank."""
+    w = 4 if precision == "32-true" else 2
+    master = (0 if w == 4 else 4) if zero_stage == 0 else 4 / dp
+    adam = 8 if zero_stage == 0 else 8 / dp
+    bucket = min(MAX_BUCKET, max(MIN_BUCKET, n_params // 4)) * w
+    return {
+        "parameters": n_params * (w / dp if zero_stage == 3 else w),
+        "gradients": n_params * (w / dp if zero_stage >= 2 else w),
+        "optimizer": n_params * (master + adam),
+        "buffers": float(bucket if zero_stage in (1, 3) else 0),
+    }
+
+
+def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, virtual: int,
+                     sequence_parallel: bool, recompute: bool) -> float:
+    """Activation memory of the fullest pipeline rank (the first), including the head's logits."""
+    s, b, h = seq_len, micro_batch, cfg.dim
+    if recompute:
+        per_block = 2 * s * b * h / (tp if sequence_parallel else 1)
+        working = s * b * h * (34 / tp if sequence_parallel else (10 + 24 / tp))  # one block being recomputed
+    else:
+        per_block = s * b * h * (34 / tp if sequence_parallel else (10 + 24 / tp if tp > 1 else 34))
+        working = 0.0
+    blocks_per_rank = -(-cfg.n_layers // pp)
+    in_flight = 1.0 if pp == 1 else pp * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else float(pp)
+    logits = 6 * s * b * cfg.vocab_size / tp
+    return per_block * blocks_per_rank * in_flight + working + logits
+
+
+def estimate_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, dp: int, zero_stage: int,
+                    virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
+                    precision: str = "bf16-mixed") -> MemoryEstimate:
+    """Peak memory per GPU of the fullest rank."""
+    states = model_state_bytes(max_rank_parameters(cfg, tp, pp, virtual), zero_stage, dp, precision)
+    acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, virtual, sequence_parallel, recompute)
+    return MemoryEstimate(activations=acts, **states)

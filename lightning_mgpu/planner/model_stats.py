@@ -1,0 +1,49 @@
+"""Parameter counts per rank and FLOPs per token of a Llama under a layout, from its shape alone."""
+
+from __future__ import annotations
+
+from lightning_mgpu.models.llama import LlamaConfig
+from lightning_mgpu.models.llama_plan import balanced_boundaries
+
+
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def block_parameters(cfg: LlamaConfig, tp: int) -> int:
+    """Parameters of one transformer block on one tensor-parallel rank (norms are replicated)."""
+    hd = cfg.head_dim
+    attention = cfg.dim * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) // tp
+    mlp = 3 * cfg.dim * cfg.ffn_hidden // tp
+    return attention + mlp + 2 * cfg.dim
+
+
+def rank_parameters(cfg: LlamaConfig, tp: int = 1, pp: int = 1, stages_per_rank: int = 1,
+                    pp_rank: int = 0) -> int:
+    """Parameters held by pipeline rank ``pp_rank`` (looped stage placement), on one tensor-parallel rank."""
+    stages = pp * stages_per_rank
+    bounds = balanced_boundaries(cfg.n_layers, stages)
+    ids = [pp_rank + k * pp for k in range(stages_per_rank)]
+    vocab_rows = _padded(cfg.vocab_size, tp) // tp
+    total = 0
+    for s in ids:
+        total += (bounds[s + 1] - bounds[s]) * block_parameters(cfg, tp)
+        if s == 0:
+            total += vocab_rows * cfg.dim
+        if s == stages - 1:
+            total += cfg.dim + (0 if cfg.tie_embeddings and stages == 1 else vocab_rows * cfg.dim)
+    return total
+
+
+def max_rank_parameters(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: int = 1) -> int:
+    """The most parameters any rank holds (memory is sized by the fullest rank)."""
+    return max(rank_parameters(cfg, tp, pp, stages_per_rank, r) for r in range(pp))
+
+
+def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward, no recomputation): ``6 N`` for the matmul weights plus
+    ``6 * n_layers * seq_len * dim`` for causal attention scores (half of the full ``12 L s h``)."""
+    n_matmul = cfg.num_parameters() - cfg.dim * (2 * cfg.n_layers + 1)  # norm weights do no matmul
+    if not cfg.tie_embeddings:
+        n_matmul -= cfg.vocab_size * cfg.dim  # the embedding is a lookup, not a matmul
+    return 6.0 * n_matmul + 6.0 * cfg.n_layers * seq_len * cfg.dim

@@ -1,0 +1,103 @@
+"""Candidate layouts for a model on a cluster, each with its memory and step time, best first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from lightning_mgpu.layout import layout_problems
+from lightning_mgpu.models.llama import LlamaConfig
+from lightning_mgpu.planner.hardware import ClusterSpec
+from lightning_mgpu.planner.memory import MemoryEstimate, estimate_memory
+from lightning_mgpu.planner.time import ACHIEVABLE_FRACTION, StepTimeEstimate, estimate_step_time
+
+#: Share of GPU memory a plan may fill (the rest: allocator fragmentation, NCCL and CUDA context).
+USABLE_MEMORY = 0.9
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: the ``parallel.*``, ``data.micro_batch_size`` and ``model.activation_checkpointing`` choices."""
+
+    tp: int
+    pp: int
+    dp: int
+    zero_stage: int
+    micro_batch: int
+    virtual: int = 1
+    recompute: bool = False
+
+    @property
+    def schedule(self) -> str:
+        return "interleaved_1f1b" if self.virtual > 1 else "1f1b"
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.tp > 1
+
+    def overrides(self) -> list[str]:
+        """The ``mgpu-train`` overrides that select this layout."""
+        out = [f"parallel.tensor_parallel_size={self.tp}", f"parallel.pipeline_parallel_size={self.pp}",
+               f"parallel.zero_stage={self.zero_stage}", f"data.micro_batch_size={self.micro_batch}",
+               f"model.activation_checkpointing={'full' if self.recompute else 'none'}",
+               f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"]
+        if self.pp > 1:
+            out += [f"parallel.pipeline_schedule={self.schedule}", f"parallel.virtual_pipeline_size={self.virtual}"]
+        return out
+
+
+@dataclass(frozen=True)
+class PlanRow:
+    candidate: Candidate
+    memory: MemoryEstimate
+    time: StepTimeEstimate
+    fits: bool
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int) -> Iterator[Candidate]:
+    """Every layout the rules allow: tp within a node dividing the heads, pp dividing the remaining world,
+    interleaving where blocks divide evenly, ZeRO 0-3, micro-batches dividing each replica's share."""
+    world = cluster.world_size
+    for tp in _divisors(cluster.gpus_per_node):
+        for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layers):
+            dp = world // (tp * pp)
+            for virtual in (1, 2, 4) if pp > 1 else (1,):
+                for micro in (1, 2, 4, 8):
+                    if global_batch % (micro * dp):
+                        continue
+                    m = global_batch // (micro * dp)
+                    schedule = "interleaved_1f1b" if virtual > 1 else "1f1b"
+                    for zero in (0, 1, 2, 3):
+                        if layout_problems(world_size=world, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                           zero_stage=zero, pipeline_schedule=schedule, virtual_pipeline_size=virtual,
+                                           num_microbatches=m, sequence_parallel=tp > 1, model=_shape(cfg)):
+                            continue
+                        for recompute in (False, True):
+                            yield Candidate(tp, pp, dp, zero, micro, virtual, recompute)
+
+
+def _shape(cfg: LlamaConfig):
+    from lightning_mgpu.layout import ModelShape
+
+    return ModelShape(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden, cfg.vocab_size)
+
+
+def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, c: Candidate,
+             precision: str = "bf16-mixed", achievable: float = ACHIEVABLE_FRACTION) -> PlanRow:
+    memory = estimate_memory(cfg, seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
+                             c.sequence_parallel, c.recompute, precision)
+    time = estimate_step_time(cfg, cluster, seq_len, global_batch, c.micro_batch, c.tp, c.pp, c.zero_stage,
+                              c.virtual, c.schedule, c.recompute, achievable)
+    return PlanRow(c, memory, time, memory.total <= USABLE_MEMORY * cluster.gpu.memory_bytes)
+
+
+def plan_layouts(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int,
+                 precision: str = "bf16-mixed", achievable: float = ACHIEVABLE_FRACTION) -> list[PlanRow]:
+    """Every candidate, those that fit first, each group fastest first."""
+    rows = [evaluate(cfg, cluster, seq_len, global_batch, c, precision, achievable)
+            for c in candidates(cfg, cluster, global_batch)]
+    return sorted(rows, key=lambda r: (not r.fits, r.time.total, r.memory.total))

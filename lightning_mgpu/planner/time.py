@@ -1,0 +1,85 @@
+"""Step time of a layout: compute at a stated fraction of peak, plus the communication it cannot hide.
+
+* compute: ``flops_per_token * tokens`` per GPU (``8/6`` of it with full recomputation: the forward runs
+  twice) at ``achievable`` x the bf16 peak (default 0.5, a typical fraction for well-tuned bf16 training);
+* tensor parallelism: per block and micro-batch, 4 all-reduces (2 with the forward, 2 with the backward; 6
+  with recomputation) of ``s b h`` bf16 activations, as ring all-reduces ``2 (t-1)/t * bytes / bandwidth``
+  over NVLink when the group fits a node (all-gather + reduce-scatter under sequence parallelism move the
+  same bytes);
+* pipeline bubble: the schedule's bubble fraction ``f`` (``lightning_mgpu.parallel.timeline.theoretical_bubble``)
+  stretches compute + tensor-parallel time by ``1 / (1 - f)``; point-to-point sends between stages are
+  ``2 s b h`` bytes per micro-batch each way;
+* data parallelism: the gradients of the rank's parameters, all-reduced (ZeRO 0-2: reduce-scatter +
+  all-gather moves the same bytes) or, for ZeRO-3, also the parameter all-gathers of forward and backward
+  (1.5x); over the inter-node network when the job spans nodes. Nothing is assumed overlapped, so the
+  estimate errs slow.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_mgpu.models.llama import LlamaConfig
+from lightning_mgpu.parallel.timeline import theoretical_bubble
+from lightning_mgpu.planner.hardware import ClusterSpec
+from lightning_mgpu.planner.model_stats import max_rank_parameters, model_flops_per_token
+
+ACHIEVABLE_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class StepTimeEstimate:
+    """Seconds per optimizer step, by cause, and what they make of the hardware."""
+
+    compute: float
+    tensor_parallel: float
+    pipeline_bubble: float
+    pipeline_p2p: float
+    data_parallel: float
+    tokens_per_step: int
+    world_size: int
+    model_flops_per_step: float
+    peak_flops: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tensor_parallel + self.pipeline_bubble + self.pipeline_p2p + self.data_parallel
+
+    @property
+    def tokens_per_second_per_gpu(self) -> float:
+        return self.tokens_per_step / self.total / self.world_size
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops_per_step / (self.total * self.world_size * self.peak_flops)
+
+
+def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool = True) -> float:
+    if n <= 1:
+        return 0.0
+    return (2.0 if all_reduce else 1.0) * (n - 1) / n * bytes_ / bandwidth
+
+
+def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, micro_batch: int,
+                       tp: int, pp: int, zero_stage: int, virtual: int = 1, schedule: str = "1f1b",
+                       recompute: bool = False, achievable: float = ACHIEVABLE_FRACTION) -> StepTimeEstimate:
+    gpu, world = cluster.gpu, cluster.world_size
+    dp = world // (tp * pp)
+    tokens = global_batch * seq_len
+    model_flops = model_flops_per_token(cfg, seq_len) * tokens
+    hardware_flops = model_flops * (8 / 6 if recompute else 1.0)
+    compute = hardware_flops / world / (gpu.bf16_peak_flops * achievable)
+    microbatches = global_batch // (micro_batch * dp)
+    act_bytes = 2.0 * seq_len * micro_batch * cfg.dim
+    tp_bw = gpu.intra_node_bandwidth if tp <= cluster.gpus_per_node else gpu.inter_node_bandwidth
+    collectives = (6 if recompute else 4) * (cfg.n_layers / pp) * microbatches
+    tensor_parallel = collectives * _ring(act_bytes, tp, tp_bw)
+    bubble_fraction = theoretical_bubble(schedule, pp, microbatches, virtual) if pp > 1 else 0.0
+    bubble = (compute + tensor_parallel) * bubble_fraction / (1 - bubble_fraction)
+    pp_bw = gpu.inter_node_bandwidth if tp * pp > cluster.gpus_per_node else gpu.intra_node_bandwidth
+    p2p = 0.0 if pp == 1 else 2 * microbatches * virtual * act_bytes / tp / pp_bw
+    dp_bw = gpu.inter_node_bandwidth if cluster.nodes > 1 else gpu.intra_node_bandwidth
+    grad_bytes = 2.0 * max_rank_parameters(cfg, tp, pp, virtual)
+    data_parallel = _ring(grad_bytes, dp, dp_bw) * (1.5 if zero_stage == 3 else 1.0)
+    return StepTimeEstimate(compute, tensor_parallel, bubble, p2p, data_parallel, tokens, world, model_flops,
+                            gpu.bf16_peak_flops)

@@ -1,0 +1,104 @@
+"""The planner without processes: parameter counts, memory and time arithmetic, the search, mgpu-plan, and
+throughput counted per data-parallel replica."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from lightning_mgpu.callbacks import throughput
+from lightning_mgpu.cli.plan import compose_plan_config, main, plan_report
+from lightning_mgpu.models import Llama, LlamaConfig
+from lightning_mgpu.models.llama_plan import llama_stages
+from lightning_mgpu.planner import GPUS, ClusterSpec, estimate_memory, plan_layouts, rank_parameters
+from lightning_mgpu.planner.hardware import gpu_by_device_name
+from lightning_mgpu.planner.memory import model_state_bytes
+from lightning_mgpu.planner.model_stats import model_flops_per_token
+
+CFG = LlamaConfig(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=250, max_seq_len=64)
+PACKAGE = Path(__file__).resolve().parents[2] / "lightning_mgpu"
+
+
+def test_parameter_counts_match_the_model_and_its_stages():
+    model = Llama(CFG)
+    assert rank_parameters(CFG) == sum(p.numel() for p in model.parameters()) == CFG.num_parameters()
+    stages = llama_stages(model, [0, 1, 2], 3)
+    for rank in range(3):
+        assert rank_parameters(CFG, pp=3, pp_rank=rank) == sum(p.numel() for p in stages[rank].parameters())
+
+
+def test_model_states_follow_deepspeed_per_zero_stage():
+    psi, n = 1_000_000, 4
+    bf16 = {z: model_state_bytes(psi, z, n, "bf16-mixed") for z in range(4)}
+    assert sum(bf16[0].values()) == 16 * psi  # 2 + 2 + 4 master + 8 Adam
+    assert bf16[2]["parameters"] + bf16[2]["gradients"] + bf16[2]["optimizer"] == pytest.approx((2 + 14 / n) * psi)
+    assert bf16[3]["parameters"] + bf16[3]["gradients"] + bf16[3]["optimizer"] == pytest.approx(16 / n * psi)
+    fp32 = model_state_bytes(psi, 3, n, "32-true")
+    assert fp32["parameters"] + fp32["gradients"] + fp32["optimizer"] == pytest.approx(20 / n * psi)  # master kept
+    assert model_state_bytes(psi, 0, n, "32-true")["optimizer"] == 8 * psi  # fp32 ZeRO-0: no master copy
+
+
+def test_sequence_parallelism_and_recomputation_shrink_activations():
+    big = LlamaConfig.from_name("llama3_8b")
+    kw = dict(cfg=big, seq_len=8192, micro_batch=1, pp=1, dp=8, zero_stage=1)
+    plain = estimate_memory(tp=2, **kw).activations
+    sp = estimate_memory(tp=2, sequence_parallel=True, **kw).activations
+    recompute = estimate_memory(tp=2, sequence_parallel=True, recompute=True, **kw).activations
+    assert recompute < sp < plain
+
+
+def test_search_finds_layouts_that_fit_and_reports_honest_mfu():
+    cluster = ClusterSpec(1, 8, GPUS["h100_80gb"])
+    rows = plan_layouts(LlamaConfig.from_name("llama3_8b"), cluster, seq_len=8192, global_batch=128)
+    fitting = [r for r in rows if r.fits]
+    assert fitting and not rows[-1].fits  # some fit, some (e.g. ZeRO-0 without recompute) do not
+    assert all(r.memory.total <= 0.9 * 80e9 for r in fitting)
+    best = fitting[0]
+    assert 0 < best.time.mfu <= 0.5  # never above the stated achievable fraction
+    assert best.time.tokens_per_second_per_gpu == pytest.approx(128 * 8192 / best.time.total / 8)
+
+
+def test_mgpu_plan_prints_a_table_and_command_lines(capsys):
+    main(["recipe=llama3_70b_8node", "plan.top=5"])
+    out = capsys.readouterr().out
+    assert "llama3_70b: 70.55B parameters; 8 x 8 H100-SXM5-80GB" in out
+    assert "best layouts:" in out and "mgpu-train recipe=llama3_70b_8node parallel.tensor_parallel_size=" in out
+    assert "no layout fits" in plan_report(compose_plan_config(["model=llama3_405b", "trainer.devices=8",
+                                                                "plan.gpu=a100_80gb"]))
+
+
+def test_throughput_counts_tokens_once_per_replica():
+    # tp=2 x pp=2 x dp=2 on 8 GPUs, each rank sees a batch of 4 x 1024 tokens: the job processes 2 replicas'
+    # batches per step, not 8 ranks' worth (naive world-size scaling would be 4x off).
+    t = throughput(tokens_per_rank_batch=4 * 1024, data_parallel_size=2, world_size=8, seconds=0.5,
+                   flops_per_token=6e9, peak_flops=1e15)
+    assert t.tokens_per_second == pytest.approx(2 * 4 * 1024 / 0.5)
+    assert t.tflops_per_gpu == pytest.approx(2 * 4 * 1024 * 6e9 / 8 / 0.5 / 1e12)
+    assert t.mfu == pytest.approx(t.tflops_per_gpu * 1e12 / 1e15)
+    naive = throughput(4 * 1024, 8, 8, 0.5, 6e9, 1e15)
+    assert naive.tokens_per_second / t.tokens_per_second == 4
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    n_matmul = CFG.num_parameters() - CFG.vocab_size * CFG.dim - CFG.dim * (2 * CFG.n_layers + 1)
+    assert model_flops_per_token(CFG, 64) == 6 * n_matmul + 6 * CFG.n_layers * 64 * CFG.dim
+
+
+def test_gpu_names_map_to_presets():
+    assert gpu_by_device_name("NVIDIA H200") == GPUS["h200_141gb"]
+    assert gpu_by_device_name("NVIDIA H100 80GB HBM3") == GPUS["h100_80gb"]
+    assert gpu_by_device_name("NVIDIA A100-SXM4-80GB") == GPUS["a100_80gb"]
+    assert gpu_by_device_name("Tesla T4") is None
+
+
+def test_planner_imports_nothing_distributed():
+    """At module level, in the planner and in every project module it imports (functions the planner never calls,
+    like ParallelLayout.init_groups, may import torch.distributed when they run)."""
+    files = list((PACKAGE / "planner").glob("*.py")) + [PACKAGE / "layout.py", PACKAGE / "parallel" / "timeline.py",
+                                                          PACKAGE / "models" / "llama.py", PACKAGE / "models" / "llama_plan.py"]
+    for path in files:
+        for node in ast.parse(path.read_text()).body:
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad = [n for n in names if "distributed" in n or "deepspeed" in n or n.startswith("lightning.")]
+            assert not bad, f"{path.name} imports {bad}"
