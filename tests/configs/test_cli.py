@@ -107,6 +107,7 @@ def test_cli_two_processes_match_single_process(token_file, tmp_path, parallel, 
     rows = [r for r in csv.DictReader((run_dir / "metrics.csv").open()) if r.get("train/loss")]
     for r in rows:  # the other per-step metrics belong to the same step as the loss
         assert float(r["train/ppl"]) == pytest.approx(math.exp(float(r["train/loss"])), rel=1e-5)
+        assert float(r["perf/tokens_per_s"]) > 0 and float(r["perf/tflops_per_gpu"]) > 0  # ThroughputCallback
         assert float(r["train/tokens_seen"]) == (int(r["step"]) + 1) * 8 * 16
 
 
