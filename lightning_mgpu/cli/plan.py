@@ -29,12 +29,14 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     gpu = GPUS[cfg.plan.gpu]
     cluster = ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices, gpu)
     seq, batch = cfg.data.seq_len, cfg.data.global_batch_size
-    rows = plan_layouts(model, cluster, seq, batch, str(cfg.trainer.precision), cfg.plan.achievable)
+    on_cpu = cfg.trainer.accelerator == "cpu"  # a plan is for GPUs: assume trainer=gpu (bf16-mixed)
+    precision = "bf16-mixed" if on_cpu else str(cfg.trainer.precision)
+    rows = plan_layouts(model, cluster, seq, batch, precision, cfg.plan.achievable)
     fitting = [r for r in rows if r.fits]
     lines = [f"{cfg.model.name}: {model.num_parameters() / 1e9:.2f}B parameters; {cluster.nodes} x "
              f"{cluster.gpus_per_node} {gpu.name} ({gpu.memory_bytes / GB:.0f} GB, "
              f"{gpu.bf16_peak_flops / 1e12:.0f} TFLOP/s bf16); sequence {seq}, global batch {batch} "
-             f"({batch * seq:,} tokens); compute at {cfg.plan.achievable:.0%} of peak",
+             f"({batch * seq:,} tokens); {precision}; compute at {cfg.plan.achievable:.0%} of peak",
              f"{len(rows)} layouts, {len(fitting)} fit in {gpu.memory_bytes / GB:.0f} GB",
              "",
              f"{'tp':>3} {'pp':>3} {'V':>2} {'dp':>4} {'zero':>4} {'mb':>3} {'ckpt':>4} | "
@@ -52,8 +54,9 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     lines += ["", "memory in GB per GPU; time in seconds per optimizer step"]
     if fitting:
         lines += ["", "best layouts:"]
-        base = " ".join(o for o in overrides if not o.startswith(("parallel.", "data.micro_batch_size",
-                                                                   "model.activation_checkpointing", "plan.")))
+        kept = [o for o in overrides if not o.startswith(("parallel.", "data.micro_batch_size",
+                                                           "model.activation_checkpointing", "plan."))]
+        base = " ".join((["trainer=gpu"] if on_cpu else []) + kept)
         for r in fitting[: cfg.plan.commands]:
             lines.append(f"  mgpu-train {base + ' ' if base else ''}{' '.join(r.candidate.overrides())}")
     else:
