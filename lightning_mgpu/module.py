@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
+from lightning_mgpu.checkpoint.hf import hf_path, load_hf, load_into
 from lightning_mgpu.layout import ModelShape
 from lightning_mgpu.models.llama import Llama, LlamaConfig
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
@@ -53,7 +54,8 @@ class LLMModule(L.LightningModule):
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, warmup_steps: int = 10,
                  max_steps: int = 1000, min_lr_ratio: float = 0.1,
                  lr_scaling: Optional[Literal["linear", "sqrt"]] = None, reference_batch_size: Optional[int] = None,
-                 global_batch_size: Optional[int] = None, init_seed: int = 0) -> None:
+                 global_batch_size: Optional[int] = None, init_seed: int = 0,
+                 init_from: Optional[str] = None) -> None:
         super().__init__()
         if isinstance(model, str):
             model = LlamaConfig.from_name(model)
@@ -64,7 +66,8 @@ class LLMModule(L.LightningModule):
                                    "betas": tuple(betas), "eps": eps, "warmup_steps": warmup_steps,
                                    "max_steps": max_steps, "min_lr_ratio": min_lr_ratio, "lr_scaling": lr_scaling,
                                    "reference_batch_size": reference_batch_size,
-                                   "global_batch_size": global_batch_size, "init_seed": init_seed})
+                                   "global_batch_size": global_batch_size, "init_seed": init_seed,
+                                   "init_from": init_from})
         self.peak_lr = scaled_lr(lr, lr_scaling, global_batch_size, reference_batch_size)
         self.model: Optional[Llama] = None
         self.val_nll = MeanMetric()  # token-weighted mean loss; val/ppl = exp of it
@@ -76,6 +79,9 @@ class LLMModule(L.LightningModule):
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(self.hparams.init_seed)
                 self.model = Llama(self.config)
+            if self.hparams.init_from:  # whole weights on every rank; a parallel plan then keeps each rank's share
+                _, state = load_hf(hf_path(self.hparams.init_from))
+                load_into(self.model, state)
 
     @property
     def model_shape(self) -> ModelShape:

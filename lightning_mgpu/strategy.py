@@ -65,6 +65,9 @@ class MGPUStrategy(ParallelStrategy):
         pipeline_boundaries: ``stages + 1`` block indices from 0 to ``n_layers`` where stages start; default:
             balanced by block count.
         pipeline_timeline: record when each pipeline action ran on this rank (``strategy.pipeline.timeline``).
+        save_consolidated_weights: every checkpoint also holds the whole model's weights gathered from all ranks
+            (``model.safetensors`` + ``model_config.json``, any layout), which ``mgpu-export`` turns into a
+            Hugging Face checkpoint. Rank 0 holds the whole model in CPU memory while saving.
         pipeline_schedule: pipeline schedule name (see ``lightning_mgpu.layout.SCHEDULES``).
         virtual_pipeline_size: stage chunks per pipeline rank (interleaved schedules).
         num_microbatches: micro-batches per global batch; ``None`` derives it from the data module.
@@ -86,7 +89,7 @@ class MGPUStrategy(ParallelStrategy):
                  timeout: Optional[timedelta] = default_pg_timeout,
                  tensor_parallel_plan: Optional[TensorParallelPlan] = None,
                  pipeline_boundaries: Optional[list[int]] = None, pipeline_timeline: bool = False,
-                 **kwargs: Any) -> None:
+                 save_consolidated_weights: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._layout_args = dict(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -99,6 +102,7 @@ class MGPUStrategy(ParallelStrategy):
                        and tensor_parallel_size > 0 and pipeline_parallel_size > 0 else 1, **self._layout_args)
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
         self.pipeline_timeline = pipeline_timeline
+        self.save_consolidated_weights = save_consolidated_weights
         self.pipeline: Optional[Pipeline] = None
         #: When set, local ranks 1..N-1 run this command instead of re-running the script (see launcher.py).
         self.worker_command: Optional[list[str]] = None
@@ -380,6 +384,18 @@ class MGPUStrategy(ParallelStrategy):
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         self.model.save_checkpoint(str(self._stage_dir(filepath)), tag=CHECKPOINT_TAG, client_state=client_state)
+        if self.save_consolidated_weights:
+            self._save_consolidated(Path(filepath))
+
+    def _save_consolidated(self, directory: Path) -> None:
+        from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
+        from lightning_mgpu.checkpoint.files import write_consolidated
+
+        state = consolidated_state_dict(self.model, self.layout)
+        if state is not None:
+            config = getattr(self.lightning_module, "config", None)
+            write_consolidated(directory, state, config.to_dict() if hasattr(config, "to_dict") else None)
+        self.barrier()
 
     def _stage_dir(self, path: Any) -> Path:
         """Where this rank's engine writes: DeepSpeed names files by data- and tensor-parallel rank only, so

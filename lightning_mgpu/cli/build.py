@@ -17,6 +17,14 @@ _MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
 
 
 def build_model_config(cfg: DictConfig) -> LlamaConfig:
+    if cfg.model.init_from:  # the checkpoint's shape, whatever model.name says
+        import json
+        from dataclasses import replace
+
+        from lightning_mgpu.checkpoint.hf import from_hf_config, hf_path
+
+        hf = json.loads((hf_path(cfg.model.init_from) / "config.json").read_text())
+        return replace(from_hf_config(hf), activation_checkpointing=cfg.model.activation_checkpointing)
     overrides = {k: cfg.model[k] for k in _MODEL_OVERRIDES if cfg.model[k] is not None}
     return LlamaConfig.from_name(cfg.model.name, activation_checkpointing=cfg.model.activation_checkpointing,
                                  **overrides)
@@ -43,7 +51,7 @@ def build_module(cfg: DictConfig, model: Optional[LlamaConfig] = None) -> LLMMod
                      eps=o.eps, warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps,
                      min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,
                      reference_batch_size=o.reference_batch_size, global_batch_size=cfg.data.global_batch_size,
-                     init_seed=cfg.model.init_seed)
+                     init_seed=cfg.model.init_seed, init_from=cfg.model.init_from)
 
 
 def build_strategy(cfg: DictConfig) -> MGPUStrategy:

@@ -29,6 +29,7 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     max_seq_len: Optional[int] = None
     tie_embeddings: Optional[bool] = None
+    init_from: Optional[str] = None  #: hf:PATH = start from a Hugging Face Llama's weights (its shape wins)
 
 
 @dataclass

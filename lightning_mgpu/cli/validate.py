@@ -40,6 +40,12 @@ def _positive(key: str, value, allow_zero: bool = False) -> list[str]:
 def model_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
     """(the model config when it can be built, its problems)."""
     m = cfg.model
+    if m.init_from:
+        from lightning_mgpu.checkpoint.hf import hf_path
+
+        if not (hf_path(m.init_from) / "config.json").is_file():
+            return None, [f"model.init_from={m.init_from!r} is not a Hugging Face Llama directory (no config.json); "
+                          "give hf:PATH of a directory with config.json and *.safetensors"]
     if m.name not in LLAMA_SHAPES:
         return None, [f"model.name={m.name!r} is unknown; choose one of {', '.join(LLAMA_SHAPES)} (or model=NAME)"]
     out: list[str] = []

@@ -42,11 +42,13 @@ from lightning_mgpu.parallel.regions import (
     SharedBiasBeforeReduce,
 )
 
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> nn.Parameter:
-    """Tag a shard the way Megatron does, which is what DeepSpeed's grad-norm and checkpoint code reads."""
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, full_size: int) -> nn.Parameter:
+    """Tag a shard the way Megatron does, which is what DeepSpeed's grad-norm and checkpoint code reads, plus the
+    unpadded size of the whole tensor along ``partition_dim`` (to reassemble it)."""
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = 1
+    param.full_size = full_size
     return param
 
 
@@ -94,9 +96,10 @@ class ColumnParallelLinear(_TensorParallel):
         super().__init__(group, sequence_parallel)
         self.enters_region = enters_region
         self.in_features, self.out_features = linear.in_features, linear.out_features // self.tp_size
-        self.weight = mark_tensor_parallel(_shard(linear.weight, 0, self.tp_rank, self.tp_size), 0)
+        self.weight = mark_tensor_parallel(_shard(linear.weight, 0, self.tp_rank, self.tp_size), 0,
+                                           linear.out_features)
         self.bias = None if linear.bias is None else mark_tensor_parallel(
-            _shard(linear.bias, 0, self.tp_rank, self.tp_size), 0)
+            _shard(linear.bias, 0, self.tp_rank, self.tp_size), 0, linear.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enters_region:
@@ -110,7 +113,8 @@ class RowParallelLinear(_TensorParallel):
     def __init__(self, linear: nn.Linear, group: Any, sequence_parallel: bool = False) -> None:
         super().__init__(group, sequence_parallel)
         self.in_features, self.out_features = linear.in_features // self.tp_size, linear.out_features
-        self.weight = mark_tensor_parallel(_shard(linear.weight, 1, self.tp_rank, self.tp_size), 1)
+        self.weight = mark_tensor_parallel(_shard(linear.weight, 1, self.tp_rank, self.tp_size), 1,
+                                           linear.in_features)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,7 +141,7 @@ class VocabParallelEmbedding(_TensorParallel):
         self.vocab_start = self.tp_rank * self.per_rank
         self.embedding_dim = embedding.embedding_dim
         self.weight = mark_tensor_parallel(
-            _shard(embedding.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0)
+            _shard(embedding.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
@@ -162,9 +166,9 @@ class VocabParallelOutput(_TensorParallel):
         self.per_rank = self.padded_vocab_size // self.tp_size
         self.vocab_start = self.tp_rank * self.per_rank
         self.weight = mark_tensor_parallel(
-            _shard(linear.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0)
+            _shard(linear.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size)
         self.bias = None if linear.bias is None else mark_tensor_parallel(
-            _shard(linear.bias, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0)
+            _shard(linear.bias, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size)
         self.num_padding = max(0, min(self.per_rank, self.vocab_start + self.per_rank - self.vocab_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Checkpoint formats: consolidated weights and Hugging Face Llama import / export."""

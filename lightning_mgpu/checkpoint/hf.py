@@ -1,0 +1,134 @@
+"""Hugging Face Llama interop, offline: ``config.json`` + ``model.safetensors`` in ``transformers``' layout.
+
+Our :class:`~lightning_mgpu.models.llama.Llama` uses the same rotary convention as ``LlamaForCausalLM``
+(rotate the two halves of each head), so weights map one to one by name; only the names and the config
+keys differ. Files are read with safetensors and JSON: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from lightning_mgpu.models.llama import LlamaConfig
+
+_LAYER_NAMES = {
+    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+
+
+def hf_path(spec: str) -> Path:
+    """The directory of ``hf:PATH`` (or a bare path)."""
+    return Path(spec[3:] if spec.startswith("hf:") else spec)
+
+
+def to_hf_name(name: str) -> str:
+    """Our parameter name (``layers.3.attention.wq.weight``) -> Hugging Face's (``model.layers.3.self_attn...``)."""
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)\.weight", name)
+    if not m or m.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"no Hugging Face name for parameter {name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+
+
+def from_hf_name(name: str) -> str:
+    """Inverse of :func:`to_hf_name`."""
+    for ours, theirs in _TOP_NAMES.items():
+        if name == theirs:
+            return ours
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.weight", name)
+    inverse = {v: k for k, v in _LAYER_NAMES.items()}
+    if not m or m.group(2) not in inverse:
+        raise KeyError(f"Hugging Face parameter {name!r} has no counterpart in lightning_mgpu's Llama")
+    return f"layers.{m.group(1)}.{inverse[m.group(2)]}.weight"
+
+
+def to_hf_config(cfg: LlamaConfig) -> dict:
+    """``config.json`` of a ``LlamaForCausalLM`` with our model's shape (readable by transformers 4 and 5)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": "float32", "initializer_range": cfg.init_std,
+    }
+
+
+def from_hf_config(hf: Mapping) -> LlamaConfig:
+    """Our :class:`LlamaConfig` for a Hugging Face Llama ``config.json``; what we cannot represent is an error."""
+    problems = []
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        problems.append(f"rope_type={rope.get('rope_type', rope.get('type'))!r}: only unscaled rotary embeddings "
+                        "are supported")
+    for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, expected) != expected:
+            problems.append(f"{key}={hf[key]!r}: lightning_mgpu's Llama needs {expected!r}")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
+        problems.append(f"head_dim={hf['head_dim']} x num_attention_heads={heads} != hidden_size={hf['hidden_size']}")
+    if problems:
+        raise ValueError("Cannot import this Hugging Face config:\n" + "\n".join(f"  - {p}" for p in problems))
+    return LlamaConfig(dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
+                       n_kv_heads=hf.get("num_key_value_heads", heads), ffn_hidden=hf["intermediate_size"],
+                       vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                       norm_eps=hf.get("rms_norm_eps", 1e-5), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def save_hf(state_dict: Mapping[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | Path,
+            dtype: torch.dtype = torch.float32) -> Path:
+    """Write our full (unsplit) state dict as a Hugging Face Llama checkpoint directory."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {to_hf_name(k): v.detach().to(dtype).contiguous().cpu() for k, v in state_dict.items()
+               if not (cfg.tie_embeddings and k == "output.weight")}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2) + "\n")
+    return out
+
+
+def load_hf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """(config, our state dict) of a Hugging Face Llama directory (one or several ``*.safetensors`` files)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: give a Hugging Face Llama directory")
+    cfg = from_hf_config(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights (pickled .bin files are not loaded)")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update({from_hf_name(k): v for k, v in load_file(str(f)).items()})
+    if cfg.tie_embeddings:
+        state.setdefault("output.weight", state["tok_embeddings.weight"])
+    return cfg, state
+
+
+def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``state`` into ``model`` (an unsplit Llama), naming every missing, extra or mis-shaped tensor."""
+    own = dict(model.state_dict())
+    problems = [f"missing {k}" for k in own if k not in state]
+    problems += [f"unexpected {k}" for k in state if k not in own]
+    problems += [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+                 for k in own if k in state and state[k].shape != own[k].shape]
+    if problems:
+        raise ValueError("Checkpoint does not fit the model:\n" + "\n".join(f"  - {p}" for p in problems))
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(state[k].to(v.dtype))
