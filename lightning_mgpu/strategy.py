@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
+from lightning_mgpu.checkpoint.universal import is_universal, load_universal, save_universal
 from lightning_mgpu.launcher import WorkerCommandLauncher
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.microbatch import split_microbatches
@@ -68,6 +69,9 @@ class MGPUStrategy(ParallelStrategy):
         save_consolidated_weights: every checkpoint also holds the whole model's weights gathered from all ranks
             (``model.safetensors`` + ``model_config.json``, any layout), which ``mgpu-export`` turns into a
             Hugging Face checkpoint. Rank 0 holds the whole model in CPU memory while saving.
+        checkpoint_format: ``"universal"``: layout-independent (any other layout, ZeRO stage or schedule can resume
+            from it; ``lightning_mgpu.checkpoint.universal``); ``"deepspeed"``: DeepSpeed's own directories, which
+            resume on the same layout only. Loading recognises either.
         pipeline_schedule: pipeline schedule name (see ``lightning_mgpu.layout.SCHEDULES``).
         virtual_pipeline_size: stage chunks per pipeline rank (interleaved schedules).
         num_microbatches: micro-batches per global batch; ``None`` derives it from the data module.
@@ -89,7 +93,8 @@ class MGPUStrategy(ParallelStrategy):
                  timeout: Optional[timedelta] = default_pg_timeout,
                  tensor_parallel_plan: Optional[TensorParallelPlan] = None,
                  pipeline_boundaries: Optional[list[int]] = None, pipeline_timeline: bool = False,
-                 save_consolidated_weights: bool = False, **kwargs: Any) -> None:
+                 save_consolidated_weights: bool = False, checkpoint_format: str = "universal",
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._layout_args = dict(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -103,6 +108,9 @@ class MGPUStrategy(ParallelStrategy):
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
         self.pipeline_timeline = pipeline_timeline
         self.save_consolidated_weights = save_consolidated_weights
+        if checkpoint_format not in ("universal", "deepspeed"):
+            raise ValueError(f"checkpoint_format={checkpoint_format!r} is unknown; choose 'universal' or 'deepspeed'")
+        self.checkpoint_format = checkpoint_format
         self.pipeline: Optional[Pipeline] = None
         #: When set, local ranks 1..N-1 run this command instead of re-running the script (see launcher.py).
         self.worker_command: Optional[list[str]] = None
@@ -383,7 +391,10 @@ class MGPUStrategy(ParallelStrategy):
             raise TypeError("storage_options is not supported by MGPUStrategy: DeepSpeed writes the checkpoint")
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        self.model.save_checkpoint(str(self._stage_dir(filepath)), tag=CHECKPOINT_TAG, client_state=client_state)
+        if self.checkpoint_format == "universal":
+            save_universal(self.model, self.layout, filepath, client_state)
+        else:
+            self.model.save_checkpoint(str(self._stage_dir(filepath)), tag=CHECKPOINT_TAG, client_state=client_state)
         if self.save_consolidated_weights:
             self._save_consolidated(Path(filepath))
 
@@ -405,6 +416,8 @@ class MGPUStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if is_universal(checkpoint_path):
+            return load_universal(self.model, self.layout, checkpoint_path)
         path = self._stage_dir(checkpoint_path)
         if not (path / CHECKPOINT_TAG).is_dir():
             raise FileNotFoundError(f"ckpt_path={str(path)!r} is not an MGPUStrategy checkpoint directory (expected "
