@@ -1,5 +1,6 @@
-"""Lightning callbacks: throughput and MFU counted per data-parallel replica."""
+"""Lightning callbacks: throughput and MFU counted per data-parallel replica; atomic periodic checkpoints."""
 
+from lightning_mgpu.callbacks.checkpoint import PeriodicCheckpoint, newest_checkpoint
 from lightning_mgpu.callbacks.throughput import Throughput, ThroughputCallback, throughput
 
-__all__ = ["Throughput", "ThroughputCallback", "throughput"]
+__all__ = ["PeriodicCheckpoint", "Throughput", "ThroughputCallback", "newest_checkpoint", "throughput"]

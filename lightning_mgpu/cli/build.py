@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -56,4 +57,7 @@ def build_module(cfg: DictConfig, model: Optional[LlamaConfig] = None) -> LLMMod
 
 def build_strategy(cfg: DictConfig) -> MGPUStrategy:
     p = OmegaConf.to_container(cfg.parallel, resolve=True)
-    return MGPUStrategy(**p)
+    c = cfg.checkpoint
+    timeout_s = p.pop("timeout_s")
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    return MGPUStrategy(**p, checkpoint_format=c.format, save_consolidated_weights=c.consolidated, **timeout)

@@ -66,6 +66,7 @@ class ParallelConfig:
     deepspeed_config: Optional[Any] = None
     pipeline_boundaries: Optional[list[int]] = None
     pipeline_timeline: bool = False
+    timeout_s: Optional[float] = None  #: collective timeout (MGPUStrategy(timeout=...)); null = torch's default
 
 
 @dataclass
@@ -116,6 +117,19 @@ class ClusterConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When and where checkpoints are written, and what to resume from."""
+
+    every_n_steps: Optional[int] = None  #: save every N optimizer steps (null: never during training)
+    dir: Optional[str] = None  #: null = <run dir>/checkpoints
+    keep_last: int = 2  #: complete checkpoints kept; older ones are deleted after a new one is published
+    resume: Optional[str] = None  #: null | a checkpoint directory | auto (the newest complete one in dir)
+    save_last: bool = False  #: also save when training ends
+    format: str = "universal"  #: universal (any layout can resume) | deepspeed (same layout only)
+    consolidated: bool = False  #: also write the whole model's weights (for mgpu-export; rank 0 holds them)
+
+
+@dataclass
 class PlanConfig:
     """``mgpu-plan``: the GPU kind (cluster size is trainer.num_nodes x trainer.devices) and what to print."""
 
@@ -136,8 +150,7 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234
-    ckpt_path: Optional[str] = None  #: resume from this checkpoint directory
-    save_checkpoint: bool = False  #: write a checkpoint into the run directory at the end
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def _env_int(name: str) -> int:

@@ -6,6 +6,7 @@ import hashlib
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import lightning as L
@@ -14,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.callbacks import ThroughputCallback
+from lightning_mgpu.callbacks import PeriodicCheckpoint, ThroughputCallback, newest_checkpoint
 from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_module, build_strategy
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
@@ -58,8 +59,11 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
         log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval or t.max_steps,
         check_val_every_n_epoch=None,
         enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, use_distributed_sampler=False,
-        logger=CSVLogger(save_dir=str(run_dir), name="", version=""), default_root_dir=str(run_dir),
-        callbacks=[SameConfigOnEveryRank(cfg)] + ([ThroughputCallback(t.peak_flops)] if t.throughput else []),
+        logger=CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=t.log_every_n_steps),
+        default_root_dir=str(run_dir),
+        callbacks=[SameConfigOnEveryRank(cfg)] + ([ThroughputCallback(t.peak_flops)] if t.throughput else [])
+        + ([PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)]
+           if cfg.checkpoint.every_n_steps else []),
     )
     try:
         return _fit(cfg, run_dir, trainer, strategy, module, datamodule)
@@ -71,6 +75,20 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def resume_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
+    """``checkpoint.resume``: ``auto`` -> the newest complete checkpoint in the checkpoint directory (or a fresh
+    start when there is none, so a requeued job continues by itself); a path -> that checkpoint."""
+    resume = cfg.checkpoint.resume
+    if resume == "auto":
+        newest = newest_checkpoint(checkpoint_dir(cfg, run_dir))
+        return None if newest is None else str(newest)
+    return resume
 
 
 def _launch_rank() -> int:
@@ -100,9 +118,10 @@ class SameConfigOnEveryRank(L.Callback):
 
 def _fit(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, strategy, module, datamodule) -> dict:
     """Fit, then optionally save, report the pipeline timeline and print a sample."""
-    trainer.fit(module, datamodule, ckpt_path=cfg.ckpt_path)
-    if cfg.save_checkpoint:
-        trainer.save_checkpoint(str(run_dir / "checkpoint"))
+    trainer.fit(module, datamodule, ckpt_path=resume_path(cfg, run_dir))
+    if cfg.checkpoint.save_last:
+        PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), 1, cfg.checkpoint.keep_last).save(trainer,
+                                                                                          trainer.global_step)
     if cfg.parallel.pipeline_timeline and strategy.pipeline is not None:
         report_timeline(strategy, trainer.global_step - 1, run_dir)
     if cfg.parallel.pipeline_parallel_size > 1:

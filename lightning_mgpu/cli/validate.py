@@ -176,6 +176,19 @@ def _as_key(line: str, world: int, t: DictConfig) -> str:
     return line
 
 
+def checkpoint_problems(cfg: DictConfig) -> list[str]:
+    c = cfg.checkpoint
+    out = [] if c.every_n_steps is None else _positive("checkpoint.every_n_steps", c.every_n_steps)
+    out += _positive("checkpoint.keep_last", c.keep_last)
+    if c.format not in ("universal", "deepspeed"):
+        out.append(f"checkpoint.format={c.format!r} is unknown; choose universal or deepspeed")
+    if c.resume not in (None, "auto") and not Path(c.resume).is_dir():
+        out.append(f"checkpoint.resume={c.resume!r} is not a checkpoint directory; give one, auto, or null")
+    if cfg.parallel.timeout_s is not None and not cfg.parallel.timeout_s > 0:
+        out.append(f"parallel.timeout_s={cfg.parallel.timeout_s} must be > 0 seconds")
+    return out
+
+
 def launch_problems(cfg: DictConfig) -> list[str]:
     """The cluster choice against how this process was started."""
     launcher = cfg.cluster.launcher
@@ -194,4 +207,5 @@ def config_problems(cfg: DictConfig) -> list[str]:
     if launch:  # sizes of torchrun/SLURM jobs come from the launcher's environment; nothing else can be checked
         return launch
     model, out = model_problems(cfg)
-    return out + data_problems(cfg, model) + trainer_problems(cfg) + optim_problems(cfg) + parallel_problems(cfg, model)
+    return (out + data_problems(cfg, model) + trainer_problems(cfg) + optim_problems(cfg)
+            + parallel_problems(cfg, model) + checkpoint_problems(cfg))
