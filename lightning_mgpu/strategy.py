@@ -30,6 +30,7 @@ from typing_extensions import override
 from lightning_mgpu.checkpoint.universal import is_universal, load_universal, save_universal
 from lightning_mgpu.launcher import WorkerCommandLauncher
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.microbatch import split_microbatches
 from lightning_mgpu.parallel.pipeline import Pipeline, num_stages, stage_ids
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
@@ -121,6 +122,7 @@ class MGPUStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self.layout: Optional[ParallelLayout] = None
+        self._heartbeat: Optional[Heartbeat] = None
         self.num_nodes = 1
         self.last_grad_norm: Optional[float] = None
 
@@ -186,6 +188,8 @@ class MGPUStrategy(ParallelStrategy):
                                      **self._layout_args)
         self.layout.init_groups(self.global_rank)
         init_deepspeed_comm(self._timeout)
+        if self.world_size > 1:
+            self._heartbeat = Heartbeat.for_default_group()
 
     @property
     @override
@@ -292,6 +296,10 @@ class MGPUStrategy(ParallelStrategy):
         Returns the loss averaged over the whole global batch (all micro-batches of all data-parallel
         ranks), detached: the backward has already run.
         """
+        with name_lost_ranks(self._heartbeat):
+            return self._training_step(*args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch, rest = args[0], args[1:]
         if self.pipeline is not None:
             mean = self.pipeline.train_step(*self.lightning_module.pipeline_batch(batch))
@@ -341,7 +349,8 @@ class MGPUStrategy(ParallelStrategy):
 
     def engine_step(self) -> None:
         """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
-        self.model.step()
+        with name_lost_ranks(self._heartbeat):
+            self.model.step()
         norm = self.model.get_global_grad_norm()
         self.last_grad_norm = None if norm is None else float(norm)
 
@@ -440,6 +449,8 @@ class MGPUStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

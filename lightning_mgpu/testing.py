@@ -89,3 +89,22 @@ def live_tensor_bytes(*modules: "torch.nn.Module") -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+class KillRankAt:
+    """Fault injection (``MGPU_KILL_RANK_AT=<rank>:<step>``): that rank SIGKILLs itself as optimizer step ``step``
+    begins, so its peers meet a lost rank mid-step. A Lightning callback; mgpu-train adds it when the variable is set."""
+
+    def __new__(cls, spec: str):
+        import signal
+
+        import lightning as L
+
+        rank, step = (int(x) for x in spec.split(":"))
+
+        class _KillRankAt(L.Callback):
+            def on_train_batch_start(self, trainer, *args) -> None:
+                if trainer.global_rank == rank and trainer.global_step == step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+        return _KillRankAt()

@@ -21,6 +21,7 @@ from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.validate import config_problems
 from lightning_mgpu.data import decode_bytes, encode_bytes
+from lightning_mgpu.testing import KillRankAt
 from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, theoretical_bubble
 
 #: The resolved config of a run, in its run directory; local workers load it.
@@ -63,7 +64,8 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
         default_root_dir=str(run_dir),
         callbacks=[SameConfigOnEveryRank(cfg)] + ([ThroughputCallback(t.peak_flops)] if t.throughput else [])
         + ([PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)]
-           if cfg.checkpoint.every_n_steps else []),
+           if cfg.checkpoint.every_n_steps else [])
+        + ([KillRankAt(os.environ["MGPU_KILL_RANK_AT"])] if "MGPU_KILL_RANK_AT" in os.environ else []),
     )
     try:
         return _fit(cfg, run_dir, trainer, strategy, module, datamodule)
