@@ -27,6 +27,7 @@ benchmarks: install
 	$(PY) benchmarks/zero_memory.py
 	$(PY) benchmarks/tp_vs_dtensor.py
 	$(PY) benchmarks/pipeline_bubble.py
+	$(PY) benchmarks/checkpoint_io.py
 
 clean:
 	rm -rf $(VENV) outputs multirun build *.egg-info

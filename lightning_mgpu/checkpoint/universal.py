@@ -209,3 +209,18 @@ def load_universal(engine: Any, layout: ParallelLayout, path: str | Path) -> dic
     for group, saved in zip(getattr(engine.optimizer, "param_groups", []), trainer_state.pop("optimizer_param_groups")):
         group.update({k: v for k, v in saved.items() if v is not None})
     return trainer_state
+
+
+def read_model_weights(path: str | Path, prefix: str = "model.") -> tuple[dict, dict[str, torch.Tensor]]:
+    """(the model config saved with an ``LLMModule``, the whole model's fp32 weights under the model's own names),
+    read from a universal checkpoint in one process, whatever layout wrote it."""
+    from lightning_mgpu.models.llama import Llama, LlamaConfig
+
+    trainer_state = torch.load(Path(path) / TRAINER_STATE, weights_only=True)
+    config = (trainer_state.get("hyper_parameters") or {}).get("model")
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} holds no model config (hyper_parameters['model']): it was not written by LLMModule")
+    shapes = {name: p.shape for name, p in Llama(LlamaConfig(**config)).to("meta").named_parameters()}
+    targets = {f"param/{prefix}{name}": torch.zeros(shape) for name, shape in shapes.items()}
+    dcp.load(targets, checkpoint_id=str(path), no_dist=True)
+    return config, {k[len("param/") + len(prefix):]: v for k, v in targets.items()}

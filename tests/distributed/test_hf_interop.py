@@ -50,7 +50,7 @@ def _round_trip(rank, hf_dir, ckpt_dir, devices, strategy_kwargs):
     config = from_hf_config(json.loads((hf_dir / "config.json").read_text()))
     trainer = L.Trainer(accelerator="cpu", devices=devices, max_steps=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        strategy=MGPUStrategy(save_consolidated_weights=True, **strategy_kwargs))
+                        strategy=MGPUStrategy(**{"save_consolidated_weights": True, **strategy_kwargs}))
     trainer.fit(LLMModule(config, init_from=f"hf:{hf_dir}"), datamodule(_token_file(hf_dir)))
     trainer.save_checkpoint(str(ckpt_dir))
 
@@ -62,7 +62,9 @@ def _token_file(directory):
 
 
 @pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, sequence_parallel=True),
-                                    dict(pipeline_parallel_size=2, zero_stage=1)], ids=["tp2_sp", "pp2_zero1"])
+                                    dict(pipeline_parallel_size=2, zero_stage=1),
+                                    dict(tensor_parallel_size=2, zero_stage=1, save_consolidated_weights=False)],
+                         ids=["tp2_sp", "pp2_zero1", "tp2_from_universal_checkpoint"])
 def test_import_train_zero_steps_export_round_trip(tmp_path, layout):
     reference = tiny_hf(tmp_path / "hf", tied=False)
     run_distributed(_round_trip, 2, tmp_path / "hf", tmp_path / "ckpt", 2, layout)
