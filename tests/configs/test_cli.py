@@ -122,10 +122,11 @@ def test_cli_after_non_editable_install(tmp_path):
     where = subprocess.run([sys.executable, "-c", "import lightning_mgpu; print(lightning_mgpu.__file__)"], cwd=work,
                            env=env, capture_output=True, text=True)
     assert where.stdout.startswith(str(site)), where.stdout + where.stderr
-    job = subprocess.run([sys.executable, "-m", "lightning_mgpu.train", "recipe=tiny_zero3", "--cfg", "job"], cwd=work,
-                         env=env, capture_output=True, text=True, timeout=120)
-    assert job.returncode == 0, job.stderr[-3000:]
-    assert "zero_stage: 3" in job.stdout
+    for recipe, line in (("tiny_zero3", "zero_stage: 3"), ("llama3_405b_64node", "num_nodes: 64")):
+        job = subprocess.run([sys.executable, "-m", "lightning_mgpu.train", f"recipe={recipe}", "--cfg", "job"],
+                             cwd=work, env=env, capture_output=True, text=True, timeout=120)
+        assert job.returncode == 0, job.stderr[-3000:]
+        assert line in job.stdout
     run = subprocess.run([sys.executable, "-m", "lightning_mgpu.train", "trainer.devices=1", "trainer.max_steps=3",
                           "data.seq_len=32", "sample.max_new_tokens=8", "trainer.enable_progress_bar=false",
                           "hydra.run.dir=run"], cwd=work, env=env, capture_output=True, text=True, timeout=240)
