@@ -322,10 +322,11 @@ class MGPUStrategy(ParallelStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is None:
-            return super().validation_step(*args, **kwargs)
-        with self.precision_plugin.val_step_context():  # the module's loss() runs the pipeline forward-only
-            return self.lightning_module.validation_step(*args, **kwargs)
+        with name_lost_ranks(self._heartbeat):
+            if self.pipeline is None:
+                return super().validation_step(*args, **kwargs)
+            with self.precision_plugin.val_step_context():  # the module's loss() runs the pipeline forward-only
+                return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -400,12 +401,14 @@ class MGPUStrategy(ParallelStrategy):
             raise TypeError("storage_options is not supported by MGPUStrategy: DeepSpeed writes the checkpoint")
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        if self.checkpoint_format == "universal":
-            save_universal(self.model, self.layout, filepath, client_state)
-        else:
-            self.model.save_checkpoint(str(self._stage_dir(filepath)), tag=CHECKPOINT_TAG, client_state=client_state)
-        if self.save_consolidated_weights:
-            self._save_consolidated(Path(filepath))
+        with name_lost_ranks(self._heartbeat):
+            if self.checkpoint_format == "universal":
+                save_universal(self.model, self.layout, filepath, client_state)
+            else:
+                self.model.save_checkpoint(str(self._stage_dir(filepath)), tag=CHECKPOINT_TAG,
+                                           client_state=client_state)
+            if self.save_consolidated_weights:
+                self._save_consolidated(Path(filepath))
 
     def _save_consolidated(self, directory: Path) -> None:
         from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
