@@ -21,8 +21,8 @@ from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.validate import config_problems
 from lightning_mgpu.data import decode_bytes, encode_bytes
-from lightning_mgpu.testing import KillRankAt
 from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, theoretical_bubble
+from lightning_mgpu.testing import KillRankAt
 
 #: The resolved config of a run, in its run directory; local workers load it.
 CONFIG_NAME = "config.yaml"
@@ -62,10 +62,7 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
         enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, use_distributed_sampler=False,
         logger=CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=t.log_every_n_steps),
         default_root_dir=str(run_dir),
-        callbacks=[SameConfigOnEveryRank(cfg)] + ([ThroughputCallback(t.peak_flops)] if t.throughput else [])
-        + ([PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps, cfg.checkpoint.keep_last)]
-           if cfg.checkpoint.every_n_steps else [])
-        + ([KillRankAt(os.environ["MGPU_KILL_RANK_AT"])] if "MGPU_KILL_RANK_AT" in os.environ else []),
+        callbacks=_callbacks(cfg, run_dir),
     )
     try:
         return _fit(cfg, run_dir, trainer, strategy, module, datamodule)
@@ -91,6 +88,18 @@ def resume_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
         newest = newest_checkpoint(checkpoint_dir(cfg, run_dir))
         return None if newest is None else str(newest)
     return resume
+
+
+def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
+    out: list[L.Callback] = [SameConfigOnEveryRank(cfg)]
+    if cfg.trainer.throughput:
+        out.append(ThroughputCallback(cfg.trainer.peak_flops))
+    if cfg.checkpoint.every_n_steps:
+        out.append(PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps,
+                                      cfg.checkpoint.keep_last))
+    if "MGPU_KILL_RANK_AT" in os.environ:  # fault injection for tests (lightning_mgpu.testing.KillRankAt)
+        out.append(KillRankAt(os.environ["MGPU_KILL_RANK_AT"]))
+    return out
 
 
 def _launch_rank() -> int:
