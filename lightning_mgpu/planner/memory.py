@@ -7,7 +7,7 @@ size), measured on this project's engine (tests/distributed/test_planner_memory.
 ZeRO      parameters  gradients    fp32 master                Adam        buffers
 ========  ==========  ===========  =========================  ==========  =========================
 0         w           w            4 (bf16), none (fp32)      8           none
-1         w           w            4 / N                      8 / N       one bucket of w-byte elements
+1         w           w (pp: w/N)  4 / N                      8 / N       one bucket of w elements (pp: none)
 2         w           w / N        4 / N                      8 / N       none
 3         w / N       w / N        4 / N                      8 / N       one bucket of w-byte elements
 ========  ==========  ===========  =========================  ==========  =========================
@@ -53,17 +53,24 @@ class MemoryEstimate:
         return self.model_states + self.activations
 
 
-def model_state_bytes(n_params: int, zero_stage: int, dp: int, precision: str = "bf16-mixed") -> dict[str, float]:
-    """Parameters, gradients, optimizer state and buffers (bytes) for ``n_params`` parameters held by one rank."""
+def model_state_bytes(n_params: int, zero_stage: int, dp: int, precision: str = "bf16-mixed",
+                      pipelined: bool = False) -> dict[str, float]:
+    """Parameters, gradients, optimizer state and buffers (bytes) for ``n_params`` parameters held by one rank.
+
+    With pipeline parallelism ZeRO-1 holds what ZeRO-2 holds (measured): the schedule runs inside
+    DeepSpeed's coalesced reduction, which reduces every gradient into its partition, frees the rest and keeps
+    no bucket.
+    """
     w = 4 if precision == "32-true" else 2
+    partitioned_grads = zero_stage >= 2 or (pipelined and zero_stage == 1)
     master = (0 if w == 4 else 4) if zero_stage == 0 else 4 / dp
     adam = 8 if zero_stage == 0 else 8 / dp
     bucket = min(MAX_BUCKET, max(MIN_BUCKET, n_params // 4)) * w
     return {
         "parameters": n_params * (w / dp if zero_stage == 3 else w),
-        "gradients": n_params * (w / dp if zero_stage >= 2 else w),
+        "gradients": n_params * (w / dp if partitioned_grads else w),
         "optimizer": n_params * (master + adam),
-        "buffers": float(bucket if zero_stage in (1, 3) else 0),
+        "buffers": float(bucket if zero_stage == 3 or (zero_stage == 1 and not pipelined) else 0),
     }
 
 
@@ -87,6 +94,6 @@ def estimate_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, p
                     virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
                     precision: str = "bf16-mixed") -> MemoryEstimate:
     """Peak memory per GPU of the fullest rank."""
-    states = model_state_bytes(max_rank_parameters(cfg, tp, pp, virtual), zero_stage, dp, precision)
+    states = model_state_bytes(max_rank_parameters(cfg, tp, pp, virtual), zero_stage, dp, precision, pp > 1)
     acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, virtual, sequence_parallel, recompute)
     return MemoryEstimate(activations=acts, **states)
