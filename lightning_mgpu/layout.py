@@ -34,8 +34,13 @@ class ModelShape:
     ffn_hidden: int
     vocab_size: int
 
+    @classmethod
+    def of(cls, config) -> "ModelShape":
+        """The shape of a model config with these fields (e.g. ``LlamaConfig``)."""
+        return cls(config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_hidden, config.vocab_size)
 
-def _divisors(n: int) -> list[int]:
+
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -95,7 +100,7 @@ class ParallelLayout:
         if out:
             return out
         if W % (T * P) != 0:
-            valid = [d for d in _divisors(W) if W % (d * P) == 0]
+            valid = [d for d in divisors(W) if W % (d * P) == 0]
             out.append(
                 f"world_size={W} is not divisible by tensor_parallel_size*pipeline_parallel_size={T}*{P}={T * P}; "
                 f"the world must hold whole tp x pp model replicas: with pipeline_parallel_size={P} choose "
@@ -159,7 +164,7 @@ class ParallelLayout:
         T, stages = self.tensor_parallel_size, self.pipeline_parallel_size * self.virtual_pipeline_size
         for what, n in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_hidden", m.ffn_hidden)):
             if n % T != 0:
-                ok = [d for d in _divisors(n) if d <= max(T, 8)]
+                ok = [d for d in divisors(n) if d <= max(T, 8)]
                 out.append(f"tensor_parallel_size={T} does not divide {what}={n}; choose {_fmt(ok)}")
         if stages > m.n_layers:
             out.append(f"pipeline_parallel_size*virtual_pipeline_size={stages} stages is more than the model's "

@@ -86,8 +86,7 @@ class LLMModule(L.LightningModule):
     @property
     def model_shape(self) -> ModelShape:
         """The numbers that constrain how the model may be split (checked by MGPUStrategy)."""
-        c = self.config
-        return ModelShape(c.n_layers, c.n_heads, c.n_kv_heads, c.ffn_hidden, c.vocab_size)
+        return ModelShape.of(self.config)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """How MGPUStrategy splits the model when ``tensor_parallel_size > 1``."""

@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 
 from lightning_mgpu.data import BYTE_VOCAB_SIZE
 from lightning_mgpu.data.batching import batch_problems
-from lightning_mgpu.layout import ModelShape, layout_problems
+from lightning_mgpu.layout import V_SCHEDULES, ModelShape, layout_problems
 from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
 from lightning_mgpu.precision import SUPPORTED_PRECISIONS
@@ -133,8 +133,7 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
     p, t, d = cfg.parallel, cfg.trainer, cfg.data
     sizes_ok = not (_positive("trainer.devices", t.devices) or _positive("trainer.num_nodes", t.num_nodes))
     world = t.devices * t.num_nodes if sizes_ok else 1
-    shape = None if model is None else ModelShape(model.n_layers, model.n_heads, model.n_kv_heads, model.ffn_hidden,
-                                                  model.vocab_size)
+    shape = None if model is None else ModelShape.of(model)
     T, P = p.tensor_parallel_size, p.pipeline_parallel_size
     dp = world // (T * P) if isinstance(T, int) and isinstance(P, int) and T > 0 and P > 0 and world % (T * P) == 0 \
         else None
@@ -160,8 +159,6 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
         if str(t.precision) == "16-mixed":
             out.append("trainer.precision='16-mixed' is not supported with pipeline parallelism; use bf16-mixed")
         if p.pipeline_boundaries is not None and model is not None and isinstance(p.virtual_pipeline_size, int):
-            from lightning_mgpu.layout import V_SCHEDULES
-
             stages = P * (2 if p.pipeline_schedule in V_SCHEDULES else p.virtual_pipeline_size)
             out += [f"parallel.{line}" for line in boundary_problems(p.pipeline_boundaries, model.n_layers, stages)]
     return out

@@ -95,11 +95,15 @@ def _module_problem(name: str, style: str, m: nn.Module, T: int) -> list[str]:
 
 def plan_problems(module: nn.Module, plan: TensorParallelPlan, tensor_parallel_size: int) -> list[str]:
     """Every reason ``plan`` cannot split ``module`` over ``tensor_parallel_size`` ranks (empty when it can)."""
+    return _checked(module, plan, tensor_parallel_size)[1]
+
+
+def _checked(module: nn.Module, plan: TensorParallelPlan, T: int) -> tuple[dict[str, str], list[str]]:
     resolved, problems = resolve_plan(module, plan)
     modules = dict(module.named_modules())
     for name, style in resolved.items():
-        problems += _module_problem(name, style, modules[name], tensor_parallel_size)
-    return problems
+        problems += _module_problem(name, style, modules[name], T)
+    return resolved, problems
 
 
 def apply_tensor_parallel(module: nn.Module, plan: TensorParallelPlan, group: Any,
@@ -111,10 +115,9 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorParallelPlan, group: An
     anything.
     """
     T = dist.get_world_size(group)
-    problems = plan_problems(module, plan, T)
+    resolved, problems = _checked(module, plan, T)
     if problems:
         raise ValueError("Invalid tensor-parallel plan:\n" + "\n".join(f"  - {p}" for p in problems))
-    resolved, _ = resolve_plan(module, plan)
     notes: list[str] = []
     shards: dict[int, nn.Parameter] = {}  # id of an original parameter -> its shard, so ties survive
     for name, style in resolved.items():

@@ -11,7 +11,7 @@ dim 1. The collectives are looked up on ``torch.distributed`` at call time (test
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -49,12 +49,6 @@ def _reduce_scatter_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     return out.transpose(0, SEQ_DIM).contiguous()
 
 
-def _split_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
-    T = world(group)
-    check_sequence_divisible(x.shape[SEQ_DIM], T)
-    return x.chunk(T, dim=SEQ_DIM)[dist.get_rank(group)].contiguous()
-
-
 def check_sequence_divisible(seq: int, T: int) -> None:
     if seq % T:
         raise ValueError(f"sequence length {seq} is not divisible by tensor_parallel_size={T}: sequence "
@@ -62,68 +56,33 @@ def check_sequence_divisible(seq: int, T: int) -> None:
                          f"is a multiple of {T}, or sequence_parallel=False")
 
 
-class CopyToRegion(Function):
-    """Enter the tensor-parallel region: identity forward, all-reduce of the gradient backward."""
+def _collective(name: str, forward: Callable, backward: Callable, doc: str) -> type[Function]:
+    """An autograd function running ``forward(x, group)`` and, on the gradient, its adjoint ``backward(grad, group)``."""
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward_fn(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        return x.view_as(x)
+        return forward(x, group)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_reduce(grad, ctx.group), None
+    def backward_fn(ctx, grad: torch.Tensor):
+        return backward(grad, ctx.group), None
 
-
-class ReduceFromRegion(Function):
-    """Leave the region: all-reduce the partial sums forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        return _all_reduce(x.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
+    return type(name, (Function,), {"__doc__": doc, "forward": staticmethod(forward_fn),
+                                    "backward": staticmethod(backward_fn)})
 
 
-class GatherSequence(Function):
-    """Sequence shard -> whole sequence: all-gather forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _gather_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter_seq(grad, ctx.group), None
+def _identity(x: torch.Tensor, group: Any) -> torch.Tensor:
+    return x.view_as(x)
 
 
-class ReduceScatterSequence(Function):
-    """Partial sums over the whole sequence -> summed sequence shard: reduce-scatter forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_seq(grad, ctx.group), None
-
-
-class ScatterSequence(Function):
-    """A replicated whole sequence -> this rank's shard: slice forward, all-gather backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return _split_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_seq(grad, ctx.group), None
+CopyToRegion = _collective("CopyToRegion", _identity, _all_reduce,
+                           "Enter the tensor-parallel region: identity forward, all-reduce of the gradient backward.")
+ReduceFromRegion = _collective("ReduceFromRegion", lambda x, group: _all_reduce(x.clone(), group), _identity,
+                               "Leave the region: all-reduce the partial sums forward, identity backward.")
+GatherSequence = _collective("GatherSequence", _gather_seq, _reduce_scatter_seq,
+                             "Sequence shard -> whole sequence: all-gather forward, reduce-scatter backward.")
+ReduceScatterSequence = _collective(
+    "ReduceScatterSequence", _reduce_scatter_seq, _gather_seq,
+    "Partial sums over the whole sequence -> summed sequence shard: reduce-scatter forward, all-gather backward.")
 
 
 class SharedBiasBeforeReduce(Function):

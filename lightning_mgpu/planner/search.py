@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from lightning_mgpu.layout import layout_problems
+from lightning_mgpu.layout import ModelShape, divisors, layout_problems
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.hardware import ClusterSpec
 from lightning_mgpu.planner.memory import MemoryEstimate, estimate_memory
@@ -54,16 +54,12 @@ class PlanRow:
     fits: bool
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int) -> Iterator[Candidate]:
     """Every layout the rules allow: tp within a node dividing the heads, pp dividing the remaining world,
     interleaving where blocks divide evenly, ZeRO 0-3, micro-batches dividing each replica's share."""
-    world = cluster.world_size
-    for tp in _divisors(cluster.gpus_per_node):
-        for pp in (p for p in _divisors(world // tp) if p <= cfg.n_layers):
+    world, shape = cluster.world_size, ModelShape.of(cfg)
+    for tp in divisors(cluster.gpus_per_node):
+        for pp in (p for p in divisors(world // tp) if p <= cfg.n_layers):
             dp = world // (tp * pp)
             for virtual in (1, 2, 4) if pp > 1 else (1,):
                 for micro in (1, 2, 4, 8):
@@ -74,16 +70,10 @@ def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int) -> Ite
                     for zero in (0, 1, 2, 3):
                         if layout_problems(world_size=world, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                            zero_stage=zero, pipeline_schedule=schedule, virtual_pipeline_size=virtual,
-                                           num_microbatches=m, sequence_parallel=tp > 1, model=_shape(cfg)):
+                                           num_microbatches=m, sequence_parallel=tp > 1, model=shape):
                             continue
                         for recompute in (False, True):
                             yield Candidate(tp, pp, dp, zero, micro, virtual, recompute)
-
-
-def _shape(cfg: LlamaConfig):
-    from lightning_mgpu.layout import ModelShape
-
-    return ModelShape(cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_hidden, cfg.vocab_size)
 
 
 def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, c: Candidate,

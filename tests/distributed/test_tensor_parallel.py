@@ -2,6 +2,7 @@
 
 from dataclasses import replace
 
+import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def test_save_resume_tp2_dp2_zero2_is_bit_identical(token_file, tmp_path):
     assert resumed == whole[3:]
 
 
-class CountTensorParallelCollectives:
+class CountTensorParallelCollectives(L.Callback):
     """Wraps torch.distributed's collectives during one training step and counts those on the tp group,
     split into forward and backward (a call made while autograd runs a backward graph)."""
 
@@ -90,12 +91,7 @@ class CountTensorParallelCollectives:
 
 
 def _count_one_step(rank, token_file, n_layers, sequence_parallel):
-    import lightning as L
-
-    class Counter(CountTensorParallelCollectives, L.Callback):
-        pass
-
-    counter = Counter()
+    counter = CountTensorParallelCollectives()
     fit(rank, token_file, 2, max_steps=1, model=replace(TINY, n_layers=n_layers), callbacks=[counter],
         tensor_parallel_size=2, sequence_parallel=sequence_parallel)
     return counter.counts
