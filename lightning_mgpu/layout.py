@@ -192,6 +192,19 @@ class ParallelLayout:
         T, P = self.tensor_parallel_size, self.pipeline_parallel_size
         return tp + T * (pp + P * dp)
 
+    @property
+    def num_stages(self) -> int:
+        """Stages of the whole pipeline: ``pipeline_parallel_size * virtual_pipeline_size`` (2 per rank for V shapes)."""
+        per_rank = 2 if self.pipeline_schedule in V_SCHEDULES else self.virtual_pipeline_size
+        return self.pipeline_parallel_size * per_rank
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` runs: looped (``r, r+P, ...``), or V-shaped (``r, 2P-1-r``)."""
+        P = self.pipeline_parallel_size
+        if self.pipeline_schedule in V_SCHEDULES:
+            return [pp_rank, 2 * P - 1 - pp_rank]
+        return [pp_rank + k * P for k in range(self.num_stages // P)]
+
     def group_ranks(self, axis: str) -> list[list[int]]:
         """All groups along ``axis`` (each a list of global ranks), plus "mp" = the tp x pp model replica."""
         T, P, D = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size

@@ -68,6 +68,7 @@ def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precisio
                         callbacks=[recorder, *(callbacks or [])])
     module = module or LLMModule(model, **OPTIM, global_batch_size=GLOBAL_BATCH)
     trainer.fit(module, datamodule(token_file, **(data or {})), ckpt_path=ckpt_path)
+    assert_layout_applied(trainer, devices, strategy_kwargs)
     if save_to:
         trainer.save_checkpoint(save_to)
     result = {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "rank": rank}
@@ -79,20 +80,71 @@ def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precisio
     return result
 
 
+def expected_groups(rank: int, devices: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                    **_: Any) -> dict[str, list[int]]:
+    """The members of ``rank``'s tp, pp and dp groups, written out from the rank order the README states
+    (``tp = r % T``, ``pp = (r // T) % P``, ``dp = r // (T * P)``), independently of ``ParallelLayout``."""
+    T, P = tensor_parallel_size, pipeline_parallel_size
+    D = devices // (T * P)
+    t, p, d = rank % T, (rank // T) % P, rank // (T * P)
+    return {"tp": [d * T * P + p * T + u for u in range(T)], "pp": [d * T * P + q * T + t for q in range(P)],
+            "dp": [e * T * P + p * T + t for e in range(D)]}
+
+
+def assert_layout_applied(trainer: L.Trainer, devices: int, strategy_kwargs: dict) -> None:
+    """The layout a test asked for is the one that ran: group members, ZeRO stage and data-parallel size of the
+    engine, and (for a Llama) the local parameter count of this rank equal to the planner's count for it."""
+    import torch.distributed as dist
+
+    from lightning_mgpu.planner.model_stats import rank_parameters
+
+    strategy, rank = trainer.strategy, trainer.global_rank
+    for axis, members in expected_groups(rank, devices, **strategy_kwargs).items():
+        got = sorted(dist.get_process_group_ranks(strategy.layout.group(axis)))
+        assert got == members, f"rank {rank}: {axis} group {got}, expected {members}"
+    engine = strategy.model
+    assert engine.zero_optimization_stage() == strategy_kwargs.get("zero_stage", 0)
+    assert engine.dp_world_size == len(members), (engine.dp_world_size, members)
+    config = getattr(trainer.lightning_module, "config", None)
+    if isinstance(config, LlamaConfig):
+        layout = strategy.layout
+        ids = layout.stage_ids(layout.rank("pp"))
+        expected = rank_parameters(config, layout.size("tp"), layout.size("pp"), len(ids), layout.rank("pp"),
+                                   stage_ids=ids, boundaries=strategy_kwargs.get("pipeline_boundaries"))
+        local = sum(getattr(q, "ds_numel", q.numel()) for q in engine.module.parameters())
+        assert local == expected, f"rank {rank} holds {local} parameters; the planner counts {expected}"
+
+
+def assert_parity(results: list[dict], expected: dict, tol: float = 1e-5) -> None:
+    """Every rank's per-step loss AND global gradient norm equal the single-process reference within ``tol``.
+
+    The grad norm is what sees a gradient-scale bug: under clipping and AdamW a doubled gradient barely moves the
+    loss (tests/distributed/test_zero_parity.py shows it)."""
+    for r in results:
+        assert len(r["losses"]) == len(expected["losses"]), (len(r["losses"]), len(expected["losses"]))
+        loss_diff = max_abs_diff(r["losses"], expected["losses"])
+        assert loss_diff < tol, f"rank {r.get('rank')}: loss differs by {loss_diff:.3g}"
+        norm_diff = max_abs_diff(r["grad_norms"], expected["grad_norms"])
+        assert norm_diff < tol, f"rank {r.get('rank')}: grad_norm differs by {norm_diff:.3g}"
+
+
 def global_batches(token_file: Path, steps: int, global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ_LEN,
-                   seed: int = 7, val_fraction: float = 0.01):
-    """The global batches ``[global_batch, seq_len + 1]`` the data module serves, in order, as one tensor each."""
+                   seed: int = 7, val_fraction: float = 0.01, validation: bool = False):
+    """The global batches ``[global_batch, seq_len + 1]`` the data module serves, in order, as one tensor each
+    (with ``validation``, those of its held-out tail, drawn with ``seed + 1``)."""
     tokens = np.memmap(token_file, dtype=np.uint16, mode="r")
-    train = tokens[: int(len(tokens) * (1.0 - val_fraction))]
+    split = int(len(tokens) * (1.0 - val_fraction))
+    part, seed = (tokens[split:], seed + 1) if validation else (tokens[:split], seed)
     for step in range(steps):
-        starts = sample_starts(seed, step, global_batch, len(train), seq_len)
-        yield torch.from_numpy(np.stack([train[s:s + seq_len + 1] for s in starts]).astype(np.int64))
+        starts = sample_starts(seed, step, global_batch, len(part), seq_len)
+        yield torch.from_numpy(np.stack([part[s:s + seq_len + 1] for s in starts]).astype(np.int64))
 
 
 def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, model: LlamaConfig = TINY,
               global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ_LEN, seed: int = 7, optim: Optional[dict] = None,
-              val_fraction: float = 0.01) -> dict:
-    """The same training, written as a plain single-process PyTorch loop over whole global batches."""
+              val_fraction: float = 0.01, val_batches: int = 0) -> dict:
+    """The same training, written as a plain single-process PyTorch loop over whole global batches; with
+    ``val_batches``, also the mean loss over that many validation batches after the last step."""
     module = LLMModule(model, **(optim or OPTIM), global_batch_size=global_batch)
     module.configure_model()
     opt_cfg = module.configure_optimizers()
@@ -108,7 +160,13 @@ def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, mo
         optimizer.zero_grad()
         losses.append(loss.item())
         norms.append(norm.item())
-    return {"losses": losses, "grad_norms": norms}
+    out = {"losses": losses, "grad_norms": norms}
+    if val_batches:
+        with torch.no_grad():
+            val = [F.cross_entropy(module.model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()).item()
+                   for b in global_batches(token_file, val_batches, global_batch, seq_len, seed, val_fraction, True)]
+        out["val_loss"] = sum(val) / len(val)
+    return out
 
 
 def max_abs_diff(a: list, b: list) -> float:

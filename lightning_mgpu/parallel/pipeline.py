@@ -27,7 +27,14 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from lightning_mgpu.layout import V_SCHEDULES, ParallelLayout
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _ComputationType,
+    _PipelineScheduleRuntime,
+)
+
+from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.timeline import PipelineTimeline
 
 SCHEDULE_CLASSES = {
@@ -43,22 +50,53 @@ SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
 def num_stages(layout: ParallelLayout) -> int:
-    """Stages of the whole pipeline: ``pipeline_parallel_size * virtual_pipeline_size`` (2 per rank for V shapes)."""
-    per_rank = 2 if layout.pipeline_schedule in V_SCHEDULES else layout.virtual_pipeline_size
-    return layout.pipeline_parallel_size * per_rank
+    """Stages of the whole pipeline (see ``ParallelLayout.num_stages``)."""
+    return layout.num_stages
 
 
 def stage_ids(pp_rank: int, layout: ParallelLayout) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` runs: looped (``r, r+P, ...``), or V-shaped (``r, 2P-1-r``)."""
-    P = layout.pipeline_parallel_size
-    if layout.pipeline_schedule in V_SCHEDULES:
-        return [pp_rank, 2 * P - 1 - pp_rank]
-    return [pp_rank + k * P for k in range(num_stages(layout) // P)]
+    """The stages pipeline rank ``pp_rank`` runs (see ``ParallelLayout.stage_ids``)."""
+    return layout.stage_ids(pp_rank)
 
 
 def stage_owner(stage_id: int, layout: ParallelLayout) -> int:
     """The pipeline rank that runs ``stage_id``."""
-    return next(r for r in range(layout.pipeline_parallel_size) if stage_id in stage_ids(r, layout))
+    return next(r for r in range(layout.pipeline_parallel_size) if stage_id in layout.stage_ids(r))
+
+
+def forward_only_order(layout: ParallelLayout, n_microbatches: int) -> dict[int, list[_Action]]:
+    """Per pipeline rank, the forward actions of an evaluation pass in a deadlock-free order.
+
+    Stage ``s`` runs micro-batch ``m`` at time ``s + m`` (GPipe's diagonal); each rank runs its stages' actions sorted by
+    that time, so every activation is sent before the rank that needs it waits for it, whatever the stage placement.
+    """
+    order: dict[int, list[_Action]] = {}
+    for rank in range(layout.pipeline_parallel_size):
+        actions = [(stage + mb, stage, mb) for stage in stage_ids(rank, layout) for mb in range(n_microbatches)]
+        order[rank] = [_Action(stage, _ComputationType.FORWARD, mb) for _, stage, mb in sorted(actions)]
+    return order
+
+
+class ForwardOnlySchedule(_PipelineScheduleRuntime):
+    """Evaluation over the training schedule's stages: forward actions only, for any stage placement.
+
+    Written here because torch's ``eval()`` of a multi-stage schedule replays the *training* order with backward
+    switched off; for ZBV and DualPipeV that order hands gradients between a rank's two stages and raises
+    ``can't steal_bwd_input if this stage doesn't have backward`` (torch 2.13). The actions are torch's own
+    (``_Action``, lowered to sends and receives by torch's ``_add_send_recv``); only their order is ours.
+    """
+
+    def __init__(self, stages: list[PipelineStage], layout: ParallelLayout, n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        placement = {stage: rank for rank in range(layout.pipeline_parallel_size) for stage in stage_ids(rank, layout)}
+        self.stage_index_to_group_rank = placement
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = placement
+        self.pipeline_order = forward_only_order(layout, n_microbatches)
+        # torch's _prepare_schedule_with_comms would first validate that every forward has a backward; lower directly.
+        self.pipeline_order_with_comms = _add_send_recv(self.pipeline_order, stage_to_rank=placement.__getitem__,
+                                                        num_stages=self._num_stages)
 
 
 class Pipeline:
@@ -85,6 +123,8 @@ class Pipeline:
         stages: Any = self.stages[0] if name in SINGLE_STAGE_SCHEDULES else self.stages
         self.schedule = SCHEDULE_CLASSES[name](stages, n_microbatches, loss_fn=self._microbatch_loss,
                                                scale_grads=False)
+        self.eval_schedule = self.schedule if name in SINGLE_STAGE_SCHEDULES else \
+            ForwardOnlySchedule(self.stages, layout, n_microbatches, self._microbatch_loss)
         self.has_first, self.has_last = 0 in ids, total - 1 in ids
         self.last_rank = layout.global_rank_of(layout.rank("tp"), stage_owner(total - 1, layout), layout.rank("dp"))
 
@@ -115,7 +155,7 @@ class Pipeline:
         """Forward only; the mean loss over the micro-batches on every rank."""
         if self.timeline is not None:
             self.timeline.pause()
-        return self._run(self.schedule.eval, inputs, targets)
+        return self._run(self.eval_schedule.eval, inputs, targets)
 
 
 def stage_container(stages: dict[int, nn.Module]) -> nn.ModuleDict:

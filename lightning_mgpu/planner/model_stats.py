@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional, Sequence
+
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.models.llama_plan import balanced_boundaries
 
@@ -19,11 +21,13 @@ def block_parameters(cfg: LlamaConfig, tp: int) -> int:
 
 
 def rank_parameters(cfg: LlamaConfig, tp: int = 1, pp: int = 1, stages_per_rank: int = 1,
-                    pp_rank: int = 0) -> int:
-    """Parameters held by pipeline rank ``pp_rank`` (looped stage placement), on one tensor-parallel rank."""
+                    pp_rank: int = 0, stage_ids: Optional[Sequence[int]] = None,
+                    boundaries: Optional[Sequence[int]] = None) -> int:
+    """Parameters held by pipeline rank ``pp_rank`` on one tensor-parallel rank: its stages are ``stage_ids`` (default:
+    looped placement ``r, r+P, ...``) of ``pp * stages_per_rank``, split at ``boundaries`` (default: balanced)."""
     stages = pp * stages_per_rank
-    bounds = balanced_boundaries(cfg.n_layers, stages)
-    ids = [pp_rank + k * pp for k in range(stages_per_rank)]
+    bounds = list(boundaries) if boundaries is not None else balanced_boundaries(cfg.n_layers, stages)
+    ids = list(stage_ids) if stage_ids is not None else [pp_rank + k * pp for k in range(stages_per_rank)]
     vocab_rows = _padded(cfg.vocab_size, tp) // tp
     total = 0
     for s in ids:

@@ -12,6 +12,7 @@ from helpers import max_abs_diff, reference
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_strategy
@@ -70,45 +71,89 @@ def test_named_model_and_overrides_build_the_shape():
     assert build_model_config(cfg) == LlamaConfig.from_name("llama3_8b", n_layers=4, activation_checkpointing="full")
 
 
-def read_losses(metrics: Path) -> list[float]:
+def read_metric(metrics: Path, key: str) -> list[float]:
+    """The values of ``key`` in a run's metrics.csv, in step order."""
     rows = list(csv.DictReader(metrics.open()))
-    return [float(r["train/loss"]) for r in sorted(rows, key=lambda r: int(r["step"])) if r.get("train/loss")]
+    return [float(r[key]) for r in sorted(rows, key=lambda r: int(r["step"])) if r.get(key)]
+
+
+def read_losses(metrics: Path) -> list[float]:
+    return read_metric(metrics, "train/loss")
+
+
+def assert_cli_parity(metrics: Path, expected: dict) -> None:
+    """A run's logged per-step loss and global grad norm equal the single-process reference to 1e-5."""
+    assert max_abs_diff(read_losses(metrics), expected["losses"]) < 1e-5
+    assert max_abs_diff(read_metric(metrics, "train/grad_norm"), expected["grad_norms"]) < 1e-5
+
+
+TINY_MODEL = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.vocab_size=64",
+              "model.max_seq_len=64"]
+
+
+def cli_args(token_file, steps: int, n_layers: int = 2) -> list[str]:
+    """A tiny run on the test token file, as in tests/helpers.py (seed 7, clip 0.3, 2 warm-up steps)."""
+    return ["trainer.devices=2", "data=tokens", f"data.path={token_file}", "data.seq_len=16", "data.global_batch_size=8",
+            "data.micro_batch_size=2", *TINY_MODEL, f"model.n_layers={n_layers}", f"trainer.max_steps={steps}",
+            "trainer.gradient_clip_val=0.3", "optim.warmup_steps=2", "seed=7", "sample.prompt=0",
+            "sample.max_new_tokens=4", "trainer.enable_progress_bar=false"]
+
+
+def cli_reference(token_file, steps: int, n_layers: int = 2, val_batches: int = 0) -> dict:
+    model = LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64,
+                        max_seq_len=64)
+    return reference(token_file, steps=steps, clip=0.3, model=model, seed=7, val_batches=val_batches,
+                     optim=dict(lr=3e-3, warmup_steps=2, max_steps=steps, min_lr_ratio=0.1, weight_decay=0.1))
 
 
 @pytest.mark.parametrize("parallel, plan", [
     (["parallel=zero2"], "2 per micro-batch x 2 micro-batches x 2 data-parallel replicas"),
     (["parallel=tp2_sp"], "2 per micro-batch x 4 micro-batches x 1 data-parallel replicas"),
-    (["parallel.pipeline_parallel_size=2", "parallel.pipeline_timeline=true"],
-     "2 per micro-batch x 4 micro-batches x 1 data-parallel replicas"),
-], ids=["zero2", "tp2_sp", "pp2"])
+], ids=["zero2", "tp2_sp"])
 def test_cli_two_processes_match_single_process(token_file, tmp_path, parallel, plan):
     run_dir = tmp_path / "run"
-    args = [str(BIN / "mgpu-train"), "trainer.devices=2", *parallel, "data=tokens", f"data.path={token_file}",
-            "data.seq_len=16", "data.global_batch_size=8", "data.micro_batch_size=2", "model.dim=32",
-            "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.vocab_size=64",
-            "model.max_seq_len=64", "trainer.max_steps=10", "trainer.gradient_clip_val=0.3", "optim.warmup_steps=2",
-            "seed=7", "sample.prompt=0", "sample.max_new_tokens=4", "trainer.enable_progress_bar=false",
-            f"hydra.run.dir={run_dir}"]
+    args = [str(BIN / "mgpu-train"), *cli_args(token_file, 10), *parallel, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"global batch 8 = {plan}" in proc.stdout + proc.stderr
-    if "parallel.pipeline_parallel_size=2" in parallel:
-        assert "pipeline timeline of step 9" in proc.stdout and "theoretical" in proc.stdout
-        assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
-    else:
-        assert "--- sample after 10 steps ---" in proc.stdout
+    assert "--- sample after 10 steps ---" in proc.stdout
     assert (run_dir / "config.yaml").is_file()
     assert not list(tmp_path.glob("outputs"))  # every rank used the one run directory
-    losses = read_losses(run_dir / "metrics.csv")
-    model = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64)
-    ref = reference(token_file, steps=10, clip=0.3, model=model, seed=7,
-                    optim=dict(lr=3e-3, warmup_steps=2, max_steps=10, min_lr_ratio=0.1, weight_decay=0.1))
-    assert max_abs_diff(losses, ref["losses"]) < 1e-5
+    assert_cli_parity(run_dir / "metrics.csv", cli_reference(token_file, 10))
     rows = [r for r in csv.DictReader((run_dir / "metrics.csv").open()) if r.get("train/loss")]
     for r in rows:  # the other per-step metrics belong to the same step as the loss
         assert float(r["train/ppl"]) == pytest.approx(math.exp(float(r["train/loss"])), rel=1e-5)
         assert float(r["perf/tokens_per_s"]) > 0 and float(r["perf/tflops_per_gpu"]) > 0  # ThroughputCallback
         assert float(r["train/tokens_seen"]) == (int(r["step"]) + 1) * 8 * 16
+
+
+SCHEDULE_SWEEPS = [  # one multirun per virtual size; each job is a full mgpu-train run on 2 processes
+    ("gpipe,1f1b", ["parallel.virtual_pipeline_size=1", "parallel.pipeline_timeline=true"]),
+    ("interleaved_1f1b,looped_bfs,interleaved_zero_bubble,zbv,dualpipev", ["parallel.virtual_pipeline_size=2"]),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("schedules, extra", SCHEDULE_SWEEPS, ids=["one-stage-per-rank", "two-stages-per-rank"])
+def test_cli_every_schedule_trains_and_validates_at_parity(token_file, tmp_path, schedules, extra):
+    """pp2 through mgpu-train with Lightning's sanity validation on (2 batches before training) and a validation at
+    the end: per-step loss, grad norm and the validation loss equal one process."""
+    sweep = tmp_path / "sweep"
+    args = [str(BIN / "mgpu-train"), "-m", f"parallel.pipeline_schedule={schedules}", *extra,
+            *cli_args(token_file, 5, n_layers=4), "parallel.pipeline_parallel_size=2", "parallel.zero_stage=1",
+            "data.val_batches=2", f"hydra.sweep.dir={sweep}"]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    ref = cli_reference(token_file, 5, n_layers=4, val_batches=2)
+    names = schedules.split(",")
+    for job, name in enumerate(names):
+        metrics = sweep / str(job) / "metrics.csv"
+        assert OmegaConf.load(sweep / str(job) / "config.yaml").parallel.pipeline_schedule == name
+        assert_cli_parity(metrics, ref)
+        assert abs(read_metric(metrics, "val/loss")[-1] - ref["val_loss"]) < 1e-5, name
+    if "gpipe" in names:
+        assert proc.stdout.count("pipeline timeline of step 4") == 2 and "theoretical" in proc.stdout
+        assert (sweep / "1" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_cli_after_non_editable_install(tmp_path):

@@ -1,7 +1,9 @@
 """ZeRO 0-3 over 2 data-parallel ranks against a single-process PyTorch loop on the same global batches."""
 
 import pytest
-from helpers import fit, max_abs_diff, reference
+from helpers import OPTIM, TINY, assert_parity, fit, max_abs_diff, reference
+
+from lightning_mgpu import LLMModule
 
 from lightning_mgpu.testing import run_distributed
 
@@ -14,11 +16,26 @@ def ref(token_file):
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_zero_matches_single_process(token_file, ref, zero_stage):
     results = run_distributed(fit, 2, token_file, 2, zero_stage=zero_stage)
-    for r in results:  # every rank reports the global-batch loss
-        assert len(r["losses"]) == 10
-        assert max_abs_diff(r["losses"], ref["losses"]) < 1e-5
-        assert max_abs_diff(r["grad_norms"], ref["grad_norms"]) < 1e-5
+    assert_parity(results, ref)  # every rank reports the global-batch loss and the global grad norm
     assert ref["losses"][-1] < ref["losses"][0] - 0.2  # the run learns, so the comparison means something
+
+
+class DoubledGradients(LLMModule):
+    """The bug of summing gradients over two replicas instead of averaging them: every gradient comes out 2x."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        for p in self.model.parameters():
+            p.register_hook(lambda grad: 2 * grad)
+
+
+def test_parity_check_catches_a_doubled_gradient(token_file, ref):
+    results = run_distributed(fit, 2, token_file, 2, zero_stage=2, module=DoubledGradients(TINY, **OPTIM,
+                                                                                           global_batch_size=8))
+    # Clipping (0.3) and AdamW hide the scale from the loss, so only the grad norm can tell.
+    assert max_abs_diff(results[0]["losses"], ref["losses"]) < 1e-5
+    with pytest.raises(AssertionError, match="grad_norm differs"):
+        assert_parity(results, ref)
 
 
 @pytest.mark.parametrize("offload", [dict(zero_stage=2, offload_optimizer="cpu"),
