@@ -141,13 +141,20 @@ class LLMModule(L.LightningModule):
     def training_step(self, batch: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
         return self.loss(batch)
 
-    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
-        loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().float()
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
+        # Counted as the step starts, not in on_train_batch_end: Lightning runs the callbacks' on_train_batch_end
+        # (a periodic checkpoint among them) before the module's, so a count made there would be saved one step short.
         layout = getattr(self.trainer.strategy, "layout", None)  # tensor/pipeline ranks share their replica's batch
         replicas = layout.size("dp") if layout is not None else self.trainer.world_size
         global_batch = self.hparams.global_batch_size or batch.shape[0] * replicas
         self.tokens_seen += global_batch * (batch.shape[-1] - 1)
+
+    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().float()
         self.log("train/loss", loss, prog_bar=True, on_step=True)
+        grad_norm = getattr(self.trainer.strategy, "last_grad_norm", None)
+        if grad_norm is not None:  # the global norm before clipping: a gradient-scale bug shows here, not in the loss
+            self.log("train/grad_norm", float(grad_norm), on_step=True)
         # Each self.log costs Lightning ~5 ms of bookkeeping on a CPU (measured, benchmarks/overhead.py): log the
         # progress-bar value every step and the rest only on the steps the logger writes.
         if self.trainer.global_step % max(1, self.trainer.log_every_n_steps) == 0:

@@ -10,8 +10,9 @@ parameter names, so a checkpoint of ``tp2 x pp2`` loads into ``dp4`` and back. L
 the new layout (DCP reads the overlapping slices), then writes the values into the engine: weights, fp32
 master partitions and Adam state (created if the engine has not stepped yet).
 
-The trainer state (step, LR schedule and the optimizer's current per-group LR, data position, RNG) goes to ``trainer_state.pt`` as plain containers
-of tensors and numbers, loaded with ``torch.load(weights_only=True)``.
+The trainer state (step, LR schedule and the optimizer's current per-group LR, data position, RNG, the module's
+counters) goes to ``trainer_state.pt`` as plain containers of tensors and numbers, loaded with
+``torch.load(weights_only=True)``: nothing else is unpickled.
 """
 
 from __future__ import annotations
@@ -79,6 +80,9 @@ class _Engine:
                                       "optimizer wrapper exposes no per-parameter state); use zero_stage >= 1, "
                                       "precision='32-true', or checkpoint_format='deepspeed'")
         self.inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        #: False for an engine built to evaluate (validate/test/predict): it has no optimizer, and ZeRO-3 keeps only
+        #: its parameter partitions (no fp32 master), so a load sets the weights alone.
+        self.trains = self.optimizer is not None and hasattr(self.optimizer, "param_groups")
         if self.stage in (1, 2) and self.step():  # point each parameter's fragment at the current Adam state
             self._relink()
 
@@ -127,11 +131,16 @@ class _Engine:
         if self.stage in (1, 2):
             self._relink()
 
-    def set(self, param: torch.nn.Parameter, value: torch.Tensor, moments: dict[str, torch.Tensor], step: int,
-            layout: ParallelLayout) -> None:
+    def set(self, param: torch.nn.Parameter, value: torch.Tensor, moments: dict[str, torch.Tensor], step: int) -> None:
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        if self.stage == 0:
+        if not self.trains and self.stage == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                param.data.copy_(value.to(param.dtype))
+            return
+        if self.stage == 0 or not self.trains:
             param.data.copy_(value.to(param.dtype))
             if step:
                 self.optimizer.state[param] = {"step": torch.tensor(float(step)),
@@ -144,12 +153,14 @@ class _Engine:
         if self.stage == 3:  # the bf16/fp32 working partition, from the same full value on every dp rank
             import deepspeed
 
-            src = layout.global_rank_of(layout.rank("tp"), layout.rank("pp"), 0)
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=src):
+            # modifier_rank is a rank *inside* the parameter's ZeRO group (the data-parallel group), which DeepSpeed
+            # maps to a global rank itself: its first member, whatever this rank's tp/pp coordinates. A global rank
+            # here fails as soon as dp == 1 and this rank is not global rank 0 ("Group rank 1 is not part of group").
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                 param.data.copy_(value.to(param.dtype))
 
     def finish(self) -> None:
-        if self.stage in (1, 2):
+        if self.stage in (1, 2) and self.trains:
             self.optimizer.update_lp_params()
 
 
@@ -190,20 +201,28 @@ def save_universal(engine: Any, layout: ParallelLayout, path: str | Path, traine
     dist.barrier()
 
 
+def read_trainer_state(path: str | Path) -> dict:
+    """The trainer state of a universal checkpoint. ``weights_only=True`` unpickles only containers, tensors and
+    numbers: a file holding any other object (which plain unpickling would construct, running its code) is refused
+    with ``pickle.UnpicklingError``. Explicit, because torch only defaults to it from 2.6 and an environment
+    variable (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``) turns the default off."""
+    return torch.load(Path(path) / TRAINER_STATE, weights_only=True)
+
+
 def load_universal(engine: Any, layout: ParallelLayout, path: str | Path) -> dict:
     """Load a checkpoint written by any layout into this rank's engine; return the trainer state."""
+    trainer_state = read_trainer_state(path)  # first: a refused file leaves the engine untouched
     state, params = _tensor_state(engine, layout, fill=False)
     dcp.load(state, checkpoint_id=str(path))
     access = _Engine(engine)
-    step = int(state["step"])
+    step = int(state["step"]) if access.trains else 0
     access.prepare_state(step)
     for fqn, param in params:
         like = access.like(param)
         value = _from_saved(state[f"param/{fqn}"], param, layout, like)
         moments = {k: _from_saved(state[f"{k}/{fqn}"], param, layout, like) for k in MOMENTS}
-        access.set(param, value, moments, step, layout)
+        access.set(param, value, moments, step)
     access.finish()
-    trainer_state = torch.load(Path(path) / TRAINER_STATE, weights_only=True)
     torch.set_rng_state(trainer_state.pop("rng_state"))
     # The LR (and any other per-group setting) where the schedule left it; the scheduler only sets it on its next step.
     for group, saved in zip(getattr(engine.optimizer, "param_groups", []), trainer_state.pop("optimizer_param_groups")):
@@ -216,11 +235,12 @@ def read_model_weights(path: str | Path, prefix: str = "model.") -> tuple[dict, 
     read from a universal checkpoint in one process, whatever layout wrote it."""
     from lightning_mgpu.models.llama import Llama, LlamaConfig
 
-    trainer_state = torch.load(Path(path) / TRAINER_STATE, weights_only=True)
+    trainer_state = read_trainer_state(path)
     config = (trainer_state.get("hyper_parameters") or {}).get("model")
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds no model config (hyper_parameters['model']): it was not written by LLMModule")
-    shapes = {name: p.shape for name, p in Llama(LlamaConfig(**config)).to("meta").named_parameters()}
+    with torch.device("meta"):  # built on meta, not moved there: ``.to("meta")`` unties tied embeddings
+        shapes = {name: p.shape for name, p in Llama(LlamaConfig(**config)).named_parameters()}
     targets = {f"param/{prefix}{name}": torch.zeros(shape) for name, shape in shapes.items()}
     dcp.load(targets, checkpoint_id=str(path), no_dist=True)
     return config, {k[len("param/") + len(prefix):]: v for k, v in targets.items()}

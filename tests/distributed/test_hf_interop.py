@@ -1,18 +1,30 @@
 """Hugging Face Llama interop, offline: a tiny LlamaForCausalLM built here (random weights, nothing downloaded)
-goes through import -> 0 training steps on a parallel layout -> export, and transformers' own forward agrees."""
+goes through import -> 0 training steps on a parallel layout -> export, and transformers' own forward agrees; tied
+embeddings included. One ``mgpu-train model.init_from=hf:PATH`` run starts from transformers' loss and gradient norm,
+and its checkpoint feeds ``mgpu-export --dtype`` and the refusal of a trainer state that holds code."""
 
+import csv
 import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
 import lightning as L  # noqa: E402
-from helpers import datamodule  # noqa: E402
+from helpers import datamodule, fit, global_batches  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
-from lightning_mgpu.checkpoint.hf import from_hf_config, load_hf, load_into  # noqa: E402
+from lightning_mgpu.checkpoint.hf import from_hf_config, load_hf, load_into, to_hf_name  # noqa: E402
+from lightning_mgpu.checkpoint.universal import TRAINER_STATE, read_model_weights, read_trainer_state  # noqa: E402
 from lightning_mgpu.cli.export import main as export_main  # noqa: E402
 from lightning_mgpu.models import Llama  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
@@ -61,15 +73,20 @@ def _token_file(directory):
     return make_token_file(directory, n_tokens=5000)
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2, sequence_parallel=True),
-                                    dict(pipeline_parallel_size=2, zero_stage=1),
-                                    dict(tensor_parallel_size=2, zero_stage=1, save_consolidated_weights=False)],
-                         ids=["tp2_sp", "pp2_zero1", "tp2_from_universal_checkpoint"])
-def test_import_train_zero_steps_export_round_trip(tmp_path, layout):
-    reference = tiny_hf(tmp_path / "hf", tied=False)
+@pytest.mark.parametrize("layout, tied", [(dict(tensor_parallel_size=2, sequence_parallel=True), True),
+                                          (dict(pipeline_parallel_size=2, zero_stage=1), False),
+                                          (dict(tensor_parallel_size=2, zero_stage=1, save_consolidated_weights=False),
+                                           False)],
+                         ids=["tp2_sp_tied", "pp2_zero1", "tp2_from_universal_checkpoint"])
+def test_import_train_zero_steps_export_round_trip(tmp_path, layout, tied):
+    """Tied embeddings: one tensor in our model (split over the vocabulary under tp), ``embed_tokens`` alone in the
+    export, and transformers ties ``lm_head`` to it again on loading."""
+    reference = tiny_hf(tmp_path / "hf", tied=tied)
     run_distributed(_round_trip, 2, tmp_path / "hf", tmp_path / "ckpt", 2, layout)
     export_main([str(tmp_path / "ckpt"), str(tmp_path / "exported"), "--format", "hf"])
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    assert exported.config.tie_word_embeddings is tied
+    assert (exported.lm_head.weight is exported.model.embed_tokens.weight) is tied
     torch.testing.assert_close(hf_logits(exported, TOKENS), hf_logits(reference, TOKENS), atol=1e-5, rtol=0)
 
 
@@ -80,3 +97,85 @@ def test_mismatched_shapes_are_named(tmp_path):
                                   "intermediate_size": 96}))
     with pytest.raises(ValueError, match=r"layers.0.feed_forward.w1.weight: checkpoint \(64, 32\) vs model \(96, 32\)"):
         load_into(other, state)
+
+
+# ----------------------------------------------------------------- mgpu-train model.init_from=hf:PATH, then mgpu-export
+@pytest.fixture(scope="module")
+def cli_run(token_file, tmp_path_factory):
+    """One step of ``mgpu-train`` from a tied Hugging Face model, saved on exit. One process: a second one costs
+    ~10 s of start-up in a subprocess run, and the parallel layouts load init_from in the round trips above."""
+    root = tmp_path_factory.mktemp("cli")
+    hf = tiny_hf(root / "hf", tied=True)
+    mgpu_train = Path(sys.executable).parent / "mgpu-train"
+    proc = subprocess.run([str(mgpu_train), "trainer.devices=1", f"model.init_from=hf:{root / 'hf'}", "data=tokens",
+                           f"data.path={token_file}", "data.seq_len=16", "data.global_batch_size=8",
+                           "data.micro_batch_size=2", "trainer.max_steps=1", "trainer.num_sanity_val_steps=0",
+                           "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
+                           "trainer.enable_model_summary=false", "seed=7", "sample.prompt=0",
+                           "sample.max_new_tokens=1", "checkpoint.save_last=true", f"hydra.run.dir={root / 'run'}"],
+                          cwd=root, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"hf": hf, "hf_dir": root / "hf", "run": root / "run",
+            "checkpoint": root / "run" / "checkpoints" / "step-00000001"}
+
+
+def test_cli_init_from_hf_starts_from_its_weights(token_file, cli_run):
+    """The first step's loss and gradient norm (before clipping) are transformers' own on the same global batch."""
+    batch = next(global_batches(token_file, 1, global_batch=8, seq_len=16, seed=7))
+    model = cli_run["hf"]
+    model.zero_grad()
+    logits = model(batch[:, :-1]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    loss.backward()
+    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+    rows = [r for r in csv.DictReader((cli_run["run"] / "metrics.csv").open()) if r.get("train/loss")]
+    assert len(rows) == 1
+    assert abs(float(rows[0]["train/loss"]) - loss.item()) < 1e-5, (rows[0]["train/loss"], loss.item())
+    assert abs(float(rows[0]["train/grad_norm"]) - grad_norm.item()) < 1e-5, (rows[0]["train/grad_norm"], grad_norm)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_export_dtype_rounds_the_fp32_weights(cli_run, tmp_path, dtype):
+    export_main([str(cli_run["checkpoint"]), str(tmp_path / "out"), "--dtype", dtype])
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    config, fp32 = read_model_weights(cli_run["checkpoint"])
+    assert config["tie_embeddings"] and "output.weight" not in fp32  # tied: one tensor, written once
+    assert sorted(exported) == sorted(to_hf_name(k) for k in fp32)
+    for name, value in fp32.items():
+        assert value.dtype == torch.float32
+        got = exported[to_hf_name(name)]
+        assert got.dtype == getattr(torch, dtype), (name, got.dtype)
+        assert torch.equal(got, value.to(got.dtype)), name  # round to nearest, not truncated or rescaled
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["tie_word_embeddings"] is True
+
+
+class _MakesADirectory:
+    """Unpickling this object calls ``os.mkdir(path)``: the stand-in for code hidden in a checkpoint."""
+
+    def __init__(self, path) -> None:
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def _resume(rank, token_file, checkpoint, config):
+    return fit(rank, token_file, 1, max_steps=2, ckpt_path=str(checkpoint), model=config)
+
+
+def test_a_trainer_state_holding_code_is_refused(cli_run, token_file, tmp_path, monkeypatch):
+    """The universal loader and mgpu-export refuse a ``trainer_state.pt`` that holds any object other than containers
+    of tensors and numbers, before constructing it. torch's own default (weights_only since 2.6) is switched off
+    here, as older torch or ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` would, so only the loader's explicit
+    ``weights_only=True`` protects it."""
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(cli_run["checkpoint"], checkpoint)
+    config = from_hf_config(json.loads((cli_run["hf_dir"] / "config.json").read_text()))
+    marker = tmp_path / "code_ran"
+    torch.save({**read_trainer_state(checkpoint), "extra": _MakesADirectory(marker)}, checkpoint / TRAINER_STATE)
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        export_main([str(checkpoint), str(tmp_path / "out")])
+    with pytest.raises(Exception, match="Weights only load failed"):
+        run_distributed(_resume, 1, token_file, checkpoint, config)
+    assert not marker.exists()
