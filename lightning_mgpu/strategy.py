@@ -157,6 +157,19 @@ class MGPUStrategy(ParallelStrategy):
         return {"num_replicas": self.layout.size("dp"), "rank": self.layout.rank("dp")}
 
     @property
+    def is_distributed(self) -> bool:
+        """Always: Lightning then shards a user's DataLoaders over the data-parallel group (``distributed_sampler_kwargs``),
+        as it does under DDP. It reads this attribute for strategies that are not its own."""
+        return True
+
+    @property
+    @override
+    def handles_gradient_accumulation(self) -> bool:
+        """``Trainer(accumulate_grad_batches=N)`` is the engine's gradient accumulation (its boundary is
+        ``engine.step()``), not Lightning's ``no_sync`` blocks, which DeepSpeed refuses under ZeRO 2 and 3."""
+        return True
+
+    @property
     def engine(self):
         """The DeepSpeed engine (available after ``setup``)."""
         return self.model
@@ -215,6 +228,8 @@ class MGPUStrategy(ParallelStrategy):
         if plan:
             rank_zero_info(plan.describe(self.layout.size("pp")))
         self._check_model_shape(micro_batches)
+        self._check_lightning_features(trainer, micro_batches)
+        accumulate = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
         if self.layout.size("tp") > 1:
             self._apply_tensor_parallel()
         module = self._split_pipeline() if self.layout.size("pp") > 1 else self.model
@@ -229,7 +244,7 @@ class MGPUStrategy(ParallelStrategy):
                 raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; MGPUStrategy "
                                  "drives one DeepSpeed engine and needs exactly one")
             optimizer = self.optimizers[0]
-        config = zero_config(self.layout, module, micro_size, micro_batches, trainer.gradient_clip_val,
+        config = zero_config(self.layout, module, micro_size, micro_batches * accumulate, trainer.gradient_clip_val,
                              self.precision_plugin.deepspeed_config(), self.nvme_path, self.deepspeed_config_overrides)
         if optimizer is None and config["zero_optimization"]["stage"] in (1, 2):
             config["zero_optimization"]["stage"] = 0  # nothing to partition without optimizer state or gradients
@@ -240,7 +255,7 @@ class MGPUStrategy(ParallelStrategy):
         if self.layout.size("dp") == 1 and config["zero_optimization"]["stage"] == 0:
             self.model.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
         if optimizer is not None:
-            self.optimizers = [EngineOwnedOptimizer(ds_optimizer)]
+            self.optimizers = [EngineOwnedOptimizer(ds_optimizer, optimizer)]
         if self.layout.size("pp") > 1:
             self.pipeline = Pipeline(self.model, self.layout, self.root_device, self.lightning_module.pipeline_loss,
                                      micro_batches, PipelineTimeline() if self.pipeline_timeline else None)
@@ -263,6 +278,30 @@ class MGPUStrategy(ParallelStrategy):
                                 f"{', '.join(missing)} (see LLMModule)")
             if problems:
                 raise ValueError("Invalid pipeline setup:\n" + "\n".join(f"  - {p}" for p in problems))
+
+    def _check_lightning_features(self, trainer: "pl.Trainer", num_microbatches: int) -> None:
+        """Refuse, all at once and by name, the Lightning features this strategy cannot run, with what to do instead."""
+        from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+        module, problems = self.lightning_module, []
+        pipelined = self.layout.size("pp") > 1
+        if pipelined and trainer.accumulate_grad_batches > 1:
+            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported with pipeline "
+                            "parallelism: the schedule already accumulates over its micro-batches; raise the number of "
+                            "micro-batches instead (num_microbatches, or the data module's global batch size)")
+        if not module.automatic_optimization:
+            if pipelined:
+                problems.append("manual optimization (automatic_optimization=False) is not supported with pipeline "
+                                "parallelism: the schedule runs forward and backward itself; use automatic optimization")
+            if num_microbatches > 1:
+                problems.append(f"manual optimization runs one training_step per batch, but {num_microbatches} "
+                                "micro-batches were asked for; use num_microbatches=1 or automatic optimization")
+        if any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks):
+            problems.append("StochasticWeightAveraging is not supported by MGPUStrategy: it averages full copies of the "
+                            "parameters, which ZeRO partitions and tensor/pipeline parallelism split; average "
+                            "checkpoints offline instead (mgpu-export writes whole weights)")
+        if problems:
+            raise ValueError("Unsupported with MGPUStrategy:\n" + "\n".join(f"  - {p}" for p in problems))
 
     def _split_pipeline(self) -> torch.nn.Module:
         """Keep only this rank's pipeline stages; return them in the one container the engine wraps."""
@@ -299,20 +338,25 @@ class MGPUStrategy(ParallelStrategy):
         with name_lost_ranks(self._heartbeat):
             return self._training_step(*args, **kwargs)
 
-    def _training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, rest = args[0], args[1:]
         if self.pipeline is not None:
             mean = self.pipeline.train_step(*self.lightning_module.pipeline_batch(batch))
             return self._mean_over_replicas(mean)
-        losses = []
+        if not self.lightning_module.automatic_optimization:  # the module calls manual_backward and opt.step() itself
+            with self.precision_plugin.train_step_context():
+                return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+        losses, out = [], None
         for micro_batch in split_microbatches(batch, self.num_microbatches):
             with self.precision_plugin.train_step_context():
                 out = self._forward_redirection(self.model, self.lightning_module, "training_step", micro_batch,
                                                 *rest, **kwargs)
             loss = out["loss"] if isinstance(out, Mapping) else out
-            self.model.backward(loss)  # scaled by 1 / num_microbatches inside the engine
+            self.model.backward(loss)  # scaled by 1 / (micro-batches x accumulate_grad_batches) inside the engine
             losses.append(loss.detach().float())
-        return self._mean_over_replicas(torch.stack(losses).mean())
+        mean = self._mean_over_replicas(torch.stack(losses).mean())
+        # The module's other outputs (of the last micro-batch) reach on_train_batch_end as under DDP.
+        return {**out, "loss": mean} if isinstance(out, Mapping) else mean
 
     def _mean_over_replicas(self, mean: torch.Tensor) -> torch.Tensor:
         if self.layout.size("dp") > 1:
@@ -345,11 +389,20 @@ class MGPUStrategy(ParallelStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Nothing to do: ``training_step`` already ran each micro-batch's backward through the engine."""
+        """Automatic optimization: nothing to do, ``training_step`` already ran each micro-batch's backward through
+        the engine. Manual optimization (``self.manual_backward(loss)``): the engine's backward."""
+        if not self.lightning_module.automatic_optimization:
+            with name_lost_ranks(self._heartbeat):
+                self.model.backward(closure_loss, *args, **kwargs)
         return closure_loss
 
     def engine_step(self) -> None:
-        """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
+        """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads), except on the
+        batches that ``accumulate_grad_batches`` accumulates over."""
+        trainer = self.lightning_module.trainer
+        # The fit loop's own test, so the engine steps exactly when Lightning counts a step and steps LR schedulers.
+        if self.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate():
+            return
         with name_lost_ranks(self._heartbeat):
             self.model.step()
         norm = self.model.get_global_grad_norm()
@@ -457,6 +510,14 @@ class MGPUStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Record this rank's own failure in the rendezvous store (Lightning calls this on every exception that
+        ends fit), so that the ranks left waiting on it name it with its exception instead of reporting it as
+        unresponsive."""
+        if self._heartbeat is not None:
+            self._heartbeat.record_failure(exception)
 
 
 MGPUStrategy.register_strategies(StrategyRegistry)

@@ -177,17 +177,19 @@ def initialize_engine(module: nn.Module, optimizer: torch.optim.Optimizer, confi
 
 
 class EngineOwnedOptimizer(torch.optim.Optimizer):
-    """The optimizer Lightning sees: the engine's optimizer, minus ``zero_grad`` and ``step``.
+    """The optimizer Lightning sees: the user's torch optimizer as DeepSpeed drives it, minus ``zero_grad`` and ``step``.
 
     Lightning's automatic optimisation calls ``zero_grad`` after ``training_step`` and before its
     backward. Here the micro-batches' backward already ran inside ``training_step`` (through the engine),
     so zeroing then would erase the accumulated gradients; ``engine.step()`` zeroes them itself after
-    the update. ``param_groups`` and ``state`` are the engine optimizer's own, so LR schedulers and
-    logging work unchanged.
+    the update. ``optimizer`` is the user's own optimizer (the one its LR scheduler holds, which DeepSpeed wraps and
+    steps), because Lightning and its callbacks (LearningRateMonitor) unwrap to ``.optimizer`` and read its
+    ``defaults`` and ``param_groups``; ``engine_optimizer`` is DeepSpeed's wrapper, whose state checkpoints hold.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # no super().__init__: nothing of its own
-        self.optimizer = optimizer
+    def __init__(self, engine_optimizer: Any, optimizer: torch.optim.Optimizer) -> None:
+        # no super().__init__: nothing of its own
+        self.engine_optimizer, self.optimizer = engine_optimizer, optimizer
 
     @property
     def param_groups(self):
@@ -195,11 +197,11 @@ class EngineOwnedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):
-        return self.optimizer.state
+        return self.engine_optimizer.state
 
     @property
-    def defaults(self):
-        return getattr(self.optimizer, "defaults", {})
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are zeroed by ``engine.step()``."""
@@ -208,13 +210,13 @@ class EngineOwnedOptimizer(torch.optim.Optimizer):
         raise RuntimeError("step the DeepSpeed engine (MGPUStrategy does), not the optimizer directly")
 
     def state_dict(self):
-        return self.optimizer.state_dict()
+        return self.engine_optimizer.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        self.engine_optimizer.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
-        return f"EngineOwnedOptimizer({type(self.optimizer).__name__})"
+        return f"EngineOwnedOptimizer({type(self.optimizer).__name__} in {type(self.engine_optimizer).__name__})"
 
 
 def keep_zero0_grad_norm(engine) -> None:
