@@ -151,6 +151,7 @@ class LLMModule(L.LightningModule):
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().float()
+        loss = loss * self.trainer.accumulate_grad_batches  # Lightning divides it by accumulate_grad_batches
         self.log("train/loss", loss, prog_bar=True, on_step=True)
         grad_norm = getattr(self.trainer.strategy, "last_grad_norm", None)
         if grad_norm is not None:  # the global norm before clipping: a gradient-scale bug shows here, not in the loss

@@ -42,7 +42,7 @@ class Recorder(L.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(loss))
+        self.losses.append(float(loss) * trainer.accumulate_grad_batches)  # Lightning hands on the loss / N
         self.grad_norms.append(getattr(trainer.strategy, "last_grad_norm", None))
 
 
@@ -74,13 +74,14 @@ def datamodule(token_file: Path, **kw: Any) -> TokenFileDataModule:
 def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precision: str = "32-true",
         clip: Optional[float] = 0.3, ckpt_path: Optional[str] = None, save_to: Optional[str] = None,
         model: LlamaConfig = TINY, data: Optional[dict] = None, module: Optional[L.LightningModule] = None,
-        callbacks: Optional[list] = None, validate: bool = False, **strategy_kwargs: Any) -> dict:
+        callbacks: Optional[list] = None, validate: bool = False, accumulate: int = 1, **strategy_kwargs: Any) -> dict:
     """One Trainer.fit on this process (one rank of ``devices``); returns what it recorded.
 
     With ``validate`` one validation batch runs after the last step and its ``val/loss`` is returned."""
     recorder, probe = Recorder(), DtypeProbe()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs),
                         precision=precision, max_steps=max_steps, gradient_clip_val=clip, logger=False,
+                        accumulate_grad_batches=accumulate,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=1 if validate else 0, val_check_interval=max_steps if validate else None,
                         check_val_every_n_epoch=None if validate else 1, num_sanity_val_steps=0,
@@ -179,23 +180,28 @@ def global_batches(token_file: Path, steps: int, global_batch: int = GLOBAL_BATC
 
 def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, model: LlamaConfig = TINY,
               global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ_LEN, seed: int = 7, optim: Optional[dict] = None,
-              val_fraction: float = 0.01, val_batches: int = 0) -> dict:
+              val_fraction: float = 0.01, val_batches: int = 0, accumulate: int = 1) -> dict:
     """The same training, written as a plain single-process PyTorch loop over whole global batches; with
-    ``val_batches``, also the mean loss over that many validation batches after the last step."""
+    ``val_batches``, also the mean loss over that many validation batches after the last step. With ``accumulate``,
+    one optimizer step per that many global batches (gradients averaged over them); ``losses`` has one entry per
+    batch and ``grad_norms`` one per optimizer step."""
     module = LLMModule(model, **(optim or OPTIM), global_batch_size=global_batch)
     module.configure_model()
     opt_cfg = module.configure_optimizers()
     optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
     losses, norms = [], []
-    for batch in global_batches(token_file, steps, global_batch, seq_len, seed, val_fraction):
+    for i, batch in enumerate(global_batches(token_file, steps * accumulate, global_batch, seq_len, seed,
+                                             val_fraction)):
         logits = module.model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        loss.backward()
+        (loss / accumulate).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate:
+            continue
         norm = torch.nn.utils.clip_grad_norm_(module.model.parameters(), clip if clip else float("inf"))
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
         norms.append(norm.item())
     out = {"losses": losses, "grad_norms": norms}
     if val_batches:

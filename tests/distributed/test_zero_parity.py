@@ -78,3 +78,15 @@ def test_registered_strategy_name_trains(token_file):
         return type(trainer.strategy).__name__, trainer.strategy.layout.zero_stage, trainer.global_step
 
     assert run_distributed(run, 2) == [("MGPUStrategy", 2, 2)] * 2
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_accumulate_grad_batches_over_global_batches_of_micro_batches(token_file, zero_stage):
+    """Trainer(accumulate_grad_batches=2) with the data module's micro-batches: one optimizer step per 2 global
+    batches of 2 micro-batches per rank, i.e. the engine accumulates 2 x 2 backward passes per rank."""
+    expected = reference(token_file, steps=5, accumulate=2, optim=dict(OPTIM, max_steps=5))
+    results = run_distributed(fit, 2, token_file, 2, max_steps=5, zero_stage=zero_stage, accumulate=2,
+                              module=LLMModule(TINY, **dict(OPTIM, max_steps=5), global_batch_size=8))
+    for r in results:
+        assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5  # per global batch: 10
+        assert max_abs_diff(r["grad_norms"][1::2], expected["grad_norms"]) < 1e-5  # per optimizer step: 5
