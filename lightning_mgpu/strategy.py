@@ -125,6 +125,9 @@ class MGPUStrategy(ParallelStrategy):
         self._heartbeat: Optional[Heartbeat] = None
         self.num_nodes = 1
         self.last_grad_norm: Optional[float] = None
+        #: The LightningModule already split by the plan and the stage split (a Trainer runs setup once per stage).
+        self._split_module: Optional[pl.LightningModule] = None
+        self._stage_container: Optional[torch.nn.Module] = None
 
     # ------------------------------------------------------------------------------ registration
     @classmethod
@@ -230,9 +233,12 @@ class MGPUStrategy(ParallelStrategy):
         self._check_model_shape(micro_batches)
         self._check_lightning_features(trainer, micro_batches)
         accumulate = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
-        if self.layout.size("tp") > 1:
-            self._apply_tensor_parallel()
-        module = self._split_pipeline() if self.layout.size("pp") > 1 else self.model
+        if self._split_module is not self.lightning_module:  # a later validate/test/predict reuses the split
+            if self.layout.size("tp") > 1:
+                self._apply_tensor_parallel()
+            self._stage_container = self._split_pipeline() if self.layout.size("pp") > 1 else None
+            self._split_module = self.lightning_module
+        module = self._stage_container if self.layout.size("pp") > 1 else self.model
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if self.layout.size("pp") == 1:

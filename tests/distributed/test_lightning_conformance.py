@@ -116,15 +116,24 @@ class Steps(L.Callback):
         self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
+class TensorParallelClassifier(Classifier):
+    """The same classifier with a tensor-parallel plan: its first layer split by output features, its second by input
+    features (what a user adds to run it at ``tensor_parallel_size=2``)."""
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return {"net.0": "colwise_enter", "net.2": "rowwise"}
+
+
 def train(rank: int, strategy: Any, max_epochs: int = 2, max_steps: int = -1, callbacks: Optional[list] = None,
           module_kw: Optional[dict] = None, trainer_kw: Optional[dict] = None, fit_kw: Optional[dict] = None,
-          after: Optional[str] = None, root: Optional[str] = None) -> dict:
-    """One fit of the Classifier on 2 CPU processes; ``after`` runs ``test``/``validate``/``predict`` with
-    ``ckpt_path="best"`` afterwards."""
+          after: Optional[str] = None, root: Optional[str] = None, devices: int = 2,
+          module_cls: type = Classifier) -> dict:
+    """One fit of the Classifier on CPU processes; ``after`` runs ``test``/``validate``/``predict`` afterwards (from
+    ``ckpt_path="best"`` when a ModelCheckpoint is configured)."""
     strategy = MGPUStrategy(**strategy) if isinstance(strategy, dict) else strategy
     steps = Steps()
-    module = Classifier(**(module_kw or {}))
-    kw = dict(accelerator="cpu", devices=2, strategy=strategy, max_epochs=max_epochs, max_steps=max_steps,
+    module = module_cls(**(module_kw or {}))
+    kw = dict(accelerator="cpu", devices=devices, strategy=strategy, max_epochs=max_epochs, max_steps=max_steps,
               logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
               enable_checkpointing=False, callbacks=[steps, *(callbacks or [])], default_root_dir=root)
     kw.update(trainer_kw or {})
@@ -133,13 +142,14 @@ def train(rank: int, strategy: Any, max_epochs: int = 2, max_steps: int = -1, ca
     out = {"losses": module.losses, "seen": module.seen, "steps": steps.steps, "lrs": steps.lrs,
            "gathered": module.gathered, "global_step": trainer.global_step,
            "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+    best = "best" if any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks) else None
     if after == "test":
-        out["after"] = float(trainer.test(module, loader(shuffle=False), ckpt_path="best")[0]["test_loss"])
+        out["after"] = float(trainer.test(module, loader(shuffle=False), ckpt_path=best)[0]["test_loss"])
     elif after == "validate":
-        out["after"] = float(trainer.validate(module, loader(shuffle=False), ckpt_path="best")[0]["val_loss"])
+        out["after"] = float(trainer.validate(module, loader(shuffle=False), ckpt_path=best)[0]["val_loss"])
     elif after == "predict":
         out["after"] = [(i.tolist(), p.tolist()) for i, p in trainer.predict(module, loader(shuffle=False),
-                                                                             ckpt_path="best")]
+                                                                             ckpt_path=best)]
     for cb in trainer.callbacks:
         if isinstance(cb, ModelCheckpoint):
             out["best"], out["last"] = cb.best_model_path, cb.last_model_path
@@ -174,6 +184,17 @@ def test_plain_module_trains_as_under_ddp(ddp, stage):
     assert not first_epoch[0] & first_epoch[1] and len(first_epoch[0] | first_epoch[1]) == N_SAMPLES
     assert got[0]["gathered"] == ddp[0]["gathered"]  # self.all_gather
     assert got[0]["metrics"]["train_loss"] == pytest.approx(ddp[0]["metrics"]["train_loss"], abs=1e-5)  # sync_dist
+
+
+def test_tensor_parallel_ranks_share_their_replicas_samples(ddp):
+    """tp2 x dp2 on 4 processes against DDP on 2: both ranks of a tensor-parallel pair see DDP rank d's samples and
+    losses; predict shards over the data-parallel group too."""
+    got = run_distributed(train, 4, dict(tensor_parallel_size=2, zero_stage=1), max_steps=10, devices=4,
+                          module_cls=TensorParallelClassifier, after="predict")
+    assert_same_training(got, [ddp[0], ddp[0], ddp[1], ddp[1]])
+    predicted = [sorted(i for ids, _ in r["after"] for i in ids) for r in got]
+    assert predicted[0] == predicted[1] and predicted[2] == predicted[3]
+    assert not set(predicted[0]) & set(predicted[2]) and len(predicted[0]) + len(predicted[2]) == N_SAMPLES
 
 
 @pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero3"])
