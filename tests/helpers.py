@@ -74,18 +74,19 @@ def datamodule(token_file: Path, **kw: Any) -> TokenFileDataModule:
 def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precision: str = "32-true",
         clip: Optional[float] = 0.3, ckpt_path: Optional[str] = None, save_to: Optional[str] = None,
         model: LlamaConfig = TINY, data: Optional[dict] = None, module: Optional[L.LightningModule] = None,
-        callbacks: Optional[list] = None, validate: bool = False, accumulate: int = 1, **strategy_kwargs: Any) -> dict:
+        callbacks: Optional[list] = None, validate: bool = False, accumulate: int = 1,
+        trainer_kw: Optional[dict] = None, **strategy_kwargs: Any) -> dict:
     """One Trainer.fit on this process (one rank of ``devices``); returns what it recorded.
 
     With ``validate`` one validation batch runs after the last step and its ``val/loss`` is returned."""
     recorder, probe = Recorder(), DtypeProbe()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs),
-                        precision=precision, max_steps=max_steps, gradient_clip_val=clip, logger=False,
-                        accumulate_grad_batches=accumulate,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=1 if validate else 0, val_check_interval=max_steps if validate else None,
-                        check_val_every_n_epoch=None if validate else 1, num_sanity_val_steps=0,
-                        callbacks=[recorder, probe, *(callbacks or [])])
+    kw = dict(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs), precision=precision,
+              max_steps=max_steps, gradient_clip_val=clip, logger=False, accumulate_grad_batches=accumulate,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              limit_val_batches=1 if validate else 0, val_check_interval=max_steps if validate else None,
+              check_val_every_n_epoch=None if validate else 1, num_sanity_val_steps=0,
+              callbacks=[recorder, probe, *(callbacks or [])])
+    trainer = L.Trainer(**{**kw, **(trainer_kw or {})})
     module = module or LLMModule(model, **OPTIM, global_batch_size=GLOBAL_BATCH)
     trainer.fit(module, datamodule(token_file, **(data or {})), ckpt_path=ckpt_path)
     assert_layout_applied(trainer, devices, strategy_kwargs)

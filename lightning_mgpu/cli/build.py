@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
+from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.data import StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
@@ -53,6 +55,38 @@ def build_module(cfg: DictConfig, model: Optional[LlamaConfig] = None) -> LLMMod
                      min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,
                      reference_batch_size=o.reference_batch_size, global_batch_size=cfg.data.global_batch_size,
                      init_seed=cfg.model.init_seed, init_from=cfg.model.init_from)
+
+
+def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
+    """The selected loggers, each writing under ``run_dir`` (CSV: ``metrics.csv``; TensorBoard: ``tensorboard/``;
+    W&B: ``wandb/``; MLflow: a file store in ``mlruns/`` unless ``logger.mlflow.tracking_uri`` names another)."""
+    chosen, out = cfg.logger, []
+    if chosen.csv is not None:
+        from lightning.pytorch.loggers import CSVLogger
+
+        flush = chosen.csv.flush_logs_every_n_steps or cfg.trainer.log_every_n_steps
+        out.append(CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=flush))
+    if chosen.tensorboard is not None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        tb = chosen.tensorboard
+        out.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", log_graph=tb.log_graph,
+                                     default_hp_metric=tb.default_hp_metric))
+    if chosen.wandb is not None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        wb = chosen.wandb
+        out.append(WandbLogger(save_dir=str(run_dir), offline=wb.offline, project=wb.project, name=wb.name,
+                               tags=list(wb.tags)))
+    if chosen.mlflow is not None:
+        from lightning.pytorch.loggers import MLFlowLogger
+
+        ml = chosen.mlflow
+        uri = ml.tracking_uri or (Path(run_dir).resolve() / "mlruns").as_uri()
+        if uri.startswith("file:"):  # MLflow >= 3.7 refuses its file store (now in maintenance) without this opt-in
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        out.append(MLFlowLogger(experiment_name=ml.experiment_name, run_name=ml.run_name, tracking_uri=uri))
+    return out
 
 
 def build_strategy(cfg: DictConfig) -> MGPUStrategy:

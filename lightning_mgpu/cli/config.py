@@ -1,7 +1,8 @@
 """Structured (dataclass) schemas of the Hydra configs: a typo'd key or a wrong type fails at composition.
 
 Each group mirrors one constructor: ``model`` -> :class:`LlamaConfig`, ``data`` -> the data modules,
-``parallel`` -> :class:`MGPUStrategy`, ``trainer`` -> ``lightning.Trainer``, ``optim`` -> :class:`LLMModule`.
+``parallel`` -> :class:`MGPUStrategy`, ``trainer`` -> ``lightning.Trainer``, ``logger`` -> its ``logger`` argument,
+``optim`` -> :class:`LLMModule`.
 """
 
 from __future__ import annotations
@@ -71,19 +72,82 @@ class ParallelConfig:
 
 @dataclass
 class TrainerConfig:
-    """The ``lightning.Trainer`` arguments a run needs."""
+    """The ``lightning.Trainer`` arguments a run needs, named as Lightning names them.
 
-    accelerator: str = "cpu"
-    devices: int = 2
+    The training stream is endless (one batch per optimizer step), so a run stops at ``max_steps`` (or
+    ``max_time``) and validation is scheduled in steps; epochs exist only when ``limit_train_batches`` sets
+    their length.
+    """
+
+    accelerator: str = "cpu"  #: cpu | gpu | cuda | auto
+    devices: int = 2  #: processes (GPUs) per node
     num_nodes: int = 1
-    max_steps: int = 300
-    precision: str = "32-true"
-    gradient_clip_val: Optional[float] = 1.0
-    log_every_n_steps: int = 1
-    val_check_interval: Optional[int] = None  #: validate every N steps; null = once, at the last step
+    max_steps: int = 300  #: optimizer steps; also the length of the LR schedule
+    precision: str = "32-true"  #: 32-true | bf16-mixed | bf16-true | 16-mixed
+    gradient_clip_val: Optional[float] = 1.0  #: clip the global gradient norm to this; null = no clipping
+    log_every_n_steps: int = 1  #: log (and flush metrics.csv) every N steps
+    val_check_interval: Optional[int] = None  #: validate every N batches (steps x accumulate_grad_batches); null: last
     enable_progress_bar: bool = True
+    enable_model_summary: bool = True  #: print the module's parameter table before training
     throughput: bool = True  #: log tokens/s, TFLOP/s per GPU and MFU (lightning_mgpu.callbacks.ThroughputCallback)
     peak_flops: Optional[float] = None  #: bf16 peak FLOP/s of one device for MFU; null = from the CUDA device name
+    max_time: Optional[str] = None  #: stop after this wall time, "DD:HH:MM:SS" (e.g. 00:12:00:00); null = no limit
+    max_epochs: Optional[int] = None  #: stop after N epochs of limit_train_batches steps; null = no limit
+    limit_train_batches: Optional[int] = None  #: batches per epoch; null = one endless epoch
+    limit_val_batches: float = 1.0  #: validation batches: a fraction in [0, 1] of data.val_batches, or a count > 1
+    num_sanity_val_steps: int = 2  #: validation batches run before training to catch errors early; -1 = all, 0 = off
+    check_val_every_n_epoch: Optional[int] = None  #: validate after every N epochs (needs limit_train_batches)
+    accumulate_grad_batches: int = 1  #: batches whose gradients are summed into one optimizer step
+    deterministic: Optional[bool] = None  #: true = torch.use_deterministic_algorithms(True); null = torch's default
+    benchmark: Optional[bool] = None  #: torch.backends.cudnn.benchmark; null = leave as it is
+    detect_anomaly: bool = False  #: torch.autograd anomaly detection (slow; finds the op that made a NaN)
+
+
+@dataclass
+class CSVLoggerConfig:
+    """``lightning.pytorch.loggers.CSVLogger``: ``metrics.csv`` and ``hparams.yaml`` in the run directory."""
+
+    flush_logs_every_n_steps: Optional[int] = None  #: write metrics.csv every N steps; null = trainer.log_every_n_steps
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    """``TensorBoardLogger``: event files in ``<run dir>/tensorboard`` (extra: ``lightning_mgpu[tensorboard]``)."""
+
+    log_graph: bool = False  #: also write the module's graph
+    default_hp_metric: bool = False  #: log a placeholder hp_metric
+
+
+@dataclass
+class WandbLoggerConfig:
+    """``WandbLogger``: a Weights & Biases run under ``<run dir>/wandb`` (extra: ``lightning_mgpu[wandb]``)."""
+
+    offline: bool = True  #: true = no network; upload later with `wandb sync <run dir>/wandb/offline-run-*`
+    project: str = "lightning_mgpu"
+    name: Optional[str] = None  #: the run's display name; null = wandb's
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class MLFlowLoggerConfig:
+    """``MLFlowLogger`` (extra: ``lightning_mgpu[mlflow]``)."""
+
+    experiment_name: str = "lightning_mgpu"
+    run_name: Optional[str] = None
+    tracking_uri: Optional[str] = None  #: null = a local file store, <run dir>/mlruns
+
+
+@dataclass
+class LoggerConfig:
+    """The Lightning loggers of a run: ``logger=csv`` (default), ``logger=tensorboard``, ``logger=[csv,wandb]``...
+
+    Each option of the ``logger`` group fills its own key; a key left null is a logger not selected.
+    """
+
+    csv: Optional[CSVLoggerConfig] = None
+    tensorboard: Optional[TensorBoardLoggerConfig] = None
+    wandb: Optional[WandbLoggerConfig] = None
+    mlflow: Optional[MLFlowLoggerConfig] = None
 
 
 @dataclass
@@ -145,6 +209,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -6,32 +6,63 @@ consolidated weights."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from lightning_mgpu.checkpoint.files import read_consolidated
+from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS, read_consolidated
 from lightning_mgpu.checkpoint.hf import save_hf
 from lightning_mgpu.checkpoint.universal import is_universal, read_model_weights
+from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal
 from lightning_mgpu.models.llama import LlamaConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def export_problems(checkpoint: Path, out: Path) -> list[str]:
+    """What is wrong with the two paths, before anything is read or written."""
+    from lightning_mgpu.callbacks import newest_checkpoint
+
+    problems = []
+    if not checkpoint.is_dir():
+        problems.append(f"checkpoint {str(checkpoint)!r} is not a directory; give a checkpoint directory, e.g. "
+                        "outputs/DATE/TIME/checkpoints/step-00000100")
+    elif not (is_universal(checkpoint) or _consolidated(checkpoint)):
+        newest = newest_checkpoint(checkpoint)
+        fix = (f"it holds checkpoints: give one, e.g. the newest, {newest}" if newest is not None else
+               "give a checkpoint written by mgpu-train (checkpoint.every_n_steps or checkpoint.save_last)")
+        problems.append(f"checkpoint {str(checkpoint)!r} is neither a universal checkpoint (.metadata) nor one "
+                        f"with consolidated weights ({WEIGHTS}, {CONFIG}); {fix}")
+    if out.exists() and not out.is_dir():
+        problems.append(f"out {str(out)!r} exists and is not a directory; give a new or existing directory")
+    return problems
+
+
+def _consolidated(checkpoint: Path) -> bool:
+    return (checkpoint / WEIGHTS).is_file() and (checkpoint / CONFIG).is_file()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point of ``mgpu-export``: refused paths print their problems and exit with status 2."""
     parser = argparse.ArgumentParser(prog="mgpu-export", description=__doc__)
     parser.add_argument("checkpoint", help="a checkpoint directory (universal, or with consolidated weights)")
     parser.add_argument("out", help="output directory (config.json + model.safetensors)")
     parser.add_argument("--format", choices=["hf"], default="hf")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     args = parser.parse_args(argv)
-    if is_universal(args.checkpoint):
-        config, state = read_model_weights(args.checkpoint)
+    exit_on_refusal(lambda: export(Path(args.checkpoint), Path(args.out), DTYPES[args.dtype]))
+
+
+def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``checkpoint``'s weights to ``out`` as a Hugging Face Llama directory; return ``out``."""
+    problems = export_problems(checkpoint, out)
+    if problems:
+        raise ConfigError(problems, what="arguments")
+    if is_universal(checkpoint):
+        config, state = read_model_weights(checkpoint)
     else:
-        config, state = read_consolidated(args.checkpoint)
-    out = save_hf(state, LlamaConfig(**config), args.out, DTYPES[args.dtype])
-    print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
-
-
-if __name__ == "__main__":
-    main()
+        config, state = read_consolidated(checkpoint)
+    written = save_hf(state, LlamaConfig(**config), out, dtype)
+    print(f"wrote {written / 'config.json'} and {written / 'model.safetensors'}")
+    return written

@@ -7,7 +7,7 @@ length and global batch from ``data``, the cluster from ``trainer.num_nodes`` x 
 
 from __future__ import annotations
 
-import sys
+import argparse
 from typing import Sequence
 
 from hydra import compose, initialize_config_dir
@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from lightning_mgpu.cli.build import build_model_config
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
+from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal, plan_problems
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
 
 GB = 1e9
@@ -23,8 +24,9 @@ GB = 1e9
 
 def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     """The planner's table and suggested command lines for a composed config."""
-    if cfg.plan.gpu not in GPUS:
-        raise ValueError(f"plan.gpu={cfg.plan.gpu!r} is unknown; choose one of {', '.join(GPUS)}")
+    problems = plan_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
     model = build_model_config(cfg)
     gpu = GPUS[cfg.plan.gpu]
     cluster = ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices, gpu)
@@ -71,9 +73,15 @@ def compose_plan_config(overrides: Sequence[str]) -> DictConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point of ``mgpu-plan``."""
-    overrides = list(sys.argv[1:] if argv is None else argv)
-    print(plan_report(compose_plan_config(overrides), overrides))
+    """Console entry point of ``mgpu-plan``: a refused configuration prints its problems and exits with status 2."""
+    parser = argparse.ArgumentParser(
+        prog="mgpu-plan", description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  mgpu-plan recipe=llama3_70b_8node\n"
+               "  mgpu-plan model=llama3_8b trainer.num_nodes=2 plan.gpu=h200_141gb data.seq_len=8192")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help=f"Hydra overrides, as for mgpu-train; plan.gpu is one of {', '.join(GPUS)}")
+    overrides = parser.parse_args(argv).overrides
+    exit_on_refusal(lambda: print(plan_report(compose_plan_config(overrides), overrides)))
 
 
 if __name__ == "__main__":

@@ -3,16 +3,24 @@
 ``config_problems`` returns one line per problem, each naming the key, its value, the rule and a fix, so
 ``mgpu-train`` can refuse a bad run in one message instead of failing minutes later inside DeepSpeed or
 torch. It only reads the config (and the file system for data paths); it builds no model.
+``machine_problems`` adds what this machine lacks to run it (CUDA GPUs, a logger's package), and
+``exit_on_refusal`` turns a refusal into what the command-line tools print: the problem list, exit status 2.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
 import glob
+import importlib.util
 import os
+import re
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, NoReturn, Optional, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.data import BYTE_VOCAB_SIZE
 from lightning_mgpu.data.batching import batch_problems
@@ -25,9 +33,19 @@ ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LAUNCHERS = ("local", "torchrun", "slurm")
 DATA_SOURCES = ("corpus", "text", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32")
+#: trainer.max_time as Lightning's Timer parses it: days:hours:minutes:seconds.
+_MAX_TIME = re.compile(r"^\d+:\d+:\d+:\d+$")
 _PARALLEL_KEYS = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "zero_stage", "pipeline_schedule",
                   "virtual_pipeline_size", "num_microbatches", "sequence_parallel", "offload_optimizer",
                   "offload_params", "pipeline_parallel_size*virtual_pipeline_size")
+
+
+class ConfigError(ValueError):
+    """A refused configuration: every problem, one line each (the command-line tools print them and exit 2)."""
+
+    def __init__(self, problems: Sequence[str], what: str = "configuration") -> None:
+        self.problems = list(problems)
+        super().__init__(f"Invalid {what}:\n" + "\n".join(f"  - {p}" for p in self.problems))
 
 
 def _positive(key: str, value, allow_zero: bool = False) -> list[str]:
@@ -70,7 +88,9 @@ def data_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:
     if d.source not in DATA_SOURCES:
         out.append(f"data.source={d.source!r} is unknown; choose one of {', '.join(DATA_SOURCES)} (or data=NAME)")
     elif d.source == "tokens":
-        if not d.path or not Path(d.path).is_file():
+        if not d.path:
+            out.append("data.path is not set: data=tokens reads a flat token file; give data.path=/path/to/tokens.bin")
+        elif not Path(d.path).is_file():
             out.append(f"data.path={d.path!r} does not exist; give the path of a token file (data=tokens)")
         if d.dtype not in TOKEN_DTYPES:
             out.append(f"data.dtype={d.dtype!r} is not a token dtype; choose {' or '.join(TOKEN_DTYPES)}")
@@ -96,17 +116,46 @@ def trainer_problems(cfg: DictConfig) -> list[str]:
     t = cfg.trainer
     out = _positive("trainer.devices", t.devices) + _positive("trainer.num_nodes", t.num_nodes)
     out += _positive("trainer.max_steps", t.max_steps) + _positive("trainer.log_every_n_steps", t.log_every_n_steps)
-    if t.val_check_interval is not None:
-        out += _positive("trainer.val_check_interval", t.val_check_interval)
+    out += _positive("trainer.accumulate_grad_batches", t.accumulate_grad_batches)
+    for key in ("val_check_interval", "max_epochs", "limit_train_batches", "check_val_every_n_epoch"):
+        if t[key] is not None:
+            out += _positive(f"trainer.{key}", t[key])
     if t.accelerator not in ACCELERATORS:
         out.append(f"trainer.accelerator={t.accelerator!r} is unknown; choose one of {', '.join(ACCELERATORS)}")
     if str(t.precision) not in SUPPORTED_PRECISIONS:
         out.append(f"trainer.precision={t.precision!r} is not supported; choose one of {', '.join(SUPPORTED_PRECISIONS)}")
     if t.gradient_clip_val is not None and t.gradient_clip_val < 0:
         out.append(f"trainer.gradient_clip_val={t.gradient_clip_val} must be >= 0 (or null for no clipping)")
+    if t.max_time is not None and not _MAX_TIME.match(str(t.max_time)):
+        out.append(f"trainer.max_time={t.max_time!r} must be days:hours:minutes:seconds, e.g. 00:12:00:00 for 12 "
+                   "hours")
+    if t.limit_val_batches < 0 or (t.limit_val_batches > 1 and not float(t.limit_val_batches).is_integer()):
+        out.append(f"trainer.limit_val_batches={t.limit_val_batches} must be a fraction in [0, 1] of the validation "
+                   "batches or a whole number of batches, e.g. 0.5 or 2")
+    if isinstance(t.num_sanity_val_steps, int) and t.num_sanity_val_steps < -1:
+        out.append(f"trainer.num_sanity_val_steps={t.num_sanity_val_steps} must be >= 0 (or -1 for every validation "
+                   "batch)")
+    if t.limit_train_batches is None:  # one endless epoch: nothing that waits for an epoch's end would ever happen
+        for key in ("max_epochs", "check_val_every_n_epoch"):
+            if t[key] is not None:
+                out.append(f"trainer.{key}={t[key]} never happens: the training stream is endless (one epoch that "
+                           "never ends); set trainer.limit_train_batches=N to make epochs of N batches, or use "
+                           + ("trainer.max_steps" if key == "max_epochs" else "trainer.val_check_interval (steps)"))
+    elif (t.check_val_every_n_epoch is not None and isinstance(t.val_check_interval, int)
+          and isinstance(t.limit_train_batches, int) and t.val_check_interval > t.limit_train_batches):
+        out.append(f"trainer.val_check_interval={t.val_check_interval} is longer than an epoch "
+                   f"(trainer.limit_train_batches={t.limit_train_batches}) while trainer.check_val_every_n_epoch is "
+                   "set; lower it, or set trainer.check_val_every_n_epoch=null to count it over the whole run")
     if cfg.cluster.launcher not in LAUNCHERS:
         out.append(f"cluster.launcher={cfg.cluster.launcher!r} is unknown; choose cluster=local, torchrun or slurm")
     return out
+
+
+def logger_problems(cfg: DictConfig) -> list[str]:
+    csv = cfg.logger.csv
+    if csv is not None and csv.flush_logs_every_n_steps is not None:
+        return _positive("logger.csv.flush_logs_every_n_steps", csv.flush_logs_every_n_steps)
+    return []
 
 
 def optim_problems(cfg: DictConfig) -> list[str]:
@@ -192,17 +241,224 @@ def launch_problems(cfg: DictConfig) -> list[str]:
     if launcher == "torchrun" and not {"LOCAL_WORLD_SIZE", "WORLD_SIZE"} <= set(os.environ):
         return ["cluster=torchrun, but this process was not started by torchrun (LOCAL_WORLD_SIZE / WORLD_SIZE are "
                 "unset): run it under torchrun, or use cluster=local"]
-    if launcher == "slurm" and not ({"SUBMITIT_EXECUTOR", "SLURM_JOB_ID"} & set(os.environ)):
+    if launcher == "slurm" and not _inside_slurm_job():
         return ["cluster=slurm submits through Hydra's launcher, which only runs in multirun mode: use "
                 "`mgpu-train -m cluster=slurm ...` (or cluster=local to run here)"]
     return []
 
 
+def _inside_slurm_job() -> bool:
+    return bool({"SUBMITIT_EXECUTOR", "SLURM_JOB_ID"} & set(os.environ))
+
+
+def key_problems(cfg: DictConfig) -> list[str]:
+    """Keys left ``???`` and keys added with ``+`` that no schema has (they would be ignored)."""
+    return _key_problems(cfg, "")
+
+
+def _key_problems(node: DictConfig, prefix: str) -> list[str]:
+    schema = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    out = []
+    for key, value in node.items_ex(resolve=False):  # unresolved: a ${...} of an unset variable must not raise here
+        path = f"{prefix}{key}"
+        if known is not None and key not in known and path != "hydra":  # hydra: Hydra's own node, when composed in
+            out.append(f"{path} is not a setting" + (did_you_mean(str(key), known, prefix) or "; remove it"))
+        elif OmegaConf.is_missing(node, key):
+            out.append(f"{path} is required and has no value: add {path}=... to the command line")
+        elif (isinstance(value, DictConfig) and not OmegaConf.is_interpolation(node, key)
+              and node[key] is not None):
+            out += _key_problems(value, f"{path}.")
+    return out
+
+
+def did_you_mean(key: str, known, prefix: str = "") -> str:
+    """``"; did you mean trainer.max_steps?"`` for the closest names, or nothing."""
+    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
+
+
 def config_problems(cfg: DictConfig) -> list[str]:
-    """Every problem of a composed ``mgpu-train`` config (empty when it can run)."""
+    """Every problem of a composed ``mgpu-train`` config itself (empty when it can run on suitable machines).
+
+    What this machine lacks to run it is :func:`machine_problems`; :func:`check_run` asks both.
+    """
+    keys = key_problems(cfg)
+    if keys:  # reading a ??? value raises, and an unknown key means the rest was not what the user meant
+        return keys
     launch = launch_problems(cfg)
     if launch:  # sizes of torchrun/SLURM jobs come from the launcher's environment; nothing else can be checked
         return launch
     model, out = model_problems(cfg)
-    return (out + data_problems(cfg, model) + trainer_problems(cfg) + optim_problems(cfg)
+    return (out + data_problems(cfg, model) + trainer_problems(cfg) + logger_problems(cfg) + optim_problems(cfg)
             + parallel_problems(cfg, model) + checkpoint_problems(cfg))
+
+
+def plan_problems(cfg: DictConfig) -> list[str]:
+    """Every problem of a composed ``mgpu-plan`` config: the model, the cluster size, the batch and ``plan.*``."""
+    from lightning_mgpu.planner import GPUS
+
+    keys = key_problems(cfg)
+    if keys:
+        return keys
+    _, out = model_problems(cfg)
+    t, d, plan = cfg.trainer, cfg.data, cfg.plan
+    out += _positive("trainer.devices", t.devices) + _positive("trainer.num_nodes", t.num_nodes)
+    out += _positive("data.seq_len", d.seq_len) + _positive("data.global_batch_size", d.global_batch_size)
+    if plan.gpu not in GPUS:
+        out.append(f"plan.gpu={plan.gpu!r} is unknown; choose one of {', '.join(GPUS)}"
+                   + did_you_mean(str(plan.gpu), GPUS))
+    if not 0.0 < plan.achievable <= 1.0:
+        out.append(f"plan.achievable={plan.achievable} must be a fraction of the peak in (0, 1], e.g. 0.5")
+    return out + _positive("plan.top", plan.top) + _positive("plan.commands", plan.commands, allow_zero=True)
+
+
+#: logger option -> (modules of which one must import, the extra of lightning_mgpu that installs one)
+LOGGER_PACKAGES = {"tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),
+                   "wandb": (("wandb",), "wandb"), "mlflow": (("mlflow",), "mlflow")}
+
+
+def machine_problems(cfg: DictConfig) -> list[str]:
+    """What this machine lacks to run ``cfg`` here: visible CUDA GPUs, a selected logger's package.
+
+    Not asked when submitting to SLURM (the job runs on other machines), and asked again inside the job.
+    """
+    if cfg.cluster.launcher == "slurm" and not _inside_slurm_job():
+        return []
+    out = []
+    for name, (modules, extra) in LOGGER_PACKAGES.items():
+        if cfg.logger[name] is not None and not any(_importable(m) for m in modules):
+            out.append(f"logger={name} needs the {' or '.join(modules)} package, which is not installed: "
+                       f"pip install 'lightning_mgpu[{extra}]' (or choose another logger, e.g. logger=csv)")
+    return out + gpu_problems(cfg.trainer.accelerator, cfg.trainer.devices)
+
+
+def gpu_problems(accelerator: str, devices: int) -> list[str]:
+    """A GPU trainer needs ``devices`` visible CUDA GPUs on each node (``accelerator=auto`` takes them when any are
+    visible)."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    wants_gpu = accelerator in ("gpu", "cuda") or (accelerator == "auto" and visible > 0)
+    if not wants_gpu or not isinstance(devices, int) or devices <= visible:
+        return []
+    where = f"this machine has {visible} (torch.cuda.device_count()"
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        where += f" with CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']!r}"
+    if torch.version.cuda is None:
+        where += f"; torch {torch.__version__} is a build without CUDA"
+    fix = "use trainer=cpu" if visible == 0 else f"use trainer.devices={visible} (or fewer), or trainer=cpu"
+    return [f"trainer.devices={devices} with trainer.accelerator={accelerator} needs {devices} visible CUDA "
+            f"GPU{'s' if devices > 1 else ''}; {where}); {fix}"]
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_run(cfg: DictConfig) -> None:
+    """Raise :class:`ConfigError` listing every reason ``cfg`` cannot run here, before anything starts."""
+    problems = config_problems(cfg)
+    if not (key_problems(cfg) or launch_problems(cfg)):  # else the sizes cannot be read
+        problems += machine_problems(cfg)
+    if problems:
+        raise ConfigError(problems)
+
+
+# ------------------------------------------------------------------------------------------ command-line tools
+#: Exit status of a refused configuration or command line (as argparse uses for a bad command line).
+EXIT_REFUSED = 2
+#: Set to 1 to see the traceback behind a refused configuration (Hydra's own switch for its errors).
+FULL_ERROR = "HYDRA_FULL_ERROR"
+
+
+_reporting = False  # True while exit_on_refusal runs an entry point and the user did not ask for tracebacks
+
+
+def exit_on_refusal(entry: Callable[[], object]) -> None:
+    """Run a console entry point: a refused configuration or command line prints only its problems on stderr and
+    exits with status 2; any other error keeps its traceback. ``HYDRA_FULL_ERROR=1`` shows every traceback."""
+    global _reporting
+    if os.environ.get(FULL_ERROR) == "1":
+        entry()
+        return
+    os.environ[FULL_ERROR] = "1"  # Hydra then raises its composition errors instead of printing them and exiting 1
+    _reporting = True
+    try:
+        entry()
+    except Exception as err:
+        message = refusal_message(err)
+        if message is None:
+            raise
+        _refuse(message)
+    finally:
+        os.environ.pop(FULL_ERROR, None)
+        _reporting = False
+
+
+@contextlib.contextmanager
+def refusal_exits() -> Iterator[None]:
+    """Around the body of a Hydra task function: a :class:`ConfigError` exits at once, before Hydra reports a failed
+    job ("Error executing job with overrides ...") and re-raises it."""
+    try:
+        yield
+    except ConfigError as err:
+        if not _reporting:
+            raise
+        _refuse(str(err))
+
+
+def _refuse(message: str) -> NoReturn:
+    sys.stderr.write(message + "\n")
+    raise SystemExit(EXIT_REFUSED) from None
+
+
+def refusal_message(err: BaseException) -> Optional[str]:
+    """What to tell a user whose configuration or command line was refused; None for any other error."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    if isinstance(err, ConfigError):
+        return str(err)
+    if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
+        group, name = err.missing_cfg_file.rsplit("/", 1)
+        options = list(err.options or group_options(group))
+        line = f"{group}={name} is not an option of {group}"
+        if options:
+            line += f"; choose one of {', '.join(options)}{did_you_mean(name, options)}"
+        return f"Invalid command line:\n  - {line}"
+    if isinstance(err, OverrideParseException):
+        why = "; ".join(line.strip() for line in err.message.splitlines()
+                        if line.strip() not in ("", "^") and not line.startswith(("Error parsing", "See ")))
+        return (f"Invalid command line:\n  - {err.override!r} is not an override: {why}\n"
+                "(overrides are key=value, e.g. trainer.devices=2 or model=tiny; --help lists the options)")
+    if isinstance(err, ConfigCompositionException):
+        cause = err.__cause__
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
+            parent = cause.full_key.rsplit(".", 1)[0] + "." if "." in cause.full_key else ""
+            hint = did_you_mean(str(cause.key), _fields(cause.object_type), parent)
+            return f"Invalid command line:\n  - {cause.full_key} is not a setting{hint}"
+        if isinstance(cause, ValidationError) and cause.full_key:
+            return f"Invalid command line:\n  - {cause.full_key}: {cause.msg.splitlines()[0]}"
+        detail = f": {cause}" if isinstance(cause, OmegaConfBaseException) else ""
+        return f"Invalid command line:\n  - {err}{detail}"
+    if isinstance(err, AssertionError) and "Unexpected type for root: NoneType" in str(err):
+        # OmegaConf's update of a key below a null node, e.g. logger.wandb.project=x while logger=wandb is not selected
+        return ("Invalid command line:\n  - a key is set inside a config node that is null: select its option first "
+                "(logger.wandb.project=x needs logger=wandb or logger=[csv,wandb]), or give the whole node")
+    return None
+
+
+def _fields(schema) -> list[str]:
+    return [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group of ``conf/`` (or the recipes), by name."""
+    from lightning_mgpu.cli.paths import conf_dir, recipes_dir
+
+    folder = recipes_dir() if group == "recipe" else conf_dir() / group
+    return sorted(p.stem for p in folder.glob("*.yaml"))

@@ -53,10 +53,20 @@ def batch_problems(global_batch_size: int, micro_batch_size: int, data_parallel_
         return out
     unit = micro_batch_size * data_parallel_size
     if global_batch_size % unit:
-        lower, upper = max(unit, (global_batch_size // unit) * unit), (global_batch_size // unit + 1) * unit
+        below = (global_batch_size // unit) * unit
+        fix = f"use data.global_batch_size={_one_of([v for v in (below, below + unit) if v > 0])}"
+        if global_batch_size % data_parallel_size == 0:  # then a smaller micro-batch can split each rank's share
+            per_rank = global_batch_size // data_parallel_size
+            smaller = [m for m in range(1, micro_batch_size) if per_rank % m == 0][-4:]
+            fix += f", or data.micro_batch_size={_one_of(smaller)} (it must divide the {per_rank} samples per rank)"
         out.append(
             f"data.global_batch_size={global_batch_size} is not divisible by data.micro_batch_size x data-parallel "
-            f"size = {micro_batch_size} x {data_parallel_size} = {unit}; use data.global_batch_size={lower} or "
-            f"{upper}, or a data.micro_batch_size that divides {global_batch_size // data_parallel_size}"
+            f"size = {micro_batch_size} x {data_parallel_size} = {unit}; {fix}"
         )
     return out
+
+
+def _one_of(values: list[int]) -> str:
+    """``1``, ``1 or 2``, ``1, 2 or 4``."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]

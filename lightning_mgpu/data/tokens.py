@@ -12,7 +12,7 @@ import glob
 import hashlib
 import json
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import lightning as L
 import numpy as np
@@ -35,14 +35,14 @@ class _WindowBatches(IterableDataset):
     """Yields this rank's slice ``[per_rank, seq_len + 1]`` of global batches ``first_step, first_step+1, ...``."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, plan: BatchPlan, dp_rank: int,
-                 first_step: int, num_steps: Optional[int]) -> None:
+                 first_step: Callable[[], int], num_steps: Optional[int]) -> None:
         self.tokens, self.seq_len, self.seed, self.plan = tokens, seq_len, seed, plan
         self.dp_rank, self.first_step, self.num_steps = dp_rank, first_step, num_steps
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        step = self.first_step
+        first = step = self.first_step()  # read per iterator: each epoch continues where the last one stopped
         lo, hi = self.dp_rank * self.plan.per_rank, (self.dp_rank + 1) * self.plan.per_rank
-        while self.num_steps is None or step < self.first_step + self.num_steps:
+        while self.num_steps is None or step < first + self.num_steps:
             starts = sample_starts(self.seed, step, self.plan.global_batch_size, len(self.tokens), self.seq_len)
             windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts[lo:hi]]).astype(np.int64)
             yield torch.from_numpy(windows)
@@ -108,20 +108,27 @@ class TokenFileDataModule(L.LightningDataModule):
 
     # -------------------------------------------------------------------------------- dataloaders
     def train_dataloader(self) -> DataLoader:
-        ds = _WindowBatches(self._train, self.seq_len, self.seed, self.batch_plan, self._dp_rank, self._start_step,
+        ds = _WindowBatches(self._train, self.seq_len, self.seed, self.batch_plan, self._dp_rank, self._next_batch,
                             None)
         return DataLoader(ds, batch_size=None)
 
     def val_dataloader(self) -> DataLoader:
-        ds = _WindowBatches(self._val, self.seq_len, self.seed + 1, self.batch_plan, self._dp_rank, 0,
+        ds = _WindowBatches(self._val, self.seq_len, self.seed + 1, self.batch_plan, self._dp_rank, lambda: 0,
                             self.val_batches)
         return DataLoader(ds, batch_size=None)
 
     # ------------------------------------------------------------------------- resumable position
+    def _next_batch(self) -> int:
+        """The next global batch to draw: the training batches the fit loop has taken so far (one per optimizer step,
+        or ``accumulate_grad_batches`` per step), or the resumed position before any is taken. The loop's own
+        count, because the loader is read one batch ahead of training and restarted every epoch."""
+        if self.trainer is None:
+            return self._start_step
+        return max(self._start_step, self.trainer.fit_loop.epoch_loop.batch_progress.total.ready)
+
     def state_dict(self) -> dict:
-        """The data position: the next global batch to draw (one global batch per optimizer step)."""
-        step = self.trainer.global_step if self.trainer is not None else self._start_step
-        return {"next_global_batch": int(step), "seed": self.seed, "global_batch_size": self.global_batch_size}
+        """The data position: the next global batch to draw."""
+        return {"next_global_batch": self._next_batch(), "seed": self.seed, "global_batch_size": self.global_batch_size}
 
     def load_state_dict(self, state: dict) -> None:
         self._start_step = int(state["next_global_batch"])

@@ -1,12 +1,15 @@
 """Validation before launch: every bad input is reported with its key, value, rule and fix, all at once,
 before any process or process group exists."""
 
+import sys
+
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 from test_cli import composed
 
 from lightning_mgpu.cli.train import train
-from lightning_mgpu.cli.validate import config_problems
+from lightning_mgpu.cli.validate import ConfigError, check_run, config_problems, machine_problems
 
 PP2 = ["parallel.pipeline_parallel_size=2"]
 
@@ -57,6 +60,19 @@ BAD_INPUTS = [
     (["trainer.num_nodes=0"], "trainer.num_nodes=0 must be an integer >= 1"),
     (["cluster=torchrun"], "cluster=torchrun, but this process was not started by torchrun"),
     (["cluster=slurm"], "use `mgpu-train -m cluster=slurm ...`"),
+    (["trainer.max_time=12h"], "trainer.max_time='12h' must be days:hours:minutes:seconds"),
+    (["trainer.limit_val_batches=2.5"], "trainer.limit_val_batches=2.5 must be a fraction in [0, 1]"),
+    (["trainer.num_sanity_val_steps=-2"], "trainer.num_sanity_val_steps=-2 must be >= 0"),
+    (["trainer.accumulate_grad_batches=0"], "trainer.accumulate_grad_batches=0 must be an integer >= 1"),
+    (["trainer.max_epochs=2"], "trainer.max_epochs=2 never happens: the training stream is endless"),
+    (["trainer.check_val_every_n_epoch=1"], "trainer.check_val_every_n_epoch=1 never happens"),
+    (["trainer.limit_train_batches=4", "trainer.check_val_every_n_epoch=1", "trainer.val_check_interval=5"],
+     "trainer.val_check_interval=5 is longer than an epoch (trainer.limit_train_batches=4)"),
+    (["logger.csv.flush_logs_every_n_steps=0"], "logger.csv.flush_logs_every_n_steps=0 must be an integer >= 1"),
+    (["+trainer.max_epoch=3"], "trainer.max_epoch is not a setting; did you mean trainer.max_epochs"),
+    (["data=tokens"], "data.path is not set: data=tokens reads a flat token file"),
+    (["trainer.devices=8", "data.global_batch_size=16"],  # both nearest multiples are 32: named once
+     "use data.global_batch_size=32, or data.micro_batch_size=1 or 2 (it must divide the 2 samples per rank)"),
 ]
 
 
@@ -77,12 +93,47 @@ def test_defaults_and_every_recipe_are_clean():
 def test_every_problem_is_listed_at_once_before_anything_starts(tmp_path):
     cfg = composed("trainer.devices=3", "parallel.tensor_parallel_size=3", "parallel.zero_stage=5",
                    "data.seq_len=512", "optim.lr=-1", "trainer.precision=fp8")
-    with pytest.raises(ValueError, match="Invalid configuration") as err:
+    with pytest.raises(ConfigError, match="Invalid configuration") as err:
         train(cfg, tmp_path / "run")
     message = str(err.value)
     for fragment in ("n_heads=4", "n_kv_heads=2", "zero_stage=5", "data.seq_len=512", "optim.lr=-1", "fp8"):
         assert fragment in message
     assert not (tmp_path / "run").exists()  # refused before writing anything
+
+
+def test_a_gpu_trainer_needs_the_gpus_it_asks_for(monkeypatch):
+    """Refused before launch, naming what is visible; not at SLURM submission (the job runs elsewhere), but again
+    inside the job."""
+    visible = torch.cuda.device_count()
+    for overrides in (["trainer=gpu"], ["trainer.accelerator=cuda"]):
+        cfg = composed(*overrides, f"trainer.devices={visible + 1}")
+        assert config_problems(cfg) == []  # the configuration itself is fine; this machine is not
+        [problem] = machine_problems(cfg)
+        assert f"trainer.devices={visible + 1} with trainer.accelerator={cfg.trainer.accelerator} needs " \
+               f"{visible + 1} visible CUDA GPU" in problem
+        assert f"this machine has {visible} (torch.cuda.device_count()" in problem and "trainer=cpu" in problem
+        with pytest.raises(ConfigError, match="visible CUDA GPU"):
+            check_run(cfg)
+    if visible:
+        assert machine_problems(composed("trainer=gpu", f"trainer.devices={visible}")) == []
+    assert machine_problems(composed("trainer=cpu", "trainer.devices=4")) == []
+    submitted = composed("recipe=llama3_70b_8node")  # cluster=slurm, 8 GPUs a node
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+    assert machine_problems(submitted) == []  # at submission
+    monkeypatch.setenv("SLURM_JOB_ID", "42")  # inside the job
+    if visible < 8:
+        assert "needs 8 visible CUDA GPUs" in machine_problems(submitted)[0]
+
+
+@pytest.mark.parametrize("logger, extra", [("wandb", "wandb"), ("mlflow", "mlflow"), ("tensorboard", "tensorboard")])
+def test_a_logger_without_its_package_names_the_extra(monkeypatch, logger, extra):
+    cfg = composed(f"logger=[csv,{logger}]")
+    assert machine_problems(cfg) == []  # the test extra installs every logger's package
+    for module in ("wandb", "mlflow", "tensorboard", "tensorboardX"):
+        monkeypatch.setitem(sys.modules, module, None)  # as if not installed: find_spec and import fail
+    [problem] = machine_problems(cfg)
+    assert problem.startswith(f"logger={logger} needs the ") and f"pip install 'lightning_mgpu[{extra}]'" in problem
 
 
 def test_unknown_recipe_fails_at_composition():

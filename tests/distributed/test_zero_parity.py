@@ -90,3 +90,12 @@ def test_accumulate_grad_batches_over_global_batches_of_micro_batches(token_file
     for r in results:
         assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5  # per global batch: 10
         assert max_abs_diff(r["grad_norms"][1::2], expected["grad_norms"]) < 1e-5  # per optimizer step: 5
+
+
+def test_epochs_continue_the_batch_stream(token_file):
+    """With epochs of 3 batches (limit_train_batches), each epoch draws the next global batches, not the first
+    ones again: 7 steps over three epochs equal 7 steps of one stream."""
+    expected = reference(token_file, steps=7, optim=dict(OPTIM, max_steps=7))
+    (result,) = run_distributed(fit, 1, token_file, 1, max_steps=7, trainer_kw=dict(limit_train_batches=3),
+                                module=LLMModule(TINY, **dict(OPTIM, max_steps=7), global_batch_size=8))
+    assert_parity([result], expected)

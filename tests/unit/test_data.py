@@ -14,7 +14,7 @@ from lightning_mgpu.data.tokens import _WindowBatches
 def global_batches(tokens, dp_size, steps=3, first_step=0):
     """The global batches seen by dp_size ranks, reassembled in rank order."""
     plan = BatchPlan(8, 2, dp_size)
-    per_rank = [list(_WindowBatches(tokens, 16, 3, plan, r, first_step, steps)) for r in range(dp_size)]
+    per_rank = [list(_WindowBatches(tokens, 16, 3, plan, r, lambda: first_step, steps)) for r in range(dp_size)]
     return [torch.cat([per_rank[r][s] for r in range(dp_size)]) for s in range(steps)]
 
 
