@@ -264,6 +264,24 @@ def layout_problems(**kwargs) -> list[str]:
     return _UncheckedLayout(**kwargs).problems()
 
 
+def training_loop_problems(pipeline_parallel_size: int, accumulate_grad_batches: int = 1,
+                           manual_optimization: bool = False, num_microbatches: int = 1) -> list[str]:
+    """What Lightning's training loop may ask for that this layout cannot run (empty when all is well)."""
+    out = []
+    if pipeline_parallel_size > 1 and accumulate_grad_batches > 1:
+        out.append(f"accumulate_grad_batches={accumulate_grad_batches} is not supported with pipeline parallelism "
+                   f"(pipeline_parallel_size={pipeline_parallel_size}): the schedule already accumulates over its "
+                   "micro-batches; raise the number of micro-batches instead (a larger global batch, or "
+                   "num_microbatches)")
+    if manual_optimization and pipeline_parallel_size > 1:
+        out.append("manual optimization (automatic_optimization=False) is not supported with pipeline parallelism: "
+                   "the schedule runs forward and backward itself; use automatic optimization")
+    if manual_optimization and num_microbatches > 1:
+        out.append(f"manual optimization runs one training_step per batch, but {num_microbatches} micro-batches were "
+                   "asked for; use num_microbatches=1 (micro-batch = the whole batch) or automatic optimization")
+    return out
+
+
 def _check_axis(axis: str) -> str:
     if axis not in AXES:
         raise ValueError(f"axis={axis!r} is unknown; choose one of {', '.join(AXES)}")

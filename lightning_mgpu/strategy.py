@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Generator, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -29,7 +30,7 @@ from typing_extensions import override
 
 from lightning_mgpu.checkpoint.universal import is_universal, load_universal, save_universal
 from lightning_mgpu.launcher import WorkerCommandLauncher
-from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.layout import ParallelLayout, training_loop_problems
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.microbatch import split_microbatches
 from lightning_mgpu.parallel.pipeline import Pipeline, num_stages, stage_ids
@@ -165,12 +166,14 @@ class MGPUStrategy(ParallelStrategy):
         as it does under DDP. It reads this attribute for strategies that are not its own."""
         return True
 
-    @property
     @override
-    def handles_gradient_accumulation(self) -> bool:
-        """``Trainer(accumulate_grad_batches=N)`` is the engine's gradient accumulation (its boundary is
-        ``engine.step()``), not Lightning's ``no_sync`` blocks, which DeepSpeed refuses under ZeRO 2 and 3."""
-        return True
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Nothing to block: on the batches ``accumulate_grad_batches`` accumulates over, the engine's backward keeps
+        accumulating (it is scaled by 1 / (micro-batches x N), its boundary is ``engine.step()``, called by Lightning's
+        optimizer step only at the end of each group of N batches or of the epoch, as under DDP). Lightning's
+        default would enter DeepSpeed's ``no_sync``, which ZeRO 2 and 3 refuse."""
+        yield
 
     @property
     def engine(self):
@@ -270,6 +273,21 @@ class MGPUStrategy(ParallelStrategy):
         if self.layout.size("pp") > 1:
             self.pipeline = Pipeline(self.model, self.layout, self.root_device, self.lightning_module.pipeline_loss,
                                      micro_batches, PipelineTimeline() if self.pipeline_timeline else None)
+        rank_zero_info(self.applied_layout())
+
+    def applied_layout(self) -> str:
+        """What this rank runs, read from the objects built in ``setup`` (not from the arguments asked for)."""
+        engine = self.model
+        split = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
+        sequence = any(getattr(m, "sequence_parallel", False) for m in engine.module.modules())
+        parts = [f"rank {self.global_rank}: tensor parallel over {self.layout.size('tp')} ranks "
+                 f"({len(split)} split parameters{', sequence parallel' if sequence else ''})"]
+        if self.pipeline is not None:
+            stages = [stage.stage_index for stage in self.pipeline.stages]
+            parts.append(f"pipeline {type(self.pipeline.schedule).__name__} over {self.layout.size('pp')} ranks "
+                         f"(stages {stages} of {self.layout.num_stages})")
+        parts.append(f"ZeRO-{engine.zero_optimization_stage()} over {engine.dp_world_size} data-parallel replicas")
+        return "applied layout: " + "; ".join(parts)
 
     def _check_model_shape(self, num_microbatches: int) -> None:
         """Validate the layout against the module's shape (when it declares ``model_shape``) and the micro-batch
@@ -294,19 +312,8 @@ class MGPUStrategy(ParallelStrategy):
         """Refuse, all at once and by name, the Lightning features this strategy cannot run, with what to do instead."""
         from lightning.pytorch.callbacks import StochasticWeightAveraging
 
-        module, problems = self.lightning_module, []
-        pipelined = self.layout.size("pp") > 1
-        if pipelined and trainer.accumulate_grad_batches > 1:
-            problems.append(f"accumulate_grad_batches={trainer.accumulate_grad_batches} is not supported with pipeline "
-                            "parallelism: the schedule already accumulates over its micro-batches; raise the number of "
-                            "micro-batches instead (num_microbatches, or the data module's global batch size)")
-        if not module.automatic_optimization:
-            if pipelined:
-                problems.append("manual optimization (automatic_optimization=False) is not supported with pipeline "
-                                "parallelism: the schedule runs forward and backward itself; use automatic optimization")
-            if num_microbatches > 1:
-                problems.append(f"manual optimization runs one training_step per batch, but {num_microbatches} "
-                                "micro-batches were asked for; use num_microbatches=1 or automatic optimization")
+        problems = training_loop_problems(self.layout.size("pp"), trainer.accumulate_grad_batches,
+                                          not self.lightning_module.automatic_optimization, num_microbatches)
         if any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks):
             problems.append("StochasticWeightAveraging is not supported by MGPUStrategy: it averages full copies of the "
                             "parameters, which ZeRO partitions and tensor/pipeline parallelism split; average "
@@ -351,6 +358,7 @@ class MGPUStrategy(ParallelStrategy):
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, rest = args[0], args[1:]
+        self.last_grad_norm = None  # set again only by a batch that ends with an optimizer step
         if self.pipeline is not None:
             mean = self.pipeline.train_step(*self.lightning_module.pipeline_batch(batch))
             return self._mean_over_replicas(mean)
@@ -408,12 +416,7 @@ class MGPUStrategy(ParallelStrategy):
         return closure_loss
 
     def engine_step(self) -> None:
-        """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads), except on the
-        batches that ``accumulate_grad_batches`` accumulates over."""
-        trainer = self.lightning_module.trainer
-        # The fit loop's own test, so the engine steps exactly when Lightning counts a step and steps LR schedulers.
-        if self.lightning_module.automatic_optimization and trainer.fit_loop._should_accumulate():
-            return
+        """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
         with name_lost_ranks(self._heartbeat):
             self.model.step()
         norm = self.model.get_global_grad_norm()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -126,7 +125,14 @@ def assert_layout_applied(trainer: L.Trainer, devices: int, strategy_kwargs: dic
         assert got == members, f"rank {rank}: {axis} group {got}, expected {members}"
     engine = strategy.model
     assert engine.zero_optimization_stage() == strategy_kwargs.get("zero_stage", 0)
-    assert engine.dp_world_size == len(members), (engine.dp_world_size, members)
+    D = len(expected_groups(rank, devices, **strategy_kwargs)["dp"])
+    assert engine.dp_world_size == D, (engine.dp_world_size, D)
+    T = strategy_kwargs.get("tensor_parallel_size", 1)
+    split = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
+    assert bool(split) == (T > 1), f"rank {rank}: {len(split)} tensor-parallel parameters at tensor_parallel_size={T}"
+    for p in split:  # each holds one T-th of its (padded) dimension
+        shape = getattr(p, "ds_shape", p.shape)
+        assert shape[p.partition_dim] * T >= p.full_size > (shape[p.partition_dim] - 1) * T, (shape, p.full_size)
     config = getattr(trainer.lightning_module, "config", None)
     if isinstance(config, LlamaConfig):
         layout = strategy.layout

@@ -106,16 +106,19 @@ def cli_reference(token_file, steps: int, n_layers: int = 2, val_batches: int = 
                      optim=dict(lr=3e-3, warmup_steps=2, max_steps=steps, min_lr_ratio=0.1, weight_decay=0.1))
 
 
-@pytest.mark.parametrize("parallel, plan", [
-    (["parallel=zero2"], "2 per micro-batch x 2 micro-batches x 2 data-parallel replicas"),
-    (["parallel=tp2_sp"], "2 per micro-batch x 4 micro-batches x 1 data-parallel replicas"),
+@pytest.mark.parametrize("parallel, plan, applied", [
+    (["parallel=zero2"], "2 per micro-batch x 2 micro-batches x 2 data-parallel replicas",
+     "tensor parallel over 1 ranks (0 split parameters); ZeRO-2 over 2 data-parallel replicas"),
+    (["parallel=tp2_sp"], "2 per micro-batch x 4 micro-batches x 1 data-parallel replicas",
+     "tensor parallel over 2 ranks (16 split parameters, sequence parallel); ZeRO-1 over 1 data-parallel replicas"),
 ], ids=["zero2", "tp2_sp"])
-def test_cli_two_processes_match_single_process(token_file, tmp_path, parallel, plan):
+def test_cli_two_processes_match_single_process(token_file, tmp_path, parallel, plan, applied):
     run_dir = tmp_path / "run"
     args = [str(BIN / "mgpu-train"), *cli_args(token_file, 10), *parallel, f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"global batch 8 = {plan}" in proc.stdout + proc.stderr
+    assert applied in proc.stdout + proc.stderr
     assert "--- sample after 10 steps ---" in proc.stdout
     assert (run_dir / "config.yaml").is_file()
     assert not list(tmp_path.glob("outputs"))  # every rank used the one run directory
@@ -146,7 +149,15 @@ def test_cli_every_schedule_trains_and_validates_at_parity(token_file, tmp_path,
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ref = cli_reference(token_file, 5, n_layers=4, val_batches=2)
     names = schedules.split(",")
+    classes = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+               "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+               "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
+    applied = [line for line in (proc.stdout + proc.stderr).splitlines() if "applied layout: rank 0" in line]
+    assert len(applied) == len(names), applied
     for job, name in enumerate(names):
+        stages = "[0] of 2" if name in ("gpipe", "1f1b") else "[0, 3] of 4" if name in ("zbv", "dualpipev") else \
+            "[0, 2] of 4"
+        assert f"pipeline {classes[name]} over 2 ranks (stages {stages})" in applied[job], applied[job]
         metrics = sweep / str(job) / "metrics.csv"
         assert OmegaConf.load(sweep / str(job) / "config.yaml").parallel.pipeline_schedule == name
         assert_cli_parity(metrics, ref)

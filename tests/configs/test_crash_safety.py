@@ -1,58 +1,107 @@
-"""Crash safety: SIGKILL of the whole job at ten moments (during steps and during saves); each time
-``checkpoint.resume=auto`` continues from the newest complete checkpoint, and every loss any attempt logged
-is bit-identical to an uninterrupted run (each attempt is a fresh process group, as a requeued job would be)."""
+"""Crash safety: the whole job is SIGKILLed in four states that differ in memory and on disk, and each requeued
+attempt (a fresh process group, ``checkpoint.resume=auto``) resumes from the checkpoint it should, and every loss any
+attempt logged is bit-identical to an uninterrupted run.
 
+With a checkpoint after every step (keep_last=2) and six steps, the attempts are:
+
+1. killed inside the backward pass of step 2 (gradients half computed)      -> complete: 1, 2
+2. resumed at 2; killed while writing the checkpoint of step 4, its trainer state half written (a torn
+   ``step-00000004.partial``)                                               -> complete: 2, 3 + torn 4
+3. resumed at 3 (the torn 4 ignored); killed after publishing 5, before pruning -> complete: 3, 4, 5
+4. killed while restoring the checkpoint of step 5                           -> unchanged
+5. resumed at 5, runs to the end                                             -> complete: 5, 6
+
+A killed attempt loses the row of the step it died in (the logger writes it after the step's callbacks).
+"""
+
+import csv
 import os
+import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 from test_launch import TINY_ARGS
 
+from lightning_mgpu.callbacks import newest_checkpoint
+
 BIN = Path(sys.executable).parent
-#: (phase, step): after a plain step, before a save, with a save written but unpublished, right after publishing.
-KILLS = [("step", 3), ("saving", 4), ("published", 4), ("trained", 6), ("step", 7), ("saving", 8),
-         ("published", 8), ("step", 9), ("trained", 10), ("saving", 12)]
+STEPS = 6
 
 
 def attempt(token_file, tmp_path, name, checkpoints, kill=None):
+    """One launch; returns its logged losses by step and the step it printed that it resumed at (None: fresh)."""
     run_dir = tmp_path / name
-    env = dict(os.environ, **({"MGPU_KILL_AT": f"{kill[0]}:{kill[1]}"} if kill else {}))
+    env = dict(os.environ, **({"MGPU_KILL_AT": kill} if kill else {}))
     proc = subprocess.run(
-        [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}", "trainer.max_steps=12",
-         "checkpoint.every_n_steps=2", "checkpoint.keep_last=2", f"checkpoint.dir={checkpoints}",
-         "checkpoint.resume=auto", "trainer.throughput=false", *TINY_ARGS, f"hydra.run.dir={run_dir}"],
+        [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}",
+         f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2",
+         f"checkpoint.dir={checkpoints}", "checkpoint.resume=auto", "trainer.throughput=false", *TINY_ARGS,
+         f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
+    output = proc.stdout + proc.stderr
     if kill:
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+        assert proc.returncode == -signal.SIGKILL, output[-3000:]
+        assert f"MGPU fault: rank 0 kills the job (SIGKILL to its process group) at {kill}" in output, output[-3000:]
     else:
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, output[-3000:]
+    resumed = re.findall(r"Resumed at step (\d+) from (\S+)", output)
+    assert all(Path(path).name == f"step-{int(step):08d}" for step, path in resumed), resumed
     metrics = run_dir / "metrics.csv"
-    return read_losses_by_step(metrics) if metrics.exists() else {}
+    losses = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(metrics.open()) if r.get("train/loss")} \
+        if metrics.exists() else {}
+    return losses, int(resumed[0][0]) if resumed else None
 
 
-def read_losses_by_step(metrics):
-    import csv
+def on_disk(checkpoints):
+    """(complete steps, partial steps) in the checkpoint directory."""
+    names = [p.name for p in checkpoints.iterdir()]
+    complete = sorted(int(n[5:]) for n in names if re.fullmatch(r"step-\d{8}", n))
+    partial = sorted(int(n[5:13]) for n in names if re.fullmatch(r"step-\d{8}\.partial", n))
+    return complete, partial
 
-    return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(metrics.open()) if r.get("train/loss")}
 
+def test_killed_in_four_states_resumes_from_the_right_checkpoint_bit_identically(token_file, tmp_path):
+    whole, resumed = attempt(token_file, tmp_path, "uninterrupted", tmp_path / "ckpt-uninterrupted")
+    assert sorted(whole) == list(range(STEPS)) and resumed is None
+    ckpt = tmp_path / "ckpt"
+    logged = {}
 
-def test_killed_at_ten_moments_resumes_bit_identically(token_file, tmp_path):
-    whole = attempt(token_file, tmp_path, "uninterrupted", tmp_path / "ckpt-uninterrupted")
-    assert sorted(whole) == list(range(12))
-    checkpoints = tmp_path / "ckpt"
-    logged: dict[int, list[float]] = {}
-    for i, kill in enumerate(KILLS):
-        for step, loss in attempt(token_file, tmp_path, f"attempt{i}", checkpoints, kill).items():
-            logged.setdefault(step, []).append(loss)
-        complete = sorted(p.name for p in checkpoints.iterdir() if not p.name.endswith(".partial"))
-        assert 1 <= len(complete) <= 3  # keep_last=2 (+1 when killed between publishing and pruning)
-    final = attempt(token_file, tmp_path, "final", checkpoints)
-    assert max(final) == 11 and min(final) == 10  # resumed from the checkpoint of step 10, the newest complete one
-    for step, loss in final.items():
-        logged.setdefault(step, []).append(loss)
-    # A killed attempt loses the row of the step it died in; those steps are logged by a later attempt.
-    assert len(logged) >= 10
-    for step, losses in logged.items():
-        assert all(loss == whole[step] for loss in losses), (step, losses, whole[step])
+    losses, resumed = attempt(token_file, tmp_path, "backward", ckpt, kill="backward:2")
+    assert resumed is None and sorted(losses) == [0, 1]  # step 2 died in its backward pass
+    assert on_disk(ckpt) == ([1, 2], [])
+    logged["backward"] = losses
+
+    losses, resumed = attempt(token_file, tmp_path, "torn", ckpt, kill="torn:4")
+    assert resumed == 2 and sorted(losses) == [2]
+    assert on_disk(ckpt) == ([2, 3], [4])
+    torn = ckpt / "step-00000004.partial"
+    assert (torn / ".metadata").is_file() and (torn / "trainer_state.pt").stat().st_size > 0
+    with pytest.raises(Exception):  # half a file: the checkpoint is torn, not merely unpublished
+        torch.load(torn / "trainer_state.pt", weights_only=True)
+    assert newest_checkpoint(ckpt) == ckpt / "step-00000003"
+    logged["torn"] = losses
+
+    losses, resumed = attempt(token_file, tmp_path, "published", ckpt, kill="published:5")
+    assert resumed == 3 and sorted(losses) == [3]  # not the torn 4; step 4 died in its checkpoint's publication
+    assert on_disk(ckpt) == ([3, 4, 5], [])  # the torn partial was replaced; 3 not yet pruned
+    logged["published"] = losses
+
+    losses, resumed = attempt(token_file, tmp_path, "resume", ckpt, kill="resume:5")  # the fault fires only at 5
+    assert resumed is None and losses == {}
+    assert on_disk(ckpt) == ([3, 4, 5], [])
+    logged["resume"] = losses
+
+    losses, resumed = attempt(token_file, tmp_path, "final", ckpt)
+    assert resumed == 5 and sorted(losses) == [5]
+    assert on_disk(ckpt) == ([5, 6], [])
+    logged["final"] = losses
+
+    for name, losses in logged.items():
+        for step, loss in losses.items():
+            assert loss == whole[step], (name, step, loss, whole[step])
+    assert sorted(step for losses in logged.values() for step in losses) == [0, 1, 2, 3, 5]

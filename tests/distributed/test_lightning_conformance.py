@@ -20,7 +20,9 @@ from lightning.pytorch.callbacks import (
     StochasticWeightAveraging,
 )
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, SequentialSampler
+from torch.utils.data import DataLoader, Dataset
+
+from helpers import assert_layout_applied
 
 from lightning_mgpu import MGPUStrategy
 from lightning_mgpu.testing import run_distributed
@@ -99,8 +101,8 @@ class Classifier(L.LightningModule):
         return {"optimizer": opts[0], "lr_scheduler": {"scheduler": scheduler, "interval": self.interval}}
 
 
-def loader(shuffle: bool = True, sampler=None) -> DataLoader:
-    return DataLoader(Samples(), batch_size=BATCH, shuffle=shuffle if sampler is None else None, sampler=sampler)
+def loader(shuffle: bool = True, n: int = N_SAMPLES) -> DataLoader:
+    return DataLoader(Samples(n), batch_size=BATCH, shuffle=shuffle)
 
 
 class Steps(L.Callback):
@@ -126,9 +128,10 @@ class TensorParallelClassifier(Classifier):
 def train(rank: int, strategy: Any, max_epochs: int = 2, max_steps: int = -1, callbacks: Optional[list] = None,
           module_kw: Optional[dict] = None, trainer_kw: Optional[dict] = None, fit_kw: Optional[dict] = None,
           after: Optional[str] = None, root: Optional[str] = None, devices: int = 2,
-          module_cls: type = Classifier) -> dict:
+          module_cls: type = Classifier, n_samples: int = N_SAMPLES) -> dict:
     """One fit of the Classifier on CPU processes; ``after`` runs ``test``/``validate``/``predict`` afterwards (from
     ``ckpt_path="best"`` when a ModelCheckpoint is configured)."""
+    asked = strategy if isinstance(strategy, dict) else None
     strategy = MGPUStrategy(**strategy) if isinstance(strategy, dict) else strategy
     steps = Steps()
     module = module_cls(**(module_kw or {}))
@@ -137,10 +140,14 @@ def train(rank: int, strategy: Any, max_epochs: int = 2, max_steps: int = -1, ca
               enable_checkpointing=False, callbacks=[steps, *(callbacks or [])], default_root_dir=root)
     kw.update(trainer_kw or {})
     trainer = L.Trainer(**kw)
-    trainer.fit(module, train_dataloaders=loader(), val_dataloaders=loader(shuffle=False), **(fit_kw or {}))
+    trainer.fit(module, train_dataloaders=loader(n=n_samples), val_dataloaders=loader(shuffle=False),
+                **(fit_kw or {}))
+    if asked is not None:
+        assert_layout_applied(trainer, devices, asked)
     out = {"losses": module.losses, "seen": module.seen, "steps": steps.steps, "lrs": steps.lrs,
            "gathered": module.gathered, "global_step": trainer.global_step,
-           "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+           "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+           "shapes": {n: tuple(p.shape) for n, p in module.named_parameters()}}
     best = "best" if any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks) else None
     if after == "test":
         out["after"] = float(trainer.test(module, loader(shuffle=False), ckpt_path=best)[0]["test_loss"])
@@ -169,9 +176,14 @@ def ddp():
     return run_distributed(train, 2, "ddp", max_steps=10)
 
 
+#: Epochs of 7 batches per rank with accumulate_grad_batches=2: the last batch of each epoch steps alone, as Lightning
+#: does under DDP (it never carries gradients into the next epoch).
+ACCUMULATE = dict(trainer_kw=dict(accumulate_grad_batches=2), n_samples=112)
+
+
 @pytest.fixture(scope="module")
 def ddp_accumulate():
-    return run_distributed(train, 2, "ddp", trainer_kw=dict(accumulate_grad_batches=2))
+    return run_distributed(train, 2, "ddp", **ACCUMULATE)
 
 
 @pytest.mark.parametrize("stage", ZERO)
@@ -191,6 +203,8 @@ def test_tensor_parallel_ranks_share_their_replicas_samples(ddp):
     got = run_distributed(train, 4, dict(tensor_parallel_size=2, zero_stage=1), max_steps=10, devices=4,
                           module_cls=TensorParallelClassifier, after="predict")
     assert_same_training(got, [ddp[0], ddp[0], ddp[1], ddp[1]])
+    assert all(r["shapes"] == {"net.0.weight": (16, 16), "net.0.bias": (16,), "net.2.weight": (4, 16),
+                               "net.2.bias": (4,)} for r in got)  # each rank holds half of each split layer
     predicted = [sorted(i for ids, _ in r["after"] for i in ids) for r in got]
     assert predicted[0] == predicted[1] and predicted[2] == predicted[3]
     assert not set(predicted[0]) & set(predicted[2]) and len(predicted[0]) + len(predicted[2]) == N_SAMPLES
@@ -198,9 +212,9 @@ def test_tensor_parallel_ranks_share_their_replicas_samples(ddp):
 
 @pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero3"])
 def test_accumulate_grad_batches_steps_once_per_n_batches_as_under_ddp(ddp_accumulate, stage):
-    got = run_distributed(train, 2, ZERO[stage], trainer_kw=dict(accumulate_grad_batches=2))
+    got = run_distributed(train, 2, ZERO[stage], **ACCUMULATE)
     assert_same_training(got, ddp_accumulate)
-    assert got[0]["global_step"] == 8  # 2 epochs x 8 batches / 2
+    assert got[0]["global_step"] == 8  # 2 epochs x (3 pairs + the odd last batch)
 
 
 @pytest.fixture(scope="module")
@@ -238,8 +252,9 @@ def test_epoch_scheduler_lr_monitor_early_stopping_and_own_sampler(tmp_path):
 
 def test_model_checkpoint_top_k_last_and_resume(tmp_path):
     def run(rank, name, max_epochs, resume=None, after=None):
-        ckpt = ModelCheckpoint(dirpath=str(tmp_path / name), monitor="val_loss", save_top_k=1, save_last=True,
-                               every_n_train_steps=4)
+        # mode="max": the best checkpoint is the earliest (highest loss), never the weights fit ends with
+        ckpt = ModelCheckpoint(dirpath=str(tmp_path / name), monitor="val_loss", mode="max", save_top_k=1,
+                               save_last=True, every_n_train_steps=4)
         out = train(rank, dict(zero_stage=3), max_epochs=max_epochs, callbacks=[ckpt], root=str(tmp_path),
                     after=after, fit_kw=dict(ckpt_path=resume) if resume else None,
                     trainer_kw=dict(enable_checkpointing=True, val_check_interval=4))
@@ -251,7 +266,9 @@ def test_model_checkpoint_top_k_last_and_resume(tmp_path):
     files = sorted(p.name for p in (tmp_path / "first").iterdir())
     assert len(files) == 2 and "last.ckpt" in files, files  # top-1 by val_loss, plus last
     assert (tmp_path / "first" / "last.ckpt" / "trainer_state.pt").is_file()  # this project's (universal) format
-    assert first[0]["after"] == pytest.approx(first[0]["best_score"], abs=1e-6)  # validate(ckpt_path="best")
+    # validate(ckpt_path="best") loaded the best (step-4) weights, not the ones fit ended with
+    assert first[0]["after"] == pytest.approx(first[0]["best_score"], abs=1e-6)
+    assert abs(first[0]["after"] - first[0]["metrics"]["val_loss"]) > 1e-3
     resumed = run_distributed(run, 2, "first", 3, resume="last", after="test")
     for r, w in zip(resumed, whole):  # epochs 2 and 3 continue exactly as the uninterrupted run
         assert r["losses"] == pytest.approx(w["losses"][8:], abs=1e-6)
@@ -290,7 +307,7 @@ def conformance_table() -> str:
     DDP) or the refusal. Run this file as a script to print it (about two minutes on 2 cores)."""
     rows = {
         "plain module, own DataLoader (sharded)": (dict(max_steps=10), {}),
-        "accumulate_grad_batches=2": (dict(trainer_kw=dict(accumulate_grad_batches=2)), {}),
+        "accumulate_grad_batches=2": (ACCUMULATE, {}),
         "manual optimization": (dict(max_steps=6, module_kw=dict(manual=True)), {}),
     }
     lines = ["| feature | " + " | ".join(ZERO) + " |", "|---" * (len(ZERO) + 1) + "|"]

@@ -3,8 +3,9 @@
 from dataclasses import replace
 
 import pytest
-from helpers import TINY, assert_bf16_curve, assert_parity, fit, reference
+from helpers import OPTIM, TINY, assert_bf16_curve, assert_parity, fit, reference
 
+from lightning_mgpu import LLMModule
 from lightning_mgpu.layout import V_SCHEDULES
 from lightning_mgpu.parallel.timeline import bubble_fraction, plot_timeline, theoretical_bubble
 from lightning_mgpu.testing import run_distributed
@@ -106,3 +107,29 @@ def test_theoretical_bubbles():
 
 def test_pp2_bf16_mixed_follows_fp32(token_file, ref):
     assert_bf16_curve(run(token_file, 2, pipeline_parallel_size=2, zero_stage=1, precision="bf16-mixed"), ref)
+
+
+class ManualLLMModule(LLMModule):
+    """An LLMModule that asks for manual optimization (which a pipeline schedule cannot give it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+
+def _refusal(rank, token_file, **kw):
+    try:
+        fit(rank, token_file, 2, max_steps=1, model=DEEP, **kw)
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def test_pipeline_refuses_accumulation_and_manual_optimization(token_file):
+    accumulate = run_distributed(_refusal, 2, token_file, pipeline_parallel_size=2, accumulate=2)[0]
+    assert "accumulate_grad_batches=2 is not supported with pipeline parallelism" in accumulate
+    # (Lightning itself refuses clipping and accumulation with manual optimization, so neither is asked for here)
+    manual = run_distributed(_refusal, 2, token_file, pipeline_parallel_size=2, clip=None,
+                             module=ManualLLMModule(DEEP, **OPTIM, global_batch_size=8))[0]
+    assert "manual optimization (automatic_optimization=False) is not supported with pipeline" in manual
+    assert "manual optimization runs one training_step per batch, but 4 micro-batches" in manual  # listed together
