@@ -9,9 +9,10 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
-from lightning_mgpu.checkpoint.hf import hf_path, load_hf, load_into
+from lightning_mgpu.checkpoint.hf import HFWeights, hf_path, load_hf, load_into
 from lightning_mgpu.layout import ModelShape
 from lightning_mgpu.models.llama import Llama, LlamaConfig
+from lightning_mgpu.models.llama import initial_value as llama_initial_value
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
 from lightning_mgpu.parallel.cross_entropy import cross_entropy, gather_logits
 from lightning_mgpu.parallel.pipeline import stage_container
@@ -70,18 +71,29 @@ class LLMModule(L.LightningModule):
                                    "init_from": init_from})
         self.peak_lr = scaled_lr(lr, lr_scaling, global_batch_size, reference_batch_size)
         self.model: Optional[Llama] = None
+        self._hf_weights: Optional[HFWeights] = None
         self.val_nll = MeanMetric()  # token-weighted mean loss; val/ppl = exp of it
         self.tokens_seen = 0
 
     def configure_model(self) -> None:
-        # Initial weights depend only on init_seed, never on how much randomness was drawn before.
+        """Build the model. Initial weights depend only on ``init_seed`` and each parameter's name. Under MGPUStrategy
+        this runs on the meta device and the strategy asks :meth:`initial_value` for each rank's share only."""
         if self.model is None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(self.hparams.init_seed)
-                self.model = Llama(self.config)
-            if self.hparams.init_from:  # whole weights on every rank; a parallel plan then keeps each rank's share
+            self.model = Llama(self.config, init_seed=self.hparams.init_seed)
+            if self.hparams.init_from and not self.model.output.weight.is_meta:  # whole weights (one process)
                 _, state = load_hf(hf_path(self.hparams.init_from))
                 load_into(self.model, state)
+
+    def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
+        """Part ``index`` of parameter ``name``'s initial value (``model.layers.0.attention.wq.weight``, whole shape
+        ``shape``): the slice of a Hugging Face checkpoint's tensor (``init_from``; only that slice is read), or of the
+        seeded initialisation."""
+        own = name.removeprefix("model.")
+        if self.hparams.init_from:
+            if self._hf_weights is None:
+                self._hf_weights = HFWeights(hf_path(self.hparams.init_from))
+            return self._hf_weights.read(own, shape, index)
+        return llama_initial_value(self.config, own, shape, self.hparams.init_seed)[index]
 
     @property
     def model_shape(self) -> ModelShape:

@@ -33,8 +33,9 @@ from lightning_mgpu.launcher import WorkerCommandLauncher
 from lightning_mgpu.layout import ParallelLayout, training_loop_problems
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.microbatch import split_microbatches
-from lightning_mgpu.parallel.pipeline import Pipeline, num_stages, stage_ids
-from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
+from lightning_mgpu.parallel.pipeline import Pipeline
+from lightning_mgpu.parallel.parallelize import parallelize
+from lightning_mgpu.parallel.plan import TensorParallelPlan
 from lightning_mgpu.parallel.timeline import PipelineTimeline
 from lightning_mgpu.parallel.zero import (
     EngineOwnedOptimizer,
@@ -129,6 +130,8 @@ class MGPUStrategy(ParallelStrategy):
         #: The LightningModule already split by the plan and the stage split (a Trainer runs setup once per stage).
         self._split_module: Optional[pl.LightningModule] = None
         self._stage_container: Optional[torch.nn.Module] = None
+        #: Parameter elements this rank gave storage to after building on the meta device (0: built for real).
+        self.materialized_elements = 0
 
     # ------------------------------------------------------------------------------ registration
     @classmethod
@@ -237,9 +240,13 @@ class MGPUStrategy(ParallelStrategy):
         self._check_lightning_features(trainer, micro_batches)
         accumulate = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
         if self._split_module is not self.lightning_module:  # a later validate/test/predict reuses the split
-            if self.layout.size("tp") > 1:
-                self._apply_tensor_parallel()
-            self._stage_container = self._split_pipeline() if self.layout.size("pp") > 1 else None
+            done = parallelize(self.lightning_module, self.layout, self.root_device, self.tensor_parallel_plan,
+                               self.pipeline_boundaries)
+            self.tensor_parallel_notes = done.notes
+            self.materialized_elements = done.materialized
+            for note in done.notes:
+                rank_zero_info(note)
+            self._stage_container = done.module if self.layout.size("pp") > 1 else None
             self._split_module = self.lightning_module
         module = self._stage_container if self.layout.size("pp") > 1 else self.model
         self.model = self.precision_plugin.convert_module(self.model)
@@ -321,25 +328,16 @@ class MGPUStrategy(ParallelStrategy):
         if problems:
             raise ValueError("Unsupported with MGPUStrategy:\n" + "\n".join(f"  - {p}" for p in problems))
 
-    def _split_pipeline(self) -> torch.nn.Module:
-        """Keep only this rank's pipeline stages; return them in the one container the engine wraps."""
-        ids = stage_ids(self.layout.rank("pp"), self.layout)
-        return self.lightning_module.pipeline_stages(ids, num_stages(self.layout), self.pipeline_boundaries)
-
-    def _apply_tensor_parallel(self) -> None:
-        """Split the LightningModule's layers over the tensor-parallel group, as its plan says."""
-        module = self.lightning_module
-        plan = self.tensor_parallel_plan
-        if plan is None and callable(getattr(module, "tensor_parallel_plan", None)):
-            plan = module.tensor_parallel_plan()
-        if plan is None:
-            raise ValueError(f"tensor_parallel_size={self.layout.size('tp')} needs a tensor-parallel plan: define "
-                             f"tensor_parallel_plan() on {type(module).__name__} returning {{module name pattern: "
-                             "style}, or pass MGPUStrategy(tensor_parallel_plan=...)")
-        self.tensor_parallel_notes = apply_tensor_parallel(module, plan, self.layout.group("tp"),
-                                                           self.layout.sequence_parallel)
-        for note in self.tensor_parallel_notes:
-            rank_zero_info(note)
+    @override
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """``configure_model`` builds on the meta device when the module can give each rank its share of the initial
+        values (``initial_value``): then no rank ever holds the whole model (``parallelize`` materialises shards)."""
+        if callable(getattr(self.lightning_module, "initial_value", None)):
+            with torch.device("meta"):
+                yield
+        else:
+            yield
 
     @override
     def model_to_device(self) -> None:

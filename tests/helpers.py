@@ -141,6 +141,8 @@ def assert_layout_applied(trainer: L.Trainer, devices: int, strategy_kwargs: dic
                                    stage_ids=ids, boundaries=strategy_kwargs.get("pipeline_boundaries"))
         local = sum(getattr(q, "ds_numel", q.numel()) for q in engine.module.parameters())
         assert local == expected, f"rank {rank} holds {local} parameters; the planner counts {expected}"
+        # Built on the meta device: this rank gave storage to its own share and nothing else.
+        assert strategy.materialized_elements == expected, (strategy.materialized_elements, expected)
 
 
 def assert_parity(results: list[dict], expected: dict, tol: float = 1e-5) -> None:

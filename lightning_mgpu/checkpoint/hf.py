@@ -120,6 +120,34 @@ def load_hf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return cfg, state
 
 
+class HFWeights:
+    """Reads slices of a Hugging Face Llama directory's tensors by our parameter names, without loading the rest: a
+    rank reads only its shard (safetensors slices are read from the memory-mapped file)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        self.config = from_hf_config(json.loads((self.path / "config.json").read_text()))
+        self._files = {}
+        for f in sorted(self.path.glob("*.safetensors")):
+            handle = safe_open(str(f), framework="pt")
+            self._files.update({key: handle for key in handle.keys()})
+
+    def read(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
+        """Part ``index`` of our parameter ``name`` (the output head falls back to the embedding when tied)."""
+        key = to_hf_name(name)
+        if key not in self._files and name == "output.weight" and self.config.tie_embeddings:
+            key = to_hf_name("tok_embeddings.weight")
+        if key not in self._files:
+            raise KeyError(f"{self.path} has no tensor {key!r} for parameter {name!r}")
+        piece = self._files[key].get_slice(key)
+        if tuple(piece.get_shape()) != tuple(shape):
+            raise ValueError(f"{self.path}: {key} has shape {tuple(piece.get_shape())}, the model's {name} has "
+                             f"{tuple(shape)}")
+        return piece[index]
+
+
 def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Copy ``state`` into ``model`` (an unsplit Llama), naming every missing, extra or mis-shaped tensor."""
     own = dict(model.state_dict())

@@ -6,6 +6,7 @@ from outside (see ``llama_plan.py`` and ``lightning_mgpu.parallel``).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import asdict, dataclass, replace
 from typing import Callable, Literal, Optional
@@ -171,10 +172,31 @@ def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ac
     return x
 
 
-class Llama(nn.Module):
-    """Decoder-only transformer returning logits ``[batch, seq, vocab]`` for token ids ``[batch, seq]``."""
+def parameter_generator(seed: int, name: str) -> torch.Generator:
+    """A random stream for one parameter, from the seed and the parameter's name only: a parameter gets the same initial
+    value whichever other parameters a process builds, in whatever order (a pipeline stage builds only its own)."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+
+def initial_value(cfg: LlamaConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The initial value of parameter ``name`` of a :class:`Llama` (its whole, unsplit tensor): norms 1; block
+    output projections Normal(0, init_std / sqrt(2 * n_layers)) (GPT-2); everything else Normal(0, init_std)."""
+    if len(shape) == 1:
+        return torch.ones(shape)
+    std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
+    return torch.empty(shape).normal_(0.0, std, generator=parameter_generator(seed, name))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer returning logits ``[batch, seq, vocab]`` for token ids ``[batch, seq]``.
+
+    Built under ``torch.device("meta")`` its parameters take no memory and get no values (a parallel strategy then
+    gives each rank only its share, from :func:`initial_value`); the rotary tables are computed on the CPU even then,
+    since they are derived, not learned.
+    """
+
+    def __init__(self, cfg: LlamaConfig, init_seed: int = 0) -> None:
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -183,21 +205,17 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, device=torch.device("cpu"))
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        if not self.output.weight.is_meta:
+            self.reset_parameters(init_seed)
 
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) weights, with output projections scaled by 1/sqrt(2 * n_layers) (GPT-2)."""
-        std = self.config.init_std
+    @torch.no_grad()
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Every parameter from :func:`initial_value` with ``seed``."""
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, std=std / math.sqrt(2 * self.config.n_layers))
-            else:
-                nn.init.normal_(p, std=std)
+            p.copy_(initial_value(self.config, name, p.shape, seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]

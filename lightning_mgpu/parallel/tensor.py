@@ -42,13 +42,15 @@ from lightning_mgpu.parallel.regions import (
     SharedBiasBeforeReduce,
 )
 
-def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, full_size: int) -> nn.Parameter:
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, full_size: int, rank: int) -> nn.Parameter:
     """Tag a shard the way Megatron does, which is what DeepSpeed's grad-norm and checkpoint code reads, plus the
-    unpadded size of the whole tensor along ``partition_dim`` (to reassemble it)."""
+    unpadded size of the whole tensor along ``partition_dim`` and which chunk this is (to reassemble it, or to give it
+    its part of an initial value)."""
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = 1
     param.full_size = full_size
+    param.partition_rank = rank
     return param
 
 
@@ -97,9 +99,9 @@ class ColumnParallelLinear(_TensorParallel):
         self.enters_region = enters_region
         self.in_features, self.out_features = linear.in_features, linear.out_features // self.tp_size
         self.weight = mark_tensor_parallel(_shard(linear.weight, 0, self.tp_rank, self.tp_size), 0,
-                                           linear.out_features)
+                                           linear.out_features, self.tp_rank)
         self.bias = None if linear.bias is None else mark_tensor_parallel(
-            _shard(linear.bias, 0, self.tp_rank, self.tp_size), 0, linear.out_features)
+            _shard(linear.bias, 0, self.tp_rank, self.tp_size), 0, linear.out_features, self.tp_rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enters_region:
@@ -114,7 +116,7 @@ class RowParallelLinear(_TensorParallel):
         super().__init__(group, sequence_parallel)
         self.in_features, self.out_features = linear.in_features // self.tp_size, linear.out_features
         self.weight = mark_tensor_parallel(_shard(linear.weight, 1, self.tp_rank, self.tp_size), 1,
-                                           linear.in_features)
+                                           linear.in_features, self.tp_rank)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,7 +143,8 @@ class VocabParallelEmbedding(_TensorParallel):
         self.vocab_start = self.tp_rank * self.per_rank
         self.embedding_dim = embedding.embedding_dim
         self.weight = mark_tensor_parallel(
-            _shard(embedding.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size)
+            _shard(embedding.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size,
+            self.tp_rank)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
@@ -166,9 +169,11 @@ class VocabParallelOutput(_TensorParallel):
         self.per_rank = self.padded_vocab_size // self.tp_size
         self.vocab_start = self.tp_rank * self.per_rank
         self.weight = mark_tensor_parallel(
-            _shard(linear.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size)
+            _shard(linear.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size,
+            self.tp_rank)
         self.bias = None if linear.bias is None else mark_tensor_parallel(
-            _shard(linear.bias, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size)
+            _shard(linear.bias, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size,
+            self.tp_rank)
         self.num_padding = max(0, min(self.per_rank, self.vocab_start + self.per_rank - self.vocab_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,11 +200,15 @@ class ParallelNorm(_TensorParallel):
         self.weight = nn.Parameter(norm.weight.detach().clone())
         bias = getattr(norm, "bias", None)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        # The unit affine is real even when the model is built on the meta device: it is a constant, not a parameter.
+        device = torch.device("cpu") if self.weight.is_meta else self.weight.device
         del norm.weight
-        norm.register_buffer("weight", torch.ones_like(self.weight), persistent=False)
+        norm.register_buffer("weight", torch.ones(self.weight.shape, dtype=self.weight.dtype, device=device),
+                             persistent=False)
         if bias is not None:
             del norm.bias
-            norm.register_buffer("bias", torch.zeros_like(self.bias), persistent=False)
+            norm.register_buffer("bias", torch.zeros(self.bias.shape, dtype=self.bias.dtype, device=device),
+                                 persistent=False)
         self.normalize = norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""One function over the layout that turns a LightningModule into what this rank trains, in a fixed order:
+
+tensor-parallel plan -> pipeline stage split -> materialise this rank's share.
+
+Activation checkpointing is a setting of the model (``LlamaConfig.activation_checkpointing``) and the engine
+(DeepSpeed, :mod:`lightning_mgpu.parallel.zero`) wraps the result; the strategy calls this between the two. Tests call
+it without a Trainer. A module built on the meta device (``MGPUStrategy`` builds ``configure_model`` there when the
+module defines ``initial_value``) holds no memory until the last step, which gives each rank only its own shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lightning_mgpu.checkpoint.universal import canonical_name
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.materialize import materialize, meta_parameters
+from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` made: the module the engine wraps (the LightningModule, or with pipeline parallelism
+    the container of this rank's stages), notes worth reporting, and the elements this rank materialised."""
+
+    module: nn.Module
+    notes: list[str] = field(default_factory=list)
+    materialized: int = 0
+
+
+def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
+                plan: Optional[TensorParallelPlan] = None, boundaries: Optional[list[int]] = None) -> Parallelized:
+    """Split ``module`` (a LightningModule following :class:`lightning_mgpu.contract.ParallelModule`) for this rank.
+
+    ``plan`` defaults to the module's ``tensor_parallel_plan()``; ``boundaries`` are the pipeline stage boundaries
+    (default: balanced). Raises one ``ValueError`` naming what the module lacks for the layout.
+    """
+    notes: list[str] = []
+    if layout.size("tp") > 1:
+        if plan is None and callable(getattr(module, "tensor_parallel_plan", None)):
+            plan = module.tensor_parallel_plan()
+        if plan is None:
+            raise ValueError(f"tensor_parallel_size={layout.size('tp')} needs a tensor-parallel plan: define "
+                             f"tensor_parallel_plan() on {type(module).__name__} returning {{module name pattern: "
+                             "style}, or pass MGPUStrategy(tensor_parallel_plan=...)")
+        notes += apply_tensor_parallel(module, plan, layout.group("tp"), layout.sequence_parallel)
+    kept = module
+    if layout.size("pp") > 1:
+        ids = layout.stage_ids(layout.rank("pp"))
+        kept = module.pipeline_stages(ids, layout.num_stages, boundaries)
+    missing = meta_parameters(kept)
+    if not missing:
+        return Parallelized(kept, notes)
+    value = getattr(module, "initial_value", None)
+    if not callable(value):
+        raise ValueError(f"{type(module).__name__} built {len(missing)} parameters on the meta device (e.g. "
+                         f"{missing[0]!r}) but defines no initial_value(name, shape, index) to fill them; define it, "
+                         "or build the model on a real device")
+    count = materialize(kept, device, value, lambda name: canonical_name(name, layout))
+    return Parallelized(kept, notes, count)
