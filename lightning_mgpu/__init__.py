@@ -4,10 +4,11 @@ Importing the package registers the strategy names ``mgpu``, ``mgpu_zero1``, ``m
 ``mgpu_zero3`` and ``mgpu_zero3_offload`` with Lightning.
 """
 
+from lightning_mgpu.contract import ParallelModule
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.module import LLMModule
 from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.strategy import MGPUStrategy
 
-__all__ = ["LLMModule", "MGPUPrecision", "MGPUStrategy", "ParallelLayout"]
+__all__ = ["LLMModule", "MGPUPrecision", "MGPUStrategy", "ParallelLayout", "ParallelModule"]
 __version__ = "0.1.0"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Mapping
 
-import torch.distributed as dist
 from torch import nn
 
 from lightning_mgpu.parallel.tensor import (
@@ -32,6 +31,7 @@ from lightning_mgpu.parallel.tensor import (
     VocabParallelEmbedding,
     VocabParallelOutput,
     padded_size,
+    rank_and_size,
 )
 
 TensorParallelPlan = Mapping[str, str]
@@ -114,7 +114,7 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorParallelPlan, group: An
     shard. Tied parameters stay tied. Raises one ``ValueError`` listing every problem before changing
     anything.
     """
-    T = dist.get_world_size(group)
+    T = rank_and_size(group)[1]
     resolved, problems = _checked(module, plan, T)
     if problems:
         raise ValueError("Invalid tensor-parallel plan:\n" + "\n".join(f"  - {p}" for p in problems))

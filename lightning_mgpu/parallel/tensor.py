@@ -26,6 +26,7 @@ the attributes DeepSpeed reads to count them once per tensor-parallel group in t
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -41,6 +42,23 @@ from lightning_mgpu.parallel.regions import (
     ScaledGather,
     SharedBiasBeforeReduce,
 )
+
+@dataclass(frozen=True)
+class GroupCoordinates:
+    """A tensor-parallel group given by this rank's place in it, without a process group: layers built with it have
+    the shapes of rank ``rank`` of ``size`` and cannot run collectives (the dry run splits a model on the meta device
+    for every rank of a layout this way, in one process)."""
+
+    rank: int
+    size: int
+
+
+def rank_and_size(group: Any) -> tuple[int, int]:
+    """(this rank's index, the group's size) of a process group or of :class:`GroupCoordinates`."""
+    if isinstance(group, GroupCoordinates):
+        return group.rank, group.size
+    return dist.get_rank(group), dist.get_world_size(group)
+
 
 def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, full_size: int, rank: int) -> nn.Parameter:
     """Tag a shard the way Megatron does, which is what DeepSpeed's grad-norm and checkpoint code reads, plus the
@@ -79,8 +97,7 @@ class _TensorParallel(nn.Module):
         super().__init__()
         self.group = group
         self.sequence_parallel = sequence_parallel
-        self.tp_size = dist.get_world_size(group)
-        self.tp_rank = dist.get_rank(group)
+        self.tp_rank, self.tp_size = rank_and_size(group)
 
     def extra_repr(self) -> str:
         return f"tp={self.tp_rank}/{self.tp_size}, sequence_parallel={self.sequence_parallel}"

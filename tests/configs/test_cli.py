@@ -189,3 +189,17 @@ def test_cli_after_non_editable_install(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert len(read_losses(work / "run" / "metrics.csv")) == 3
     assert "--- sample after 3 steps ---" in run.stdout
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
+def test_dry_run_builds_every_rank_of_every_recipe_on_meta_as_planned(recipe):
+    """The recipe's real plan and stage split on the meta device, per pipeline rank: counts equal the planner's."""
+    from lightning_mgpu.cli.dry_run import rank_shares
+
+    cfg = composed(f"recipe={recipe}", *(["cluster=local"] if composed(f"recipe={recipe}").cluster.launcher == "slurm"
+                                         else []))
+    layout, shares = rank_shares(cfg)
+    assert sorted({s.pp_rank for s in shares}) == list(range(layout.size("pp")))
+    assert all(s.parameters == s.planned for s in shares)
+    assert sum(s.parameters for s in shares if s.tp_rank == 0) * layout.size("tp") >= \
+        build_model_config(cfg).num_parameters()  # the ranks together hold the whole model (plus vocab padding)

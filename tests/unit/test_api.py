@@ -4,6 +4,7 @@ import math
 
 import lightning as L
 import pytest
+import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_mgpu import LLMModule, MGPUPrecision, MGPUStrategy
@@ -103,3 +104,18 @@ def test_lr_scaling_rules():
         scaled_lr(1e-3, "linear", 64, None)
     with pytest.raises(ValueError, match="optim.lr_scaling='cubic' is unknown"):
         scaled_lr(1e-3, "cubic", 64, 32)
+
+
+def test_llm_module_declares_every_hook_of_the_contract_and_builds_shards_from_names():
+    from lightning_mgpu import ParallelModule
+    from lightning_mgpu.models.llama import Llama
+
+    module = LLMModule("tiny", init_seed=3)
+    assert isinstance(module, ParallelModule)
+    whole = Llama(module.config, init_seed=3)
+    weight = dict(whole.named_parameters())["layers.1.attention.wq.weight"]
+    # Any slice of the initial value is the slice of the whole-built tensor: shards start from the same weights.
+    part = module.initial_value("model.layers.1.attention.wq.weight", weight.shape, (slice(8, 16), slice(None)))
+    assert torch.equal(part, weight.detach()[8:16])
+    with torch.device("meta"):
+        assert Llama(module.config).output.weight.is_meta  # nothing allocated, nothing initialised

@@ -1,0 +1,84 @@
+"""``mgpu-train ... dry_run=true``: the real plan and stage split of a run's layout, on the meta device, in one process.
+
+No GPU, no process group and no memory for weights: for every pipeline rank (and the first and last tensor-parallel
+rank, the only ones whose vocabulary shards can differ) the module is built on the meta device, split with the same
+``tensor_parallel_plan`` and ``pipeline_stages`` a real launch uses, and its parameters counted. Each count must equal
+the planner's (:func:`lightning_mgpu.planner.model_stats.rank_parameters`), and the bytes of weights, gradients and
+optimizer state under the run's ZeRO stage come from the planner's measured model
+(:func:`lightning_mgpu.planner.memory.model_state_bytes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from lightning_mgpu.cli.build import build_model_config, build_module, build_strategy
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.plan import apply_tensor_parallel
+from lightning_mgpu.parallel.tensor import GroupCoordinates
+from lightning_mgpu.planner.memory import model_state_bytes
+from lightning_mgpu.planner.model_stats import rank_parameters
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """What one (tensor, pipeline) rank of a layout holds."""
+
+    tp_rank: int
+    pp_rank: int
+    stages: list[int]
+    parameters: int
+    planned: int
+    bytes: dict[str, float]
+
+
+def rank_shares(cfg: DictConfig) -> tuple[ParallelLayout, list[RankShare]]:
+    """The layout of ``cfg`` and, for each pipeline rank (tensor ranks first and last), its built share."""
+    model_config = build_model_config(cfg)
+    strategy = build_strategy(cfg)
+    layout = ParallelLayout(world_size=cfg.trainer.devices * cfg.trainer.num_nodes,
+                            devices_per_node=cfg.trainer.devices, model=None, **strategy._layout_args)
+    T, P = layout.size("tp"), layout.size("pp")
+    shares = []
+    for pp_rank in range(P):
+        for tp_rank in sorted({0, T - 1}):
+            with torch.device("meta"):
+                module = build_module(cfg, model_config)
+                module.configure_model()
+            if T > 1:
+                apply_tensor_parallel(module, module.tensor_parallel_plan(), GroupCoordinates(tp_rank, T),
+                                      layout.sequence_parallel)
+            ids = layout.stage_ids(pp_rank)
+            kept = module.pipeline_stages(ids, layout.num_stages, strategy.pipeline_boundaries) if P > 1 \
+                else module.model
+            count = sum(p.numel() for p in kept.parameters())
+            planned = rank_parameters(model_config, T, P, len(ids), pp_rank, stage_ids=ids,
+                                      boundaries=strategy.pipeline_boundaries)
+            states = model_state_bytes(count, layout.zero_stage, layout.size("dp"), str(cfg.trainer.precision), P > 1)
+            shares.append(RankShare(tp_rank, pp_rank, ids, count, planned, states))
+    return layout, shares
+
+
+def dry_run_report(cfg: DictConfig) -> str:
+    """The per-rank table; raises ``RuntimeError`` when a built count differs from the planner's."""
+    layout, shares = rank_shares(cfg)
+    whole = build_model_config(cfg).num_parameters()
+    lines = [f"dry run: {layout.world_size} processes = tp {layout.size('tp')} x pp {layout.size('pp')} x dp "
+             f"{layout.size('dp')}, ZeRO-{layout.zero_stage}, {cfg.trainer.precision}; the whole model has {whole:,} "
+             f"parameters ({whole * 4 / GB:.1f} GB in fp32)",
+             "| tp rank | pp rank | stages | parameters | planner | weights GB | gradients GB | optimizer GB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in shares:
+        b = s.bytes
+        lines.append(f"| {s.tp_rank} | {s.pp_rank} | {s.stages} | {s.parameters:,} | {s.planned:,} | "
+                     f"{b['parameters'] / GB:.2f} | {b['gradients'] / GB:.2f} | {(b['optimizer'] + b['buffers']) / GB:.2f} |")
+    wrong = [s for s in shares if s.parameters != s.planned]
+    if wrong:
+        raise RuntimeError("\n".join(lines) + "\nthe built shares differ from the planner's for ranks " +
+                           ", ".join(f"(tp {s.tp_rank}, pp {s.pp_rank})" for s in wrong))
+    return "\n".join(lines)
