@@ -219,8 +219,9 @@ class ParallelLayout:
         raise ValueError(f"axis={axis!r} is unknown; choose 'tp', 'pp', 'dp' or 'mp'")
 
     # ------------------------------------------------------------------------------ process groups
-    def init_groups(self, global_rank: int) -> None:
-        """Create this rank's tp, pp, dp and mp (tp x pp) process groups.
+    def init_groups(self, global_rank: int, timeout=None) -> None:
+        """Create this rank's tp, pp, dp and mp (tp x pp) process groups, with the collective ``timeout`` (a
+        ``timedelta``; torch's ``new_group`` does not inherit the world group's, it would wait 30 minutes on gloo).
 
         Every rank must call this in the same order, since ``new_group`` is collective over the world.
         """
@@ -235,7 +236,7 @@ class ParallelLayout:
         self._groups["rank"] = global_rank
         for axis in ("tp", "pp", "dp", "mp"):
             for ranks in self.group_ranks(axis):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, timeout=timeout)
                 if global_rank in ranks:
                     self._groups[axis] = group
 

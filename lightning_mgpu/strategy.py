@@ -208,7 +208,7 @@ class MGPUStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.layout = ParallelLayout(world_size=self.world_size, devices_per_node=self.num_processes,
                                      **self._layout_args)
-        self.layout.init_groups(self.global_rank)
+        self.layout.init_groups(self.global_rank, timeout=self._timeout)
         init_deepspeed_comm(self._timeout)
         if self.world_size > 1:
             self._heartbeat = Heartbeat.for_default_group()

@@ -1,6 +1,8 @@
-"""Naming the rank that died: each rank stamps the rendezvous store every half second; when a collective fails
-(a peer's socket closed, or the collective timeout passed), the ranks whose stamps have gone stale are the
-ones that were lost, and the error says so instead of a bare transport error.
+"""Naming the rank that was lost, and how: each rank stamps the rendezvous store every half second, and a rank
+whose own code raised records ``<type>: <message>`` there before it exits. When a collective fails (a peer's
+socket closed, or the collective timeout passed), the surviving ranks read both: a rank that recorded a failure
+*failed* with that exception; a rank whose stamp has gone stale *stopped responding* (killed, hung, its node
+lost). The error says which, instead of a bare transport error.
 
 The store is torch.distributed's default rendezvous store (``_get_default_store``, private but stable since
 torch 1.x): it is already shared by every rank and needs no extra port.
@@ -9,22 +11,51 @@ torch 1.x): it is already shared by every rank and needs no extra port.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
 INTERVAL_S = 0.5
 STALE_S = 2.0
+#: How much of a failed rank's exception message is recorded (the report quotes it).
+MESSAGE_CHARS = 500
 
 
 class LostRankError(RuntimeError):
     """A collective failed because other ranks are gone."""
 
 
+def is_collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is torch.distributed reporting that a peer went away (closed socket, timeout, store error),
+    i.e. a consequence of another rank's failure rather than a failure of this rank's own code.
+
+    gloo raises plain ``RuntimeError`` whose message names its source file (``[.../gloo/transport/tcp/pair.cc:553]
+    Connection closed by peer``, ``... Timed out waiting 5000ms for recv operation to complete``); NCCL and the
+    store raise ``torch.distributed.DistError`` subclasses.
+    """
+    return isinstance(err, (LostRankError, dist.DistError)) or (isinstance(err, RuntimeError) and "gloo" in str(err))
+
+
+@dataclass
+class LostPeers:
+    """What the store says about the other ranks: recorded failures, stale stamps, or the store itself gone."""
+
+    failed: dict[int, str] = field(default_factory=dict)
+    stale: list[int] = field(default_factory=list)
+    store_gone: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.failed or self.stale or self.store_gone)
+
+
 class Heartbeat:
-    """Stamps ``mgpu/heartbeat/<rank>`` in the store from a daemon thread."""
+    """Stamps ``mgpu/heartbeat/<rank>`` in the store from a daemon thread; records this rank's own failure in
+    ``mgpu/failed/<rank>``."""
 
     def __init__(self, store, rank: int, world_size: int) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
@@ -38,6 +69,10 @@ class Heartbeat:
         return cls(_get_default_store(), dist.get_rank(), dist.get_world_size()).start()
 
     def start(self) -> "Heartbeat":
+        try:  # a store that outlives a job (torchrun's, across restarts) may hold this rank's failure of a previous one
+            self.store.delete_key(f"mgpu/failed/{self.rank}")
+        except Exception:  # stores without delete_key
+            pass
         self._stamp()
         self._thread.start()
         return self
@@ -55,36 +90,79 @@ class Heartbeat:
             except Exception:  # the store is gone (its host died): nothing left to stamp
                 return
 
-    def lost_ranks(self, wait_s: float = STALE_S + 2 * INTERVAL_S) -> list[int]:
-        """Ranks whose stamp is older than ``STALE_S``, waiting up to ``wait_s`` for a just-died rank's stamp to age.
-        ``[-1]`` when the store itself is unreachable."""
+    def record_failure(self, err: BaseException) -> None:
+        """Record that this rank's own code raised ``err``, for the ranks left waiting on it. A collective failure
+        is not recorded: it is the consequence of another rank's failure, which that rank records (or its stamp
+        shows)."""
+        if is_collective_failure(err):
+            return
+        text = f"{type(err).__name__}: {err}"
+        try:
+            self.store.set(f"mgpu/failed/{self.rank}", text[:MESSAGE_CHARS])
+        except Exception:  # the store is gone: the peers will see a lost store host instead
+            pass
+
+    def lost_peers(self, wait_s: float = STALE_S + 2 * INTERVAL_S) -> LostPeers:
+        """The other ranks that recorded a failure or whose stamp is older than ``STALE_S``, waiting up to
+        ``wait_s`` for a just-failed rank's record to appear or a just-killed rank's stamp to age."""
         deadline = time.time() + wait_s
         while True:
             try:
+                found = LostPeers()
                 now = time.time()
-                stale = [r for r in range(self.world_size) if r != self.rank and
-                         now - float(self.store.get(f"mgpu/heartbeat/{r}").decode()) > STALE_S]
+                for r in range(self.world_size):
+                    if r == self.rank:
+                        continue
+                    if self.store.check([f"mgpu/failed/{r}"]):
+                        found.failed[r] = self.store.get(f"mgpu/failed/{r}").decode()
+                    elif now - float(self.store.get(f"mgpu/heartbeat/{r}").decode()) > STALE_S:
+                        found.stale.append(r)
             except Exception:
-                return [-1]
-            if stale or time.time() > deadline:
-                return stale
+                return LostPeers(store_gone=True)
+            if found or time.time() > deadline:
+                return found
             time.sleep(INTERVAL_S / 2)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def describe(found: LostPeers, heartbeat: Heartbeat) -> str:
+    """One sentence per kind of loss: who failed with what, who stopped responding."""
+    of = f"of {heartbeat.world_size}"
+    if found.store_gone:
+        return "the rank hosting the rendezvous store stopped responding"
+    parts = [f"rank {r} {of} failed with {text}" for r, text in sorted(found.failed.items())]
+    if found.stale:
+        parts.append(f"{_ranks(found.stale)} {of} stopped responding (no heartbeat for more than {STALE_S:.0f} s)")
+    return "; ".join(parts)
 
 
 @contextlib.contextmanager
 def name_lost_ranks(heartbeat: Optional[Heartbeat]) -> Iterator[None]:
-    """Re-raise a failed collective as :class:`LostRankError` naming the lost ranks, when there are any."""
+    """Re-raise a failed collective as :class:`LostRankError` naming the lost ranks and how they were lost.
+
+    An exception of this rank's own code passes through at once, for the strategy's ``on_exception`` to record
+    (:meth:`Heartbeat.record_failure`) before the process exits and its peers' collectives fail.
+    """
     try:
         yield
     except LostRankError:
         raise
     except Exception as err:
-        lost = heartbeat.lost_ranks() if heartbeat is not None else []
-        if not lost:
+        if heartbeat is None or not is_collective_failure(err):
             raise
-        who = "the rank hosting the rendezvous store" if lost == [-1] else \
-            f"rank{'s' if len(lost) > 1 else ''} {', '.join(map(str, lost))}"
-        raise LostRankError(f"{who} of {heartbeat.world_size} stopped responding (no heartbeat for more than "
-                            f"{STALE_S:.0f} s) while rank {heartbeat.rank} waited on it: the job cannot continue; "
-                            f"restart it (checkpoint.resume=auto continues from the newest complete checkpoint). "
-                            f"The collective failed with: {type(err).__name__}: {err}") from err
+        found = heartbeat.lost_peers()
+        if not found:
+            raise
+        advice = (["that rank's own traceback shows where it raised"] if found.failed else []) + \
+            (["restart the job (checkpoint.resume=auto continues from the newest complete checkpoint)"]
+             if found.stale or found.store_gone else [])
+        error = LostRankError(f"{describe(found, heartbeat)}, while rank {heartbeat.rank} waited on it: the job "
+                              f"cannot continue; {'; '.join(advice)}. The collective on rank {heartbeat.rank} failed "
+                              f"with: {type(err).__name__}: {err}")
+        # Logged at once as well: Lightning's local launcher SIGKILLs the surviving ranks within 5 s of a rank's exit,
+        # often before the traceback of this error is printed.
+        log.error("LostRankError: %s", error)
+        raise error from err
