@@ -41,3 +41,9 @@ class ParallelModule(Protocol):
     def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of parameter ``name``'s initial value, whose whole tensor has shape ``shape``. Defining it lets
         the strategy build ``configure_model`` on the meta device and give each rank only its share."""
+
+
+def builds_on_meta(module: object) -> bool:
+    """Whether MGPUStrategy builds ``module``'s ``configure_model`` on the meta device: when it defines
+    ``initial_value``, so that each rank can be given only its own share."""
+    return callable(getattr(module, "initial_value", None))

@@ -30,6 +30,7 @@ from typing_extensions import override
 
 from lightning_mgpu.checkpoint.universal import is_universal, load_universal, save_universal
 from lightning_mgpu.launcher import WorkerCommandLauncher
+from lightning_mgpu.contract import builds_on_meta
 from lightning_mgpu.layout import ParallelLayout, training_loop_problems
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.microbatch import split_microbatches
@@ -333,7 +334,7 @@ class MGPUStrategy(ParallelStrategy):
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` builds on the meta device when the module can give each rank its share of the initial
         values (``initial_value``): then no rank ever holds the whole model (``parallelize`` materialises shards)."""
-        if callable(getattr(self.lightning_module, "initial_value", None)):
+        if builds_on_meta(self.lightning_module):
             with torch.device("meta"):
                 yield
         else:

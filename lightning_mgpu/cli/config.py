@@ -101,6 +101,7 @@ class TrainerConfig:
     deterministic: Optional[bool] = None  #: true = torch.use_deterministic_algorithms(True); null = torch's default
     benchmark: Optional[bool] = None  #: torch.backends.cudnn.benchmark; null = leave as it is
     detect_anomaly: bool = False  #: torch.autograd anomaly detection (slow; finds the op that made a NaN)
+    check_memory: bool = True  #: refuse a run whose estimated peak memory per GPU (CPU: per machine) cannot fit
 
 
 @dataclass
@@ -215,6 +216,7 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     seed: int = 1234
+    dry_run: bool = False  #: build every rank's share on the meta device, print it beside the planner's, start nothing
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 

@@ -12,17 +12,17 @@ import hydra
 import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.callbacks import PeriodicCheckpoint, ThroughputCallback, newest_checkpoint
-from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_module, build_strategy
+from lightning_mgpu.cli.build import build_datamodule, build_loggers, build_model_config, build_module, build_strategy
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
-from lightning_mgpu.cli.validate import config_problems
+from lightning_mgpu.cli.dry_run import dry_run_report
+from lightning_mgpu.cli.validate import ConfigError, check_run, config_problems, exit_on_refusal, refusal_exits
 from lightning_mgpu.data import decode_bytes, encode_bytes
 from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, theoretical_bubble
-from lightning_mgpu.testing import KillRankAt
+from lightning_mgpu.testing import fault_callbacks
 
 #: The resolved config of a run, in its run directory; local workers load it.
 CONFIG_NAME = "config.yaml"
@@ -34,13 +34,18 @@ _LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MA
 def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
     """Train as ``cfg`` says, writing ``config.yaml`` and ``metrics.csv`` into ``run_dir``; return final metrics.
 
-    Every problem with ``cfg`` is reported at once before anything starts. The resolved config is written
+    Every problem with ``cfg`` (and what this machine lacks to run it) is raised at once as a
+    :class:`~lightning_mgpu.cli.validate.ConfigError` before anything starts. The resolved config is written
     once, by the process that starts first; with ``cluster=local`` the other local ranks are started as
     workers that load it (``worker=True``), so every rank trains from the same config in the same directory.
     """
-    problems = config_problems(cfg)
-    if problems:
-        raise ValueError("Invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    if cfg.dry_run:  # no GPU, no process group, no memory for weights: the config's own problems only
+        problems = config_problems(cfg, launching=False)
+        if problems:
+            raise ConfigError(problems)
+        print(dry_run_report(cfg))
+        return {}
+    check_run(cfg)
     if not worker and _launch_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / CONFIG_NAME, resolve=True)
@@ -51,19 +56,8 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
         strategy.worker_command = [sys.executable, "-m", "lightning_mgpu.cli.worker", str(run_dir.resolve())]
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, model_config)
-    t = cfg.trainer
     launch_env = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
-    trainer = L.Trainer(
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
-        precision=t.precision, max_steps=t.max_steps, gradient_clip_val=t.gradient_clip_val,
-        # The training stream is endless (one batch per step), so validation is scheduled in steps.
-        log_every_n_steps=t.log_every_n_steps, val_check_interval=t.val_check_interval or t.max_steps,
-        check_val_every_n_epoch=None,
-        enable_progress_bar=t.enable_progress_bar, enable_checkpointing=False, use_distributed_sampler=False,
-        logger=CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=t.log_every_n_steps),
-        default_root_dir=str(run_dir),
-        callbacks=_callbacks(cfg, run_dir),
-    )
+    trainer = L.Trainer(strategy=strategy, callbacks=_callbacks(cfg, run_dir), **trainer_arguments(cfg, run_dir))
     try:
         return _fit(cfg, run_dir, trainer, strategy, module, datamodule)
     finally:  # leave the process as it was, so that the next job of a multirun sweep starts its own ranks
@@ -74,6 +68,31 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def trainer_arguments(cfg: DictConfig, run_dir: Path) -> dict:
+    """The ``lightning.Trainer`` arguments of ``cfg.trainer`` and ``cfg.logger`` (all but strategy and callbacks)."""
+    t = cfg.trainer
+    val_check_interval = t.val_check_interval
+    if val_check_interval is None and t.check_val_every_n_epoch is None:  # once, after the last optimizer step
+        val_check_interval = t.max_steps * t.accumulate_grad_batches
+    # A float in the schema (OmegaConf types no int | float): 1.0 is all (None, Lightning's default), above 1 a count.
+    limit_val = t.limit_val_batches
+    limit_val = None if limit_val == 1.0 else int(limit_val) if limit_val > 1 else limit_val
+    return dict(
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes, precision=t.precision,
+        max_steps=t.max_steps, max_time=t.max_time, max_epochs=t.max_epochs,
+        gradient_clip_val=t.gradient_clip_val, accumulate_grad_batches=t.accumulate_grad_batches,
+        # The training stream is endless (one batch per step), so validation is scheduled in batches, counted over
+        # the whole run, unless epochs are asked for (limit_train_batches + check_val_every_n_epoch).
+        val_check_interval=val_check_interval, check_val_every_n_epoch=t.check_val_every_n_epoch,
+        limit_train_batches=t.limit_train_batches, limit_val_batches=limit_val,
+        num_sanity_val_steps=t.num_sanity_val_steps, log_every_n_steps=t.log_every_n_steps,
+        deterministic=t.deterministic, benchmark=t.benchmark, detect_anomaly=t.detect_anomaly,
+        enable_progress_bar=t.enable_progress_bar, enable_model_summary=t.enable_model_summary,
+        enable_checkpointing=False, use_distributed_sampler=False,
+        logger=build_loggers(cfg, run_dir) or False, default_root_dir=str(run_dir),
+    )
 
 
 def checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
@@ -97,8 +116,8 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     if cfg.checkpoint.every_n_steps:
         out.append(PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps,
                                       cfg.checkpoint.keep_last))
-    if "MGPU_KILL_RANK_AT" in os.environ:  # fault injection for tests (lightning_mgpu.testing.KillRankAt)
-        out.append(KillRankAt(os.environ["MGPU_KILL_RANK_AT"]))
+
+    out.extend(fault_callbacks())  # fault injection for tests (MGPU_*_AT variables); none without them
     return out
 
 
@@ -175,13 +194,14 @@ def generate_sample(module, cfg: DictConfig) -> str:
 
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
-    train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    with refusal_exits():
+        train(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
 def main() -> None:
-    """Console entry point of ``mgpu-train``."""
+    """Console entry point of ``mgpu-train``: a refused configuration prints its problems and exits with status 2."""
     register_configs()
-    _hydra_main()
+    exit_on_refusal(_hydra_main)
 
 
 if __name__ == "__main__":

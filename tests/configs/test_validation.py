@@ -24,6 +24,7 @@ BAD_INPUTS = [
     (["trainer.devices=4", "parallel.pipeline_parallel_size=4", "data.global_batch_size=8"],
      "needs num_microbatches >= pipeline_parallel_size=4 (got 2)"),
     (["parallel.zero_stage=4"], "parallel.zero_stage=4 is not a ZeRO stage"),
+    ([*PP2, "trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2 is not supported with pipeline"),
     (["parallel.zero_stage=0", "parallel.offload_optimizer=cpu"], "parallel.offload_optimizer='cpu' needs ZeRO"),
     ([*PP2, "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2", "parallel.zero_stage=3"],
      "zero_stage=3 cannot run pipeline_schedule='zbv'"),

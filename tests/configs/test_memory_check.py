@@ -1,0 +1,175 @@
+"""A run whose memory cannot fit is refused before launch: the estimate per process (CPU, all processes of a machine
+together) or per GPU, the limit, and changes that fit, in the problem list of every refusal (exit status 2).
+No test here trains: the refusal happens before any process starts."""
+
+import re
+import resource
+import subprocess
+
+import pytest
+import torch
+from test_cli import BIN, composed
+
+from lightning_mgpu.cli.build import build_model_config
+from lightning_mgpu.cli.paths import recipes_dir
+from lightning_mgpu.cli.validate import (EXIT_REFUSED, ConfigError, check_run, memory_budget, memory_problems,
+                                         run_memory)
+from lightning_mgpu.models import Llama, LlamaConfig
+from lightning_mgpu.planner.memory import activation_bytes, estimate_memory
+from lightning_mgpu.planner.process import (CPU_ACTIVATION_FACTOR, CPU_STATE_FACTOR, PROCESS_BASELINE_BYTES,
+                                            process_memory)
+
+#: The layout the kernel killed (exit 137, 12.6 GB per process on a 24 GB machine) without a message.
+LLAMA3_1B_TP2 = ["model=llama3_1b", "trainer.devices=2", "parallel.tensor_parallel_size=2", "parallel.zero_stage=1"]
+#: A GPU job at SLURM submission: with no GPU visible, its memory is checked against plan.gpu's preset.
+GPU_8B = ["model=llama3_8b", "trainer=gpu", "cluster=slurm", "parallel.zero_stage=0", "data.seq_len=8192",
+          "data.micro_batch_size=4", "data.global_batch_size=64"]
+GPU_70B = ["model=llama3_70b", "trainer=gpu", "cluster=slurm", "trainer.num_nodes=4", "parallel.zero_stage=1",
+           "data.seq_len=8192", "data.micro_batch_size=2", "data.global_batch_size=64"]
+
+
+def needs_of(cfg) -> float:
+    """Estimated bytes of a composed run on what it shares: one GPU, or this machine for all its processes."""
+    budget = memory_budget(cfg)
+    return budget.processes * run_memory(cfg, build_model_config(cfg), budget.on_gpu).total
+
+
+def skip_unless_too_big_here(cfg) -> None:
+    budget = memory_budget(cfg)
+    if needs_of(cfg) <= budget.usable:
+        pytest.skip(f"{budget.total / 1e9:.0f} GB here: the run fits")
+
+
+@pytest.fixture
+def at_submission(monkeypatch):
+    """Outside any SLURM job and with no GPU visible: a GPU job is checked against plan.gpu's preset."""
+    if torch.cuda.device_count():
+        pytest.skip("a visible GPU is what a GPU job is checked against here")
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
+
+
+def at_most_4_gib() -> None:
+    """Address space of the subprocess (and the processes it starts): a refusal needs under 1 GiB; a broken check then
+    fails allocating instead of taking the shared machine's memory."""
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+def test_a_layout_that_cannot_fit_is_refused_before_launch(tmp_path):
+    cfg = composed(*LLAMA3_1B_TP2)
+    skip_unless_too_big_here(cfg)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([str(BIN / "mgpu-train"), *LLAMA3_1B_TP2, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120, preexec_fn=at_most_4_gib)
+    assert proc.returncode == EXIT_REFUSED, proc.stderr[-3000:]
+    assert not (run_dir / "config.yaml").exists()  # refused before the run was written or any process started
+    [head] = [line for line in proc.stderr.splitlines() if line.startswith("  - memory:")]
+    each, total, usable, ram = map(float, re.search(
+        r"trainer.devices=2 processes on this machine x an estimated peak of ([\d.]+) GB each = ([\d.]+) GB is more "
+        r"than the ([\d.]+) GB usable of the ([\d.]+) GB of this machine's physical memory", head).groups())
+    budget = memory_budget(cfg)
+    assert total == pytest.approx(needs_of(cfg) / 1e9, abs=0.06) == pytest.approx(2 * each, abs=0.11)
+    assert (usable, ram) == (pytest.approx(budget.usable / 1e9, abs=0.06), pytest.approx(budget.total / 1e9, abs=0.06))
+    for fragment in (f"per process: {PROCESS_BASELINE_BYTES / 1e9:.1f} GB libraries",
+                     "(618M parameters on the fullest rank, 32-true, ZeRO-1 over 1 data-parallel rank)",
+                     "activations (micro-batch 4 x 128 tokens)", "trainer.check_memory=false launches it anyway"):
+        assert fragment in proc.stderr
+
+
+def test_an_expert_can_turn_the_check_off():
+    cfg = composed(*LLAMA3_1B_TP2)
+    skip_unless_too_big_here(cfg)
+    with pytest.raises(ConfigError, match="memory: trainer.devices=2 processes"):
+        check_run(cfg)
+    check_run(composed(*LLAMA3_1B_TP2, "trainer.check_memory=false"))  # nothing else is wrong with it
+
+
+def test_memory_is_estimated_only_for_a_run_without_other_problems():
+    cfg = composed(*LLAMA3_1B_TP2, "optim.lr=-1")
+    skip_unless_too_big_here(composed(*LLAMA3_1B_TP2))
+    with pytest.raises(ConfigError) as err:
+        check_run(cfg)
+    assert err.value.problems == ["optim.lr=-1.0 must be > 0"]
+
+
+@pytest.mark.parametrize("recipe", [None, *sorted(p.stem for p in recipes_dir().glob("*.yaml"))])
+def test_the_default_run_and_every_recipe_fit(recipe, request):
+    """``make train`` (the defaults: tiny, 2 CPU processes) and every shipped recipe, GPU recipes against the GPU
+    preset they were planned for, pass."""
+    cfg = composed() if recipe is None else composed(f"recipe={recipe}", "cluster=local")  # as inside the job
+    if cfg.trainer.accelerator != "cpu":
+        request.getfixturevalue("at_submission")
+    assert memory_problems(cfg) == []
+
+
+def test_a_gpu_refusal_names_the_gpu_and_fixes_that_each_fit(at_submission):
+    [problem] = memory_problems(composed(*GPU_8B))
+    assert re.search(r"memory: an estimated peak of [\d.]+ GB per GPU is more than the 72.0 GB usable of the 80.0 GB "
+                     r"of a H100-SXM5-80GB \(plan.gpu=h100_80gb; no GPU is visible here\)", problem), problem
+    assert "per GPU: " in problem and "bf16-mixed, ZeRO-0 over 8 data-parallel ranks" in problem
+    fixes = re.search(r"fixes, cheapest first: (.*)", problem).group(1).split("; ")
+    assert fixes[0].startswith("parallel.zero_stage=") and len(fixes) >= 2
+    for fix in fixes:
+        overrides, gb = re.fullmatch(r"(.*) \(([\d.]+) GB per GPU\)", fix).groups()
+        fixed = composed(*GPU_8B, *overrides.split())
+        assert memory_problems(fixed) == [], fix
+        assert needs_of(fixed) / 1e9 == pytest.approx(float(gb), abs=0.06)
+    milder = int(fixes[0].split()[0].split("=")[1]) - 1  # the mildest ZeRO stage that fits is the one named
+    assert milder == 0 or memory_problems(composed(*GPU_8B, f"parallel.zero_stage={milder}"))
+
+
+def test_when_no_single_change_fits_changes_that_fit_together_are_named(at_submission):
+    [problem] = memory_problems(composed(*GPU_70B))
+    overrides, gb = re.search(r"no single change fits; together: (.*) \(([\d.]+) GB per GPU\)", problem).groups()
+    changes = overrides.split()
+    assert len(changes) >= 2 and memory_problems(composed(*GPU_70B, *changes)) == []
+    for change in changes:  # each is needed
+        assert memory_problems(composed(*GPU_70B, *(c for c in changes if c != change)))
+
+
+def test_every_rank_building_the_whole_model_is_a_peak_of_its_own():
+    """Before each rank builds only its shard, it builds the whole model (fp32; bf16 under bf16-true) and keeps its
+    shard afterwards: a phase of its own, before training's peak."""
+    cfg = LlamaConfig.from_name("llama3_8b")
+    kw = dict(cfg=cfg, seq_len=4096, micro_batch=1, tp=8, pp=1, dp=1, zero_stage=1, precision="bf16-mixed",
+              host=False)
+    sharded, whole = process_memory(**kw, builds_whole_model=False), process_memory(**kw, builds_whole_model=True)
+    assert sharded.whole_model == 0 and whole.whole_model == 4 * cfg.num_parameters()
+    assert whole.total == max(whole.whole_model, sharded.training) == whole.whole_model > sharded.total
+    assert process_memory(**{**kw, "precision": "bf16-true"}).whole_model == 2 * cfg.num_parameters()
+
+
+def test_host_and_gpu_estimates_follow_the_planner():
+    cfg = LlamaConfig.from_name("llama3_1b")
+    kw = dict(seq_len=2048, micro_batch=2, tp=2, pp=1, dp=4, zero_stage=3, precision="bf16-mixed")
+    planned = estimate_memory(cfg, **kw)
+    gpu = process_memory(cfg, **kw, host=False, builds_whole_model=False)
+    assert (gpu.baseline, gpu.model_states, gpu.activations) == (0, planned.model_states, planned.activations)
+    offloaded = process_memory(cfg, **kw, host=False, builds_whole_model=False, offload_optimizer=True,
+                               offload_params=True)  # ZeRO-3 offload: what stays on the GPU
+    assert offloaded.model_states == pytest.approx(planned.gradients + planned.buffers)
+    host = process_memory(cfg, **kw, host=True, builds_whole_model=False)
+    assert host.baseline == PROCESS_BASELINE_BYTES
+    assert host.model_states == pytest.approx(CPU_STATE_FACTOR * planned.model_states)
+    assert host.activations == pytest.approx(CPU_ACTIVATION_FACTOR * planned.activations)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_cpu_activation_factor_bounds_what_this_llama_saves(recompute):
+    """Bytes autograd keeps for backward of a real forward (fp32, CPU) against the host estimate's activations."""
+    cfg = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=1024, activation_checkpointing=recompute)
+    model, tokens, saved = Llama(cfg), torch.randint(0, cfg.vocab_size, (2, 65)), {}
+
+    def keep(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        logits = model(tokens[:, :-1])
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    measured = sum(n for ptr, n in saved.items() if ptr not in weights)
+    estimated = CPU_ACTIVATION_FACTOR * activation_bytes(cfg, 64, 2, 1, 1, 1, False, recompute == "full")
+    assert measured <= estimated
+    if recompute == "none":
+        assert measured > estimated / 2  # an upper bound, not a wild one
