@@ -149,6 +149,10 @@ def test_cli_every_schedule_trains_and_validates_at_parity(token_file, tmp_path,
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ref = cli_reference(token_file, 5, n_layers=4, val_batches=2)
     names = schedules.split(",")
+    # a multirun: one directory and one resolved config per job, nothing written elsewhere
+    assert sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith(".")) == \
+        [str(job) for job in range(len(names))]
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
     classes = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
                "looped_bfs": "ScheduleLoopedBFS", "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
                "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
@@ -191,8 +195,8 @@ def test_cli_after_non_editable_install(tmp_path):
     assert "--- sample after 3 steps ---" in run.stdout
 
 
-@pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
-def test_dry_run_builds_every_rank_of_every_recipe_on_meta_as_planned(recipe):
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml") if "405b" not in p.stem))
+def test_dry_run_builds_every_rank_of_every_recipe_on_meta_as_planned(recipe):  # 405B: the CLI test below
     """The recipe's real plan and stage split on the meta device, per pipeline rank: counts equal the planner's."""
     from lightning_mgpu.cli.dry_run import rank_shares
 

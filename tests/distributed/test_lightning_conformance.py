@@ -186,7 +186,9 @@ def ddp_accumulate():
     return run_distributed(train, 2, "ddp", **ACCUMULATE)
 
 
-@pytest.mark.parametrize("stage", ZERO)
+# ZeRO-1 and plain ZeRO-3 rows of the README's table come from the script run (see conformance_table); the tests run
+# the stages that differ most in how gradients and parameters are held.
+@pytest.mark.parametrize("stage", ["zero0", "zero2", "zero3_offload"])
 def test_plain_module_trains_as_under_ddp(ddp, stage):
     got = run_distributed(train, 2, ZERO[stage], max_steps=10)
     assert_same_training(got, ddp)
@@ -210,7 +212,7 @@ def test_tensor_parallel_ranks_share_their_replicas_samples(ddp):
     assert not set(predicted[0]) & set(predicted[2]) and len(predicted[0]) + len(predicted[2]) == N_SAMPLES
 
 
-@pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("stage", ["zero0", "zero2", "zero3"])
 def test_accumulate_grad_batches_steps_once_per_n_batches_as_under_ddp(ddp_accumulate, stage):
     got = run_distributed(train, 2, ZERO[stage], **ACCUMULATE)
     assert_same_training(got, ddp_accumulate)
@@ -222,7 +224,7 @@ def ddp_manual():
     return run_distributed(train, 2, "ddp", max_steps=6, module_kw=dict(manual=True))
 
 
-@pytest.mark.parametrize("stage", ["zero0", "zero2", "zero3"])
+@pytest.mark.parametrize("stage", ["zero0", "zero3"])
 def test_manual_optimization_as_under_ddp(ddp_manual, stage):
     ddp = ddp_manual
     got = run_distributed(train, 2, ZERO[stage], max_steps=6, module_kw=dict(manual=True))

@@ -69,7 +69,8 @@ def test_validation_runs_the_pipeline_forward_only(token_file):
         assert abs(r["val_loss"] - whole["val_loss"]) < 1e-5
 
 
-@pytest.mark.parametrize("checkpoint_format", ["universal", "deepspeed"])
+# The universal format at pp2 resumes in tests/distributed/test_resharding.py (pp2 1F1B -> pp2 interleaved ...).
+@pytest.mark.parametrize("checkpoint_format", ["deepspeed"])
 def test_save_resume_pp2_dp2_is_bit_identical(token_file, tmp_path, checkpoint_format):
     kw = dict(pipeline_parallel_size=2, zero_stage=2, checkpoint_format=checkpoint_format)
     whole = run_distributed(fit, 4, token_file, 4, max_steps=6, model=DEEP, **kw)[0]["losses"]

@@ -23,8 +23,7 @@ def test_zero_matches_single_process(token_file, ref, zero_stage):
 class DoubledGradients(LLMModule):
     """The bug of summing gradients over two replicas instead of averaging them: every gradient comes out 2x."""
 
-    def configure_model(self) -> None:
-        super().configure_model()
+    def on_fit_start(self) -> None:  # the parameters the engine trains (configure_model builds them on meta)
         for p in self.model.parameters():
             p.register_hook(lambda grad: 2 * grad)
 
@@ -54,7 +53,7 @@ def test_bf16_mixed_follows_fp32(token_file, ref):
     assert_bf16_curve(run_distributed(fit, 2, token_file, 2, zero_stage=2, precision="bf16-mixed"), ref)
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [3])  # ZeRO-2: tests/distributed/test_tensor_parallel.py (tp2 x dp2)
 def test_save_resume_is_bit_identical(token_file, tmp_path, zero_stage):
     whole = run_distributed(fit, 2, token_file, 2, max_steps=10, zero_stage=zero_stage)[0]["losses"]
     ckpt = str(tmp_path / "ckpt")
