@@ -106,12 +106,11 @@ def cli_reference(token_file, steps: int, n_layers: int = 2, val_batches: int = 
                      optim=dict(lr=3e-3, warmup_steps=2, max_steps=steps, min_lr_ratio=0.1, weight_decay=0.1))
 
 
+# ZeRO-2 over 2 replicas through the CLI: tests/configs/test_launch.py::test_two_torchrun_nodes_train_tp2_dp2_at_parity.
 @pytest.mark.parametrize("parallel, plan, applied", [
-    (["parallel=zero2"], "2 per micro-batch x 2 micro-batches x 2 data-parallel replicas",
-     "tensor parallel over 1 ranks (0 split parameters); ZeRO-2 over 2 data-parallel replicas"),
     (["parallel=tp2_sp"], "2 per micro-batch x 4 micro-batches x 1 data-parallel replicas",
      "tensor parallel over 2 ranks (16 split parameters, sequence parallel); ZeRO-1 over 1 data-parallel replicas"),
-], ids=["zero2", "tp2_sp"])
+], ids=["tp2_sp"])
 def test_cli_two_processes_match_single_process(token_file, tmp_path, parallel, plan, applied):
     run_dir = tmp_path / "run"
     args = [str(BIN / "mgpu-train"), *cli_args(token_file, 10), *parallel, f"hydra.run.dir={run_dir}"]
