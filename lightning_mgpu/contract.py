@@ -40,7 +40,10 @@ class ParallelModule(Protocol):
 
     def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of parameter ``name``'s initial value, whose whole tensor has shape ``shape``. Defining it lets
-        the strategy build ``configure_model`` on the meta device and give each rank only its share."""
+        the strategy build ``configure_model`` on the meta device and give each rank only its share. ``name`` is the
+        parameter's name in the LightningModule; with pipeline parallelism the stage container's key is replaced by
+        ``model.`` (the container is expected at ``self.model``, as ``LLMModule`` keeps it), so a name does not depend
+        on the layout. Buffers must be created on a real device (they have no initial value to ask for)."""
 
 
 def builds_on_meta(module: object) -> bool:

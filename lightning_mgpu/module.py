@@ -95,6 +95,9 @@ class LLMModule(L.LightningModule):
             return self._hf_weights.read(own, shape, index)
         return llama_initial_value(self.config, own, shape, self.hparams.init_seed)[index]
 
+    def on_fit_start(self) -> None:
+        self._hf_weights = None  # the shards are materialised: close the checkpoint's memory-mapped files
+
     @property
     def model_shape(self) -> ModelShape:
         """The numbers that constrain how the model may be split (checked by MGPUStrategy)."""

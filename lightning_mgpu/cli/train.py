@@ -19,7 +19,14 @@ from lightning_mgpu.cli.build import build_datamodule, build_loggers, build_mode
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.dry_run import dry_run_report
-from lightning_mgpu.cli.validate import ConfigError, check_run, config_problems, exit_on_refusal, refusal_exits
+from lightning_mgpu.cli.validate import (
+    ConfigError,
+    check_run,
+    config_problems,
+    exit_on_refusal,
+    memory_problems,
+    refusal_exits,
+)
 from lightning_mgpu.data import decode_bytes, encode_bytes
 from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, theoretical_bubble
 from lightning_mgpu.testing import fault_callbacks
@@ -44,6 +51,9 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
         if problems:
             raise ConfigError(problems)
         print(dry_run_report(cfg))
+        memory = memory_problems(cfg)  # this machine's verdict, as a launch here would give it
+        print("a launch here would be refused:\n" + "\n".join(f"  - {p}" for p in memory) if memory else
+              "memory: fits on this machine (trainer.check_memory)")
         return {}
     check_run(cfg)
     if not worker and _launch_rank() == 0:

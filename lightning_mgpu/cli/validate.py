@@ -483,8 +483,8 @@ def _memory_refusal(cfg: DictConfig, model: LlamaConfig, need: ProcessMemory, bu
               f"{need.activations / GB:.1f} GB activations (micro-batch {d.micro_batch_size} x {d.seq_len} tokens)"]
     breakdown = f"per {'GPU' if budget.on_gpu else 'process'}: " + " + ".join(parts)
     if need.whole_model:
-        breakdown += (f"; before that, every rank builds the whole model ({model.num_parameters() / 1e9:.2f}B "
-                      f"parameters: {need.whole_model / GB:.1f} GB) and only then keeps its shard")
+        held = "the whole model" if builds_whole_model() else "its tensor/pipeline shard whole (before ZeRO splits it)"
+        breakdown += f"; before that, every rank builds {held}: {need.whole_model / GB:.1f} GB"
     lines.append(breakdown)
     fits, together = _memory_fixes(cfg, budget)
     unit = "per GPU" if budget.on_gpu else "per machine"

@@ -183,9 +183,10 @@ def initial_value(cfg: LlamaConfig, name: str, shape: torch.Size, seed: int) -> 
     """The initial value of parameter ``name`` of a :class:`Llama` (its whole, unsplit tensor): norms 1; block
     output projections Normal(0, init_std / sqrt(2 * n_layers)) (GPT-2); everything else Normal(0, init_std)."""
     if len(shape) == 1:
-        return torch.ones(shape)
+        return torch.ones(shape, device="cpu")
     std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
-    return torch.empty(shape).normal_(0.0, std, generator=parameter_generator(seed, name))
+    # on the CPU, like its generator, whatever default device a strategy set (the caller copies it where it belongs)
+    return torch.empty(shape, device="cpu").normal_(0.0, std, generator=parameter_generator(seed, name))
 
 
 class Llama(nn.Module):

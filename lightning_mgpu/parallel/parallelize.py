@@ -52,6 +52,11 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
     if layout.size("pp") > 1:
         ids = layout.stage_ids(layout.rank("pp"))
         kept = module.pipeline_stages(ids, layout.num_stages, boundaries)
+    buffers = [name for name, b in kept.named_buffers() if b.is_meta]
+    if buffers:
+        raise ValueError(f"{type(module).__name__} built buffers on the meta device ({', '.join(buffers[:3])}), which "
+                         "have no initial value to take: create buffers with an explicit device (device='cpu'), or "
+                         "build the model on a real device (define no initial_value)")
     missing = meta_parameters(kept)
     if not missing:
         return Parallelized(kept, notes)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_mgpu.models.llama import LlamaConfig
+from lightning_mgpu.planner.model_stats import max_rank_parameters
 from lightning_mgpu.planner.memory import estimate_memory
 
 #: Resident memory of a training process before its model: Python, torch, Lightning, DeepSpeed, this package, gloo and
@@ -47,7 +48,8 @@ class ProcessMemory:
     """Peak bytes of one training process, by what holds them."""
 
     baseline: float  #: the libraries (counted in host memory only)
-    whole_model: float  #: the whole model each rank builds before keeping its shard; 0 when it builds only its shard
+    whole_model: float  #: what a rank builds before the engine partitions it: the whole model, or (built on the
+    #: meta device) its own tensor/pipeline shard, whole on every data-parallel rank until ZeRO-3 splits it
     model_states: float  #: this rank's parameters, gradients, optimizer state and buffers, at their peak
     activations: float
 
@@ -68,12 +70,14 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
     """Peak memory of the fullest rank: in host memory (``host=True``, a CPU process) or on its GPU.
 
     ``builds_whole_model``: every rank first builds the whole model on its device (fp32; bf16 under ``bf16-true``)
-    and then keeps its shard, as a module built off the meta device does. On a GPU, ZeRO offload moves the
+    and then keeps its shard, as a module built off the meta device does; otherwise it still holds its whole
+    tensor/pipeline shard before ZeRO (stage 3) partitions it over the data-parallel ranks. On a GPU, ZeRO offload moves the
     optimizer state (``offload_optimizer``) and ZeRO-3's parameter partitions (``offload_params``) to host memory.
     """
     planned = estimate_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, stages_per_rank, sequence_parallel,
                               recompute, precision)
-    whole = cfg.num_parameters() * (2 if precision == "bf16-true" else 4) if builds_whole_model else 0.0
+    w = 2 if precision == "bf16-true" else 4
+    whole = (cfg.num_parameters() if builds_whole_model else max_rank_parameters(cfg, tp, pp, stages_per_rank)) * w
     if host:
         return ProcessMemory(PROCESS_BASELINE_BYTES, whole, CPU_STATE_FACTOR * planned.model_states,
                              CPU_ACTIVATION_FACTOR * planned.activations)

@@ -15,6 +15,7 @@ from lightning_mgpu.cli.paths import recipes_dir
 from lightning_mgpu.cli.validate import (EXIT_REFUSED, ConfigError, check_run, memory_budget, memory_problems,
                                          run_memory)
 from lightning_mgpu.models import Llama, LlamaConfig
+from lightning_mgpu.planner.model_stats import max_rank_parameters
 from lightning_mgpu.planner.memory import activation_bytes, estimate_memory
 from lightning_mgpu.planner.process import (CPU_ACTIVATION_FACTOR, CPU_STATE_FACTOR, PROCESS_BASELINE_BYTES,
                                             process_memory)
@@ -128,13 +129,18 @@ def test_when_no_single_change_fits_changes_that_fit_together_are_named(at_submi
 
 
 def test_every_rank_building_the_whole_model_is_a_peak_of_its_own():
-    """Before each rank builds only its shard, it builds the whole model (fp32; bf16 under bf16-true) and keeps its
-    shard afterwards: a phase of its own, before training's peak."""
+    """A module built off the meta device builds the whole model (fp32; bf16 under bf16-true) and keeps its shard
+    afterwards; built on meta, a rank still holds its whole tensor/pipeline shard before ZeRO-3 partitions it. Both
+    are a phase of their own, before training's peak."""
     cfg = LlamaConfig.from_name("llama3_8b")
     kw = dict(cfg=cfg, seq_len=4096, micro_batch=1, tp=8, pp=1, dp=1, zero_stage=1, precision="bf16-mixed",
               host=False)
     sharded, whole = process_memory(**kw, builds_whole_model=False), process_memory(**kw, builds_whole_model=True)
-    assert sharded.whole_model == 0 and whole.whole_model == 4 * cfg.num_parameters()
+    assert sharded.whole_model == 4 * max_rank_parameters(cfg, 8, 1) and whole.whole_model == 4 * cfg.num_parameters()
+    # ZeRO-3 over many replicas: the unpartitioned shard is the peak, not training (70B, tp1, 64 replicas)
+    big = LlamaConfig.from_name("llama3_70b")
+    zero3 = process_memory(big, 4096, 1, 1, 1, 64, 3, precision="bf16-mixed", host=False, builds_whole_model=False)
+    assert zero3.total == zero3.whole_model == 4 * big.num_parameters() > zero3.training
     assert whole.total == max(whole.whole_model, sharded.training) == whole.whole_model > sharded.total
     assert process_memory(**{**kw, "precision": "bf16-true"}).whole_model == 2 * cfg.num_parameters()
 
