@@ -333,7 +333,7 @@ class MGPUStrategy(ParallelStrategy):
     @contextlib.contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``configure_model`` builds on the meta device when the module can give each rank its share of the initial
-        values (``initial_value``): then no rank ever holds the whole model (``parallelize`` materialises shards)."""
+        values (``initial_value``): then each rank materialises only its own tensor/pipeline shard (``parallelize``)."""
         if builds_on_meta(self.lightning_module):
             with torch.device("meta"):
                 yield
