@@ -69,16 +69,18 @@ class Heartbeat:
         return cls(_get_default_store(), dist.get_rank(), dist.get_world_size()).start()
 
     def start(self) -> "Heartbeat":
-        try:  # a store that outlives a job (torchrun's, across restarts) may hold this rank's failure of a previous one
-            self.store.delete_key(f"mgpu/failed/{self.rank}")
-        except Exception:  # stores without delete_key
-            pass
+        # No clean-up of an earlier job's records here: a delete_key on the rendezvous store right after the
+        # rendezvous was followed, once in a full test run, by "Broken pipe" on the next set (second job of a
+        # multirun). A store that outlives a job (torchrun restarts) can therefore name an old failure.
         self._stamp()
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop stamping, and wait for the thread: the next job of a multirun then starts with no stamp in flight."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=4 * INTERVAL_S)
 
     def _stamp(self) -> None:
         self.store.set(f"mgpu/heartbeat/{self.rank}", repr(time.time()))

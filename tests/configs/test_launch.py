@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from test_cli import assert_cli_parity, cli_reference, composed, read_losses
 
 from lightning_mgpu.cli.slurm import sbatch_script
@@ -24,8 +25,16 @@ def run(args, cwd, timeout=240, env=None):
     return proc
 
 
-# One directory and config per multirun job: tests/configs/test_cli.py::test_cli_every_schedule_trains_and_validates_at_parity
-# (two sweeps of 2 and 5 jobs).
+def test_multirun_gives_one_directory_and_config_per_job(token_file, tmp_path):
+    sweep = tmp_path / "sweep"
+    run([str(BIN / "mgpu-train"), "-m", "parallel.zero_stage=1,2", "trainer.devices=2", "data=tokens",
+         f"data.path={token_file}", "trainer.max_steps=2", *TINY_ARGS, f"hydra.sweep.dir={sweep}"], tmp_path)
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert jobs == ["0", "1"]
+    for job, stage in (("0", 1), ("1", 2)):
+        assert OmegaConf.load(sweep / job / "config.yaml").parallel.zero_stage == stage
+        assert len(read_losses(sweep / job / "metrics.csv")) == 2  # both ranks trained in this job's directory
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
 def test_submitit_runs_the_job_with_the_config_resolved_at_submission(token_file, tmp_path):
