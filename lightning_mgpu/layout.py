@@ -205,6 +205,10 @@ class ParallelLayout:
             return [pp_rank, 2 * P - 1 - pp_rank]
         return [pp_rank + k * P for k in range(self.num_stages // P)]
 
+    def stage_owner(self, stage_id: int) -> int:
+        """The pipeline rank that runs ``stage_id``."""
+        return next(r for r in range(self.pipeline_parallel_size) if stage_id in self.stage_ids(r))
+
     def group_ranks(self, axis: str) -> list[list[int]]:
         """All groups along ``axis`` (each a list of global ranks), plus "mp" = the tp x pp model replica."""
         T, P, D = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size

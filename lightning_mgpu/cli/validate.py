@@ -495,7 +495,8 @@ def _memory_refusal(cfg: DictConfig, model: LlamaConfig, need: ProcessMemory, bu
         lines.append(f"no single change fits; together: {_overrides(together[0])} ({together[1] / GB:.1f} GB {unit})")
     else:
         alone = need.baseline + need.whole_model
-        why = (f"the whole-model copy alone needs {alone / GB:.1f} GB {'per GPU' if budget.on_gpu else 'per process'}"
+        copy = "whole-model copy" if builds_whole_model() else "unpartitioned shard"
+        why = (f"the {copy} alone needs {alone / GB:.1f} GB {'per GPU' if budget.on_gpu else 'per process'}"
                if budget.processes * alone > budget.usable else "")
         lines.append("no change of ZeRO stage, activation checkpointing, micro-batch, tensor/pipeline parallelism or "
                      f"processes per machine fits{': ' + why if why else ''}; use "

@@ -49,21 +49,6 @@ SCHEDULE_CLASSES = {
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
-def num_stages(layout: ParallelLayout) -> int:
-    """Stages of the whole pipeline (see ``ParallelLayout.num_stages``)."""
-    return layout.num_stages
-
-
-def stage_ids(pp_rank: int, layout: ParallelLayout) -> list[int]:
-    """The stages pipeline rank ``pp_rank`` runs (see ``ParallelLayout.stage_ids``)."""
-    return layout.stage_ids(pp_rank)
-
-
-def stage_owner(stage_id: int, layout: ParallelLayout) -> int:
-    """The pipeline rank that runs ``stage_id``."""
-    return next(r for r in range(layout.pipeline_parallel_size) if stage_id in layout.stage_ids(r))
-
-
 def forward_only_order(layout: ParallelLayout, n_microbatches: int) -> dict[int, list[_Action]]:
     """Per pipeline rank, the forward actions of an evaluation pass in a deadlock-free order.
 
@@ -72,7 +57,7 @@ def forward_only_order(layout: ParallelLayout, n_microbatches: int) -> dict[int,
     """
     order: dict[int, list[_Action]] = {}
     for rank in range(layout.pipeline_parallel_size):
-        actions = [(stage + mb, stage, mb) for stage in stage_ids(rank, layout) for mb in range(n_microbatches)]
+        actions = [(stage + mb, stage, mb) for stage in layout.stage_ids(rank) for mb in range(n_microbatches)]
         order[rank] = [_Action(stage, _ComputationType.FORWARD, mb) for _, stage, mb in sorted(actions)]
     return order
 
@@ -89,7 +74,7 @@ class ForwardOnlySchedule(_PipelineScheduleRuntime):
     def __init__(self, stages: list[PipelineStage], layout: ParallelLayout, n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         super().__init__(stages=stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        placement = {stage: rank for rank in range(layout.pipeline_parallel_size) for stage in stage_ids(rank, layout)}
+        placement = {stage: rank for rank in range(layout.pipeline_parallel_size) for stage in layout.stage_ids(rank)}
         self.stage_index_to_group_rank = placement
         for stage in self._stages:
             stage.stage_index_to_group_rank = placement
@@ -112,8 +97,8 @@ class Pipeline:
         self.engine, self.layout, self.n_microbatches = engine, layout, n_microbatches
         self.loss_fn = loss_fn
         self.group = layout.group("pp")
-        total = num_stages(layout)
-        ids = stage_ids(layout.rank("pp"), layout)
+        total = layout.num_stages
+        ids = layout.stage_ids(layout.rank("pp"))
         self.stages = [PipelineStage(engine.module[str(i)], i, total, device, group=self.group) for i in ids]
         self.timeline = timeline
         if timeline is not None:
@@ -126,7 +111,7 @@ class Pipeline:
         self.eval_schedule = self.schedule if name in SINGLE_STAGE_SCHEDULES else \
             ForwardOnlySchedule(self.stages, layout, n_microbatches, self._microbatch_loss)
         self.has_first, self.has_last = 0 in ids, total - 1 in ids
-        self.last_rank = layout.global_rank_of(layout.rank("tp"), stage_owner(total - 1, layout), layout.rank("dp"))
+        self.last_rank = layout.global_rank_of(layout.rank("tp"), layout.stage_owner(total - 1), layout.rank("dp"))
 
     def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) / self.n_microbatches

@@ -11,6 +11,7 @@ import torch
 from test_cli import BIN, composed
 
 from lightning_mgpu.cli.build import build_model_config
+from lightning_mgpu.cli import validate
 from lightning_mgpu.cli.paths import recipes_dir
 from lightning_mgpu.cli.validate import (EXIT_REFUSED, ConfigError, check_run, memory_budget, memory_problems,
                                          run_memory)
@@ -35,17 +36,20 @@ def needs_of(cfg) -> float:
     return budget.processes * run_memory(cfg, build_model_config(cfg), budget.on_gpu).total
 
 
-def skip_unless_too_big_here(cfg) -> None:
-    budget = memory_budget(cfg)
-    if needs_of(cfg) <= budget.usable:
-        pytest.skip(f"{budget.total / 1e9:.0f} GB here: the run fits")
+#: Too big for any machine's host memory (fp32 70B on 2 processes): refused wherever the suite runs.
+LLAMA3_70B_CPU = ["model=llama3_70b", "trainer.devices=2", "parallel.zero_stage=1"]
+
+
+@pytest.fixture
+def machine_of_25_gb(monkeypatch):
+    """The machine issue 13 measured on (25.3 GB, where llama3_1b at tp2 was killed), whatever machine runs this."""
+    monkeypatch.setattr(validate, "host_memory", lambda: (25.3e9, "this machine's physical memory"))
 
 
 @pytest.fixture
 def at_submission(monkeypatch):
     """Outside any SLURM job and with no GPU visible: a GPU job is checked against plan.gpu's preset."""
-    if torch.cuda.device_count():
-        pytest.skip("a visible GPU is what a GPU job is checked against here")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     monkeypatch.delenv("SUBMITIT_EXECUTOR", raising=False)
 
@@ -57,10 +61,9 @@ def at_most_4_gib() -> None:
 
 
 def test_a_layout_that_cannot_fit_is_refused_before_launch(tmp_path):
-    cfg = composed(*LLAMA3_1B_TP2)
-    skip_unless_too_big_here(cfg)
+    cfg = composed(*LLAMA3_70B_CPU)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([str(BIN / "mgpu-train"), *LLAMA3_1B_TP2, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+    proc = subprocess.run([str(BIN / "mgpu-train"), *LLAMA3_70B_CPU, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120, preexec_fn=at_most_4_gib)
     assert proc.returncode == EXIT_REFUSED, proc.stderr[-3000:]
     assert not (run_dir / "config.yaml").exists()  # refused before the run was written or any process started
@@ -72,22 +75,29 @@ def test_a_layout_that_cannot_fit_is_refused_before_launch(tmp_path):
     assert total == pytest.approx(needs_of(cfg) / 1e9, abs=0.06) == pytest.approx(2 * each, abs=0.11)
     assert (usable, ram) == (pytest.approx(budget.usable / 1e9, abs=0.06), pytest.approx(budget.total / 1e9, abs=0.06))
     for fragment in (f"per process: {PROCESS_BASELINE_BYTES / 1e9:.1f} GB libraries",
-                     "(618M parameters on the fullest rank, 32-true, ZeRO-1 over 1 data-parallel rank)",
+                     f"({max_rank_parameters(build_model_config(cfg), 1, 1) / 1e6:,.0f}M parameters on the fullest "
+                     "rank, 32-true, ZeRO-1 over 2 data-parallel ranks)",
                      "activations (micro-batch 4 x 128 tokens)", "trainer.check_memory=false launches it anyway"):
         assert fragment in proc.stderr
 
 
-def test_an_expert_can_turn_the_check_off():
+def test_the_issues_llama3_1b_command_is_refused_on_its_machine(machine_of_25_gb):
+    """mgpu-train model=llama3_1b trainer.devices=2 parallel.tensor_parallel_size=2 parallel.zero_stage=1 was killed by
+    the kernel at 12.6 GB per process on a 25.3 GB machine; it is refused before launch, naming the estimate."""
+    with pytest.raises(ConfigError, match=r"memory: trainer.devices=2 processes on this machine x an estimated peak of "
+                                          r"[\d.]+ GB each = [\d.]+ GB is more than the 22.8 GB usable of the 25.3 GB"):
+        check_run(composed(*LLAMA3_1B_TP2))
+
+
+def test_an_expert_can_turn_the_check_off(machine_of_25_gb):
     cfg = composed(*LLAMA3_1B_TP2)
-    skip_unless_too_big_here(cfg)
     with pytest.raises(ConfigError, match="memory: trainer.devices=2 processes"):
         check_run(cfg)
     check_run(composed(*LLAMA3_1B_TP2, "trainer.check_memory=false"))  # nothing else is wrong with it
 
 
-def test_memory_is_estimated_only_for_a_run_without_other_problems():
+def test_memory_is_estimated_only_for_a_run_without_other_problems(machine_of_25_gb):
     cfg = composed(*LLAMA3_1B_TP2, "optim.lr=-1")
-    skip_unless_too_big_here(composed(*LLAMA3_1B_TP2))
     with pytest.raises(ConfigError) as err:
         check_run(cfg)
     assert err.value.problems == ["optim.lr=-1.0 must be > 0"]

@@ -8,7 +8,6 @@ import torch
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.models import Llama, LlamaConfig
 from lightning_mgpu.models.llama_plan import balanced_boundaries, llama_stages
-from lightning_mgpu.parallel.pipeline import num_stages, stage_ids, stage_owner
 
 CFG = LlamaConfig(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=32)
 
@@ -21,9 +20,9 @@ CFG = LlamaConfig(dim=32, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=64, vo
 ])
 def test_stage_placement(schedule, V, expected):
     layout = ParallelLayout(world_size=4, pipeline_parallel_size=4, pipeline_schedule=schedule, virtual_pipeline_size=V)
-    assert [stage_ids(r, layout) for r in range(4)] == expected
-    assert num_stages(layout) == sum(len(ids) for ids in expected)
-    assert all(stage_owner(s, layout) == r for r, ids in enumerate(expected) for s in ids)
+    assert [layout.stage_ids(r) for r in range(4)] == expected
+    assert layout.num_stages == sum(len(ids) for ids in expected)
+    assert all(layout.stage_owner(s) == r for r, ids in enumerate(expected) for s in ids)
 
 
 def test_balanced_boundaries_put_extra_blocks_in_the_middle():
