@@ -32,15 +32,6 @@ class MGPUPrecision(Precision):
                              f"{', '.join(repr(p) for p in SUPPORTED_PRECISIONS)}")
         self.precision = precision
 
-    def deepspeed_config(self) -> dict:
-        """The precision section of the DeepSpeed config."""
-        if self.precision in ("bf16-mixed", "bf16-true"):
-            return {"bf16": {"enabled": True}}
-        if self.precision == "16-mixed":
-            return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                             "hysteresis": 2, "min_loss_scale": 1}}
-        return {}
-
     @property
     def dtype(self) -> torch.dtype:
         return {"bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16, "16-mixed": torch.float16}.get(

@@ -29,6 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from typing_extensions import override
 
 from lightning_mgpu.checkpoint.universal import is_universal, load_universal, save_universal
+from lightning_mgpu import engine as engines
 from lightning_mgpu.launcher import WorkerCommandLauncher
 from lightning_mgpu.contract import builds_on_meta
 from lightning_mgpu.layout import ParallelLayout, training_loop_problems
@@ -38,17 +39,9 @@ from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.parallel.plan import TensorParallelPlan
 from lightning_mgpu.parallel.timeline import PipelineTimeline
-from lightning_mgpu.parallel.zero import (
-    EngineOwnedOptimizer,
-    init_deepspeed_comm,
-    initialize_engine,
-    keep_zero0_grad_norm,
-    zero_config,
-)
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
 
 log = logging.getLogger(__name__)
-CHECKPOINT_TAG = "checkpoint"
 
 
 class MGPUStrategy(ParallelStrategy):
@@ -210,7 +203,7 @@ class MGPUStrategy(ParallelStrategy):
         self.layout = ParallelLayout(world_size=self.world_size, devices_per_node=self.num_processes,
                                      **self._layout_args)
         self.layout.init_groups(self.global_rank, timeout=self._timeout)
-        init_deepspeed_comm(self._timeout)
+        engines.init_engine_comm(self._timeout)
         if self.world_size > 1:
             self._heartbeat = Heartbeat.for_default_group()
 
@@ -261,23 +254,18 @@ class MGPUStrategy(ParallelStrategy):
                 raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; MGPUStrategy "
                                  "drives one DeepSpeed engine and needs exactly one")
             optimizer = self.optimizers[0]
-        config = zero_config(self.layout, module, micro_size, micro_batches * accumulate, trainer.gradient_clip_val,
-                             self.precision_plugin.deepspeed_config(), self.nvme_path, self.deepspeed_config_overrides)
-        if optimizer is None and config["zero_optimization"]["stage"] in (1, 2):
-            config["zero_optimization"]["stage"] = 0  # nothing to partition without optimizer state or gradients
-        if config["zero_optimization"]["stage"] == 0 and optimizer is not None and "bf16" in config:
-            rank_zero_warn("bf16 with zero_stage=0 uses DeepSpeed's unfused bf16 optimizer, whose loss curve drifts "
-                           "from fp32 (about 0.6% after 4 steps on the test model, with or without micro-batches); "
-                           "zero_stage=1 keeps fp32 gradients and master weights and costs no more memory at one "
-                           "data-parallel replica")
+        config = engines.zero_config(self.layout, module, micro_size, micro_batches * accumulate,
+                                     trainer.gradient_clip_val, engines.precision_config(self.precision_plugin.precision),
+                                     self.nvme_path, self.deepspeed_config_overrides)
+        if optimizer is None:
+            config = engines.evaluation_config(config)
+        elif engines.drifts_from_fp32(config):
+            rank_zero_warn(engines.drifts_from_fp32(config))
         self.num_microbatches = micro_batches
         self.deepspeed_config = config
-        self.model, ds_optimizer = initialize_engine(module, optimizer, config, self.layout)
-        keep_zero0_grad_norm(self.model)
-        if self.layout.size("dp") == 1 and config["zero_optimization"]["stage"] == 0:
-            self.model.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
+        self.model, engine_optimizer = engines.initialize_engine(module, optimizer, config, self.layout)
         if optimizer is not None:
-            self.optimizers = [EngineOwnedOptimizer(ds_optimizer, optimizer)]
+            self.optimizers = [engines.EngineOwnedOptimizer(engine_optimizer, optimizer)]
         if self.layout.size("pp") > 1:
             self.pipeline = Pipeline(self.model, self.layout, self.root_device, self.lightning_module.pipeline_loss,
                                      micro_batches, PipelineTimeline() if self.pipeline_timeline else None)
@@ -294,7 +282,8 @@ class MGPUStrategy(ParallelStrategy):
             stages = [stage.stage_index for stage in self.pipeline.stages]
             parts.append(f"pipeline {type(self.pipeline.schedule).__name__} over {self.layout.size('pp')} ranks "
                          f"(stages {stages} of {self.layout.num_stages})")
-        parts.append(f"ZeRO-{engine.zero_optimization_stage()} over {engine.dp_world_size} data-parallel replicas")
+        parts.append(f"ZeRO-{engines.zero_stage(engine)} over {engines.data_parallel_size(engine)} data-parallel "
+                     "replicas")
         return "applied layout: " + "; ".join(parts)
 
     def _check_model_shape(self, num_microbatches: int) -> None:
@@ -417,9 +406,7 @@ class MGPUStrategy(ParallelStrategy):
     def engine_step(self) -> None:
         """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
         with name_lost_ranks(self._heartbeat):
-            self.model.step()
-        norm = self.model.get_global_grad_norm()
-        self.last_grad_norm = None if norm is None else float(norm)
+            self.last_grad_norm = engines.step(self.model)
 
     # ---------------------------------------------------------------------------------- collectives
     @override
@@ -471,8 +458,7 @@ class MGPUStrategy(ParallelStrategy):
             if self.checkpoint_format == "universal":
                 save_universal(self.model, self.layout, filepath, client_state)
             else:
-                self.model.save_checkpoint(str(self._stage_dir(filepath)), tag=CHECKPOINT_TAG,
-                                           client_state=client_state)
+                engines.save_engine_checkpoint(self.model, self.layout, filepath, client_state)
             if self.save_consolidated_weights:
                 self._save_consolidated(Path(filepath))
 
@@ -486,27 +472,13 @@ class MGPUStrategy(ParallelStrategy):
             write_consolidated(directory, state, config.to_dict() if hasattr(config, "to_dict") else None)
         self.barrier()
 
-    def _stage_dir(self, path: Any) -> Path:
-        """Where this rank's engine writes: DeepSpeed names files by data- and tensor-parallel rank only, so
-        each pipeline rank gets its own subdirectory."""
-        path = Path(path)
-        return path / f"pipeline_rank_{self.layout.rank('pp'):03d}" if self.layout.size("pp") > 1 else path
-
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if is_universal(checkpoint_path):
             return load_universal(self.model, self.layout, checkpoint_path)
-        path = self._stage_dir(checkpoint_path)
-        if not (path / CHECKPOINT_TAG).is_dir():
-            raise FileNotFoundError(f"ckpt_path={str(path)!r} is not an MGPUStrategy checkpoint directory (expected "
-                                    f"a '{CHECKPOINT_TAG}' folder inside); pass the directory given to save_checkpoint")
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        _, client_state = self.model.load_checkpoint(str(path), tag=CHECKPOINT_TAG, load_optimizer_states=fitting,
-                                                     load_lr_scheduler_states=False,
-                                                     load_module_strict=self.lightning_module.strict_loading)
-        if client_state is None:
-            raise RuntimeError(f"DeepSpeed could not load the checkpoint at {path}")
-        return client_state
+        return engines.load_engine_checkpoint(self.model, self.layout, checkpoint_path, load_optimizer=fitting,
+                                              strict=self.lightning_module.strict_loading)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -9,12 +9,12 @@ holds the whole model in CPU memory: meant for export and small-to-medium models
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from lightning_mgpu.engine import gathered
 from lightning_mgpu.layout import ParallelLayout
 
 
@@ -35,18 +35,11 @@ def _gather_tensor_parallel(t: torch.Tensor, param: torch.nn.Parameter, layout: 
 def consolidated_state_dict(engine, layout: ParallelLayout, prefix: str = "model.") -> Optional[dict[str, torch.Tensor]]:
     """fp32 copies of every weight of the model, on global rank 0 (``None`` elsewhere). Collective."""
     pipelined = layout.size("pp") > 1
-    zero3 = engine.zero_optimization_stage() == 3
     mine: dict[str, torch.Tensor] = {}
     for name, param in engine.module.named_parameters():
         if not pipelined and not name.startswith(prefix):
             continue
-        if zero3:
-            import deepspeed
-
-            gathered = deepspeed.zero.GatheredParameters([param])
-        else:
-            gathered = contextlib.nullcontext()
-        with gathered:
+        with gathered([param]):
             local = param.detach().float().clone()
         mine[_canonical(name, pipelined, prefix)] = _gather_tensor_parallel(local, param, layout)
     if not pipelined:

@@ -3,7 +3,7 @@
 tensor-parallel plan -> pipeline stage split -> materialise this rank's share.
 
 Activation checkpointing is a setting of the model (``LlamaConfig.activation_checkpointing``) and the engine
-(DeepSpeed, :mod:`lightning_mgpu.parallel.zero`) wraps the result; the strategy calls this between the two. Tests call
+(DeepSpeed, :mod:`lightning_mgpu.engine`) wraps the result; the strategy calls this between the two. Tests call
 it without a Trainer. A module built on the meta device (``MGPUStrategy`` builds ``configure_model`` there when the
 module defines ``initial_value``) holds no memory until the last step, which gives each rank only its own shard.
 """

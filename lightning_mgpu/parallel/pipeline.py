@@ -3,14 +3,13 @@
 The recipe measured in FIELD-NOTES: this rank's stage chunks sit in one ``ModuleDict`` that is the
 engine's module (even for one chunk: with ZeRO-3 and a stage as the engine's root, ranks deadlock); each
 ``PipelineStage`` wraps ``engine.module[str(stage_id)]``; the schedule runs inside
-``engine.coalesce_grad_reduction()`` (ZeRO 1-3: the per-parameter hooks do nothing, one data-parallel
-reduction on exit), the loss is divided by the number of micro-batches and the schedule does not scale
+``lightning_mgpu.engine.deferred_grad_reduction`` (ZeRO 1-3: the per-parameter hooks do nothing, one
+data-parallel reduction on exit), the loss is divided by the number of micro-batches and the schedule does not scale
 gradients; then ``engine.step()`` clips by the global norm and updates.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -34,6 +33,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineScheduleRuntime,
 )
 
+from lightning_mgpu.engine import deferred_grad_reduction
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.timeline import PipelineTimeline
 
@@ -130,9 +130,7 @@ class Pipeline:
         """Forward and backward of every micro-batch; gradients stay in the engine for ``engine.step()``."""
         if self.timeline is not None:
             self.timeline.next_step()
-        coalesce = self.engine.coalesce_grad_reduction() if self.engine.zero_optimization_stage() >= 1 \
-            else contextlib.nullcontext()
-        with coalesce:
+        with deferred_grad_reduction(self.engine):
             return self._run(self.schedule.step, inputs, targets)
 
     @torch.no_grad()

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_mgpu.engine.config import bucket_elements_for
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.model_stats import max_rank_parameters
 
-MIN_BUCKET, MAX_BUCKET = 1 << 17, 500_000_000  # as lightning_mgpu.parallel.zero.bucket_elements
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def model_state_bytes(n_params: int, zero_stage: int, dp: int, precision: str = 
     partitioned_grads = zero_stage >= 2 or (pipelined and zero_stage == 1)
     master = (0 if w == 4 else 4) if zero_stage == 0 else 4 / dp
     adam = 8 if zero_stage == 0 else 8 / dp
-    bucket = min(MAX_BUCKET, max(MIN_BUCKET, n_params // 4)) * w
+    bucket = bucket_elements_for(n_params) * w
     return {
         "parameters": n_params * (w / dp if zero_stage == 3 else w),
         "gradients": n_params * (w / dp if partitioned_grads else w),

@@ -1,15 +1,17 @@
 """Public names, registered strategies, precision and constructor errors: no processes needed."""
 
 import math
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
+import lightning_mgpu
 from lightning_mgpu import LLMModule, MGPUPrecision, MGPUStrategy
+from lightning_mgpu.engine import deep_merge, precision_config, zero_config
 from lightning_mgpu.module import lr_multiplier, scaled_lr
-from lightning_mgpu.parallel.zero import deep_merge, zero_config
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.models import Llama, LlamaConfig
 
@@ -30,8 +32,8 @@ def test_unknown_strategy_name_is_clear():
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
 def test_supported_precisions(precision):
-    plugin = MGPUPrecision(precision)
-    config = plugin.deepspeed_config()
+    MGPUPrecision(precision)
+    config = precision_config(precision)
     assert ("bf16" in config) == precision.startswith("bf16")
     assert ("fp16" in config) == (precision == "16-mixed")
     if precision == "16-mixed":
@@ -119,3 +121,18 @@ def test_llm_module_declares_every_hook_of_the_contract_and_builds_shards_from_n
     assert torch.equal(part, weight.detach()[8:16])
     with torch.device("meta"):
         assert Llama(module.config).output.weight.is_meta  # nothing allocated, nothing initialised
+
+
+def test_only_the_engine_package_imports_deepspeed():
+    """DeepSpeed sits behind ``lightning_mgpu.engine``: no other module of the package imports it."""
+    import ast
+
+    package = Path(lightning_mgpu.__file__).parent
+    importers = []
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
+                importers.append(path.relative_to(package).as_posix())
+    assert importers and all(p.startswith("engine/") for p in importers), importers

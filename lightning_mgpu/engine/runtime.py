@@ -1,20 +1,17 @@
-"""ZeRO through DeepSpeed: the generated config, the ``mpu`` that confines ZeRO to the data-parallel
-group, and engine construction."""
+"""The DeepSpeed engine at run time: its comm layer, its construction over the layout's process groups, and the
+few engine calls the strategy, the pipeline and the checkpoints make (ZeRO stage, deferred gradient reduction,
+step with the global gradient norm, gathering ZeRO-3 partitions)."""
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import sys
-from typing import Any, Optional
+from typing import Any, ContextManager, Iterable, Optional
 
 import torch
 from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
-
-#: DeepSpeed's default bucket size; buckets are never larger than this.
-MAX_BUCKET_ELEMENTS = 500_000_000
-MIN_BUCKET_ELEMENTS = 1 << 17
 
 
 class LayoutMPU:
@@ -24,7 +21,7 @@ class LayoutMPU:
     * model-parallel group: the tp x pp ranks of one replica, so that gradient clipping and overflow
       checks see the whole model (a tp-only group would give each pipeline stage its own norm);
       its rank is the tp rank, which is how DeepSpeed names checkpoint files (the pp rank goes into
-      the path, see the strategy);
+      the path, see ``engine.checkpoint_dir``);
     * tensor-model-parallel group: shards marked ``tensor_model_parallel`` are counted once per group.
     """
 
@@ -71,77 +68,7 @@ class LayoutMPU:
         return self.layout.size("pp")
 
 
-def bucket_elements(model: nn.Module) -> int:
-    """Communication bucket size sized from the model: a quarter of it (at least 2**17 elements), at most DeepSpeed's
-    default. DeepSpeed's fixed 5e8-element buckets cost GBs and tens of seconds
-    on a tiny CPU model (FIELD-NOTES)."""
-    total = sum(p.numel() for p in model.parameters())
-    return int(min(MAX_BUCKET_ELEMENTS, max(MIN_BUCKET_ELEMENTS, total // 4)))
-
-
-def deep_merge(base: dict, override: dict) -> dict:
-    """``override`` merged into a copy of ``base``, recursing into nested dicts."""
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
-
-
-def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int, num_microbatches: int,
-                gradient_clipping: Optional[float], precision: dict, nvme_path: Optional[str] = None,
-                overrides: Optional[dict] = None) -> dict:
-    """The DeepSpeed config of one run.
-
-    Without pipeline parallelism gradient accumulation is unmanaged: the strategy runs every micro-batch's
-    backward through the engine and then calls ``engine.step()`` once, which is the accumulation boundary
-    (one optimizer step per global batch). With it, the schedule runs all micro-batches inside
-    ``engine.coalesce_grad_reduction()``, which DeepSpeed supports (ZeRO 1-3) only with managed
-    accumulation: then the whole schedule counts as one micro-step of ``micro_batch_size * num_microbatches``.
-    ``overrides`` (the user's ``deepspeed_config``) is merged over the result.
-    """
-    coalesced = layout.pipeline_parallel_size > 1 and layout.zero_stage >= 1
-    bucket = bucket_elements(model)
-    zero: dict[str, Any] = {
-        "stage": layout.zero_stage,
-        "reduce_bucket_size": bucket,
-        "allgather_bucket_size": bucket,
-        "overlap_comm": False,
-        "contiguous_gradients": True,
-    }
-    if layout.zero_stage == 3:
-        largest = max((p.numel() for p in model.parameters()), default=0)
-        zero.update({
-            "stage3_prefetch_bucket_size": bucket,
-            # Parameters below this stay whole on every rank; DeepSpeed's 1e5 would keep a small model unsharded.
-            "stage3_param_persistence_threshold": int(min(100_000, max(1, largest // 8))),
-            "stage3_max_live_parameters": max(bucket, 1_000_000),
-            "stage3_max_reuse_distance": max(bucket, 1_000_000),
-        })
-    for key, device in (("offload_optimizer", layout.offload_optimizer), ("offload_param", layout.offload_params)):
-        if device:
-            zero[key] = {"device": device, "pin_memory": torch.cuda.is_available()}
-            if device == "nvme":
-                zero[key]["nvme_path"] = nvme_path or "/local_nvme"
-    config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch_size * num_microbatches if coalesced else micro_batch_size,
-        "gradient_accumulation_steps": 1 if coalesced else num_microbatches,
-        "managed_gradient_accumulation": coalesced,
-        "gradient_clipping": float(gradient_clipping or 0.0),
-        "zero_optimization": zero,
-        "zero_allow_untested_optimizer": True,
-        # Torch's AdamW needs no compiled op, also when the optimizer state is offloaded.
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 2**62,
-        "wall_clock_breakdown": False,
-    }
-    config.update(precision)
-    return deep_merge(config, overrides or {})
-
-
-def skip_cpu_shared_memory_op() -> None:
+def _skip_cpu_shared_memory_op() -> None:
     """Stop DeepSpeed from JIT-compiling its CPU shared-memory all-reduce op (30-70 s, inference only).
 
     ``import deepspeed.comm.torch`` resolves to the torch package (name shadowing), hence sys.modules.
@@ -153,19 +80,21 @@ def skip_cpu_shared_memory_op() -> None:
         module.build_shm_op = lambda: None
 
 
-def init_deepspeed_comm(timeout=None) -> None:
+def init_engine_comm(timeout=None) -> None:
     """Let DeepSpeed's comm layer adopt the torch.distributed process group the strategy created."""
     import deepspeed
 
-    skip_cpu_shared_memory_op()
+    _skip_cpu_shared_memory_op()
     kwargs = {"dist_init_required": False, "verbose": False}
     if timeout is not None:
         kwargs["timeout"] = timeout
     deepspeed.init_distributed(**kwargs)
 
 
-def initialize_engine(module: nn.Module, optimizer: torch.optim.Optimizer, config: dict, layout: ParallelLayout):
-    """``deepspeed.initialize`` over an already-parallelised module with ZeRO confined to the dp group."""
+def initialize_engine(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], config: dict,
+                      layout: ParallelLayout):
+    """(engine, engine optimizer): ``deepspeed.initialize`` over an already-parallelised module with ZeRO confined to
+    the data-parallel group, and the global gradient norm kept on every path (see ``_keep_zero0_grad_norm``)."""
     import deepspeed
 
     engine, ds_optimizer, _, _ = deepspeed.initialize(
@@ -173,7 +102,63 @@ def initialize_engine(module: nn.Module, optimizer: torch.optim.Optimizer, confi
     # DeepSpeed names and counts checkpoint files per model-parallel rank, which the mpu makes the tp rank: one
     # pipeline stage's directory holds tp files, not tp x pp (the grad norm reads the mpu, not this number).
     engine.mp_world_size = layout.size("tp")
+    _keep_zero0_grad_norm(engine)
+    if layout.size("dp") == 1 and zero_stage(engine) == 0:
+        engine.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
     return engine, ds_optimizer
+
+
+def _keep_zero0_grad_norm(engine) -> None:
+    """Make a ZeRO-0 fp32 engine remember the global grad norm it clips with.
+
+    DeepSpeed's fp32 ZeRO-0 path computes the norm inside ``clip_fp32_gradients`` and drops it, so
+    ``get_global_grad_norm()`` would stay ``None``; every other path keeps it. This wraps that one call.
+    """
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_keep() -> None:
+        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                               mpu=engine.mpu)
+        engine._global_grad_norm = float(norm)
+
+    engine.clip_fp32_gradients = clip_and_keep
+
+
+def zero_stage(engine: Any) -> int:
+    """The ZeRO stage the engine runs (it may be lower than asked: an engine built without optimizer runs 0 or 3)."""
+    return int(engine.zero_optimization_stage())
+
+
+def data_parallel_size(engine: Any) -> int:
+    """The number of replicas the engine averages gradients over."""
+    return int(engine.dp_world_size)
+
+
+def deferred_grad_reduction(engine: Any) -> ContextManager:
+    """Inside it, backward passes accumulate gradients without reducing them over data-parallel replicas; the
+    reduction happens once, at the step. A pipeline schedule runs all its micro-batches' backward inside it (ZeRO
+    1-3; ZeRO-0 reduces at the step anyway)."""
+    return engine.coalesce_grad_reduction() if zero_stage(engine) >= 1 else contextlib.nullcontext()
+
+
+def step(engine: Any) -> Optional[float]:
+    """One optimizer step (reduce, clip by the global norm, update, zero gradients); the global gradient norm before
+    clipping, or None when the engine computed none."""
+    engine.step()
+    norm = engine.get_global_grad_norm()
+    return None if norm is None else float(norm)
+
+
+def gathered(params: Iterable[nn.Parameter], modifier_rank: Optional[int] = None) -> ContextManager:
+    """Inside it, ZeRO-3 partitioned ``params`` are whole on every rank (a no-op for parameters that are not
+    partitioned). With ``modifier_rank`` (a rank *inside* the parameters' data-parallel group), that rank's writes
+    to them are partitioned back on exit."""
+    params = list(params)
+    if not any(hasattr(p, "ds_id") for p in params):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
 
 
 class EngineOwnedOptimizer(torch.optim.Optimizer):
@@ -217,19 +202,3 @@ class EngineOwnedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"EngineOwnedOptimizer({type(self.optimizer).__name__} in {type(self.engine_optimizer).__name__})"
-
-
-def keep_zero0_grad_norm(engine) -> None:
-    """Make a ZeRO-0 fp32 engine remember the global grad norm it clips with.
-
-    DeepSpeed's fp32 ZeRO-0 path computes the norm inside ``clip_fp32_gradients`` and drops it, so
-    ``get_global_grad_norm()`` would stay ``None``; every other path keeps it. This wraps that one call.
-    """
-    from deepspeed.runtime.utils import clip_grad_norm_
-
-    def clip_and_keep() -> None:
-        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
-                               mpu=engine.mpu)
-        engine._global_grad_norm = float(norm)
-
-    engine.clip_fp32_gradients = clip_and_keep

@@ -1,0 +1,39 @@
+"""The training engine: everything that knows DeepSpeed lives in this package, and nothing outside it imports
+DeepSpeed (a test checks). The rest of the project builds an engine over its parallelised module, steps it,
+defers its gradient reduction, gathers ZeRO-3 partitions and reads or writes per-parameter optimizer state
+through the names below; another engine would provide the same names.
+
+* ``config``: the DeepSpeed config generated from the layout, the model and the precision;
+* ``runtime``: comm setup, engine construction over the layout's groups, the engine calls used elsewhere;
+* ``parameter_state``: one parameter's fp32 value and Adam moments, for layout-independent checkpoints;
+* ``checkpoint_dir``: DeepSpeed's own checkpoint directories.
+"""
+
+from lightning_mgpu.engine.checkpoint_dir import load_engine_checkpoint, save_engine_checkpoint
+from lightning_mgpu.engine.config import (
+    bucket_elements,
+    bucket_elements_for,
+    deep_merge,
+    drifts_from_fp32,
+    evaluation_config,
+    precision_config,
+    zero_config,
+)
+from lightning_mgpu.engine.parameter_state import MOMENTS, ParameterState
+from lightning_mgpu.engine.runtime import (
+    EngineOwnedOptimizer,
+    LayoutMPU,
+    data_parallel_size,
+    deferred_grad_reduction,
+    gathered,
+    init_engine_comm,
+    initialize_engine,
+    step,
+    zero_stage,
+)
+
+__all__ = [
+    "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "bucket_elements", "bucket_elements_for",
+    "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32", "evaluation_config", "gathered", "init_engine_comm", "initialize_engine",
+    "load_engine_checkpoint", "precision_config", "save_engine_checkpoint", "step", "zero_config", "zero_stage",
+]

@@ -1,0 +1,119 @@
+"""The DeepSpeed config of a run, generated from the layout, the model's size and the precision.
+
+Imports nothing of DeepSpeed, so the planner can size buckets the same way without loading it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lightning_mgpu.layout import ParallelLayout
+
+#: DeepSpeed's default bucket size; buckets are never larger than this.
+MAX_BUCKET_ELEMENTS = 500_000_000
+MIN_BUCKET_ELEMENTS = 1 << 17
+
+
+def bucket_elements_for(total_parameters: int) -> int:
+    """Communication bucket size sized from the model: a quarter of it (at least 2**17 elements), at most DeepSpeed's
+    default. DeepSpeed's fixed 5e8-element buckets cost GBs and tens of seconds on a tiny CPU model."""
+    return int(min(MAX_BUCKET_ELEMENTS, max(MIN_BUCKET_ELEMENTS, total_parameters // 4)))
+
+
+def bucket_elements(model: nn.Module) -> int:
+    """``bucket_elements_for`` the parameters this rank's module holds."""
+    return bucket_elements_for(sum(p.numel() for p in model.parameters()))
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override`` merged into a copy of ``base``, recursing into nested dicts."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def precision_config(precision: str) -> dict:
+    """The precision section of the config for a Lightning precision string (``32-true`` needs none)."""
+    if precision in ("bf16-mixed", "bf16-true"):
+        return {"bf16": {"enabled": True}}
+    if precision == "16-mixed":
+        return {"fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                         "hysteresis": 2, "min_loss_scale": 1}}
+    return {}
+
+
+def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int, num_microbatches: int,
+                gradient_clipping: Optional[float], precision: dict, nvme_path: Optional[str] = None,
+                overrides: Optional[dict] = None) -> dict:
+    """The DeepSpeed config of one run.
+
+    Without pipeline parallelism gradient accumulation is unmanaged: the strategy runs every micro-batch's
+    backward through the engine and then calls ``engine.step()`` once, which is the accumulation boundary
+    (one optimizer step per global batch). With it, the schedule runs all micro-batches inside
+    ``engine.coalesce_grad_reduction()``, which DeepSpeed supports (ZeRO 1-3) only with managed
+    accumulation: then the whole schedule counts as one micro-step of ``micro_batch_size * num_microbatches``.
+    ``precision`` is ``precision_config(...)``; ``overrides`` (the user's ``deepspeed_config``) is merged over the
+    result.
+    """
+    coalesced = layout.pipeline_parallel_size > 1 and layout.zero_stage >= 1
+    bucket = bucket_elements(model)
+    zero: dict[str, Any] = {
+        "stage": layout.zero_stage,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "overlap_comm": False,
+        "contiguous_gradients": True,
+    }
+    if layout.zero_stage == 3:
+        largest = max((p.numel() for p in model.parameters()), default=0)
+        zero.update({
+            "stage3_prefetch_bucket_size": bucket,
+            # Parameters below this stay whole on every rank; DeepSpeed's 1e5 would keep a small model unsharded.
+            "stage3_param_persistence_threshold": int(min(100_000, max(1, largest // 8))),
+            "stage3_max_live_parameters": max(bucket, 1_000_000),
+            "stage3_max_reuse_distance": max(bucket, 1_000_000),
+        })
+    for key, device in (("offload_optimizer", layout.offload_optimizer), ("offload_param", layout.offload_params)):
+        if device:
+            zero[key] = {"device": device, "pin_memory": torch.cuda.is_available()}
+            if device == "nvme":
+                zero[key]["nvme_path"] = nvme_path or "/local_nvme"
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch_size * num_microbatches if coalesced else micro_batch_size,
+        "gradient_accumulation_steps": 1 if coalesced else num_microbatches,
+        "managed_gradient_accumulation": coalesced,
+        "gradient_clipping": float(gradient_clipping or 0.0),
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        # Torch's AdamW needs no compiled op, also when the optimizer state is offloaded.
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+    config.update(precision)
+    return deep_merge(config, overrides or {})
+
+
+def evaluation_config(config: dict) -> dict:
+    """``config`` for an engine built without optimizer (validate/test/predict): ZeRO 1 and 2 partition only
+    optimizer state and gradients, so such an engine runs stage 0; stage 3 keeps partitioning the weights."""
+    if config["zero_optimization"]["stage"] in (1, 2):
+        config = deep_merge(config, {"zero_optimization": {"stage": 0}})
+    return config
+
+
+def drifts_from_fp32(config: dict) -> str:
+    """A warning when a training config runs DeepSpeed's unfused bf16 optimizer (bf16 at ZeRO-0), else ''."""
+    if config["zero_optimization"]["stage"] == 0 and config.get("bf16", {}).get("enabled"):
+        return ("bf16 with zero_stage=0 uses DeepSpeed's unfused bf16 optimizer, whose loss curve drifts from fp32 "
+                "(about 0.6% after 4 steps on the test model, with or without micro-batches); zero_stage=1 keeps fp32 "
+                "gradients and master weights and costs no more memory at one data-parallel replica")
+    return ""
