@@ -45,22 +45,26 @@ def rank_shares(cfg: DictConfig) -> tuple[ParallelLayout, list[RankShare]]:
                             devices_per_node=cfg.trainer.devices, model=None, **strategy._layout_args)
     T, P = layout.size("tp"), layout.size("pp")
     shares = []
-    for pp_rank in range(P):
-        for tp_rank in sorted({0, T - 1}):
-            with torch.device("meta"):
-                module = build_module(cfg, model_config)
-                module.configure_model()
-            if T > 1:
-                apply_tensor_parallel(module, module.tensor_parallel_plan(), GroupCoordinates(tp_rank, T),
-                                      layout.sequence_parallel)
+    for tp_rank in sorted({0, T - 1}):
+        # One meta build per tensor rank: the plan is applied to the whole model as in a launch, then each pipeline
+        # rank's stages are cut from it (cutting stages only references the model's blocks).
+        with torch.device("meta"):
+            module = build_module(cfg, model_config)
+            module.configure_model()
+        if T > 1:
+            apply_tensor_parallel(module, module.tensor_parallel_plan(), GroupCoordinates(tp_rank, T),
+                                  layout.sequence_parallel)
+        whole = module.model
+        for pp_rank in range(P):
             ids = layout.stage_ids(pp_rank)
-            kept = module.pipeline_stages(ids, layout.num_stages, strategy.pipeline_boundaries) if P > 1 \
-                else module.model
+            module.model = whole
+            kept = module.pipeline_stages(ids, layout.num_stages, strategy.pipeline_boundaries) if P > 1 else whole
             count = sum(p.numel() for p in kept.parameters())
             planned = rank_parameters(model_config, T, P, len(ids), pp_rank, stage_ids=ids,
                                       boundaries=strategy.pipeline_boundaries)
             states = model_state_bytes(count, layout.zero_stage, layout.size("dp"), str(cfg.trainer.precision), P > 1)
             shares.append(RankShare(tp_rank, pp_rank, ids, count, planned, states))
+    shares.sort(key=lambda share: (share.pp_rank, share.tp_rank))
     return layout, shares
 
 

@@ -19,6 +19,7 @@ Styles (see :mod:`lightning_mgpu.parallel.tensor` for where each puts its collec
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable, Mapping
 
@@ -47,6 +48,7 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
 STYLES = tuple(_BUILDERS)
 
 
+@functools.lru_cache(maxsize=None)
 def _pattern(key: str) -> re.Pattern:
     return re.compile(r"[^.]+".join(re.escape(part) for part in key.split("*")))
 
