@@ -224,3 +224,39 @@ def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, mo
 def max_abs_diff(a: list, b: list) -> float:
     assert len(a) == len(b), f"lengths differ: {len(a)} vs {len(b)}"
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+#: The end-of-document token of the test tokenizer (found by name, as in GPT-2's vocabulary).
+TEST_EOD = "<|endoftext|>"
+
+
+def corpus_text(n_bytes: int = 300_000) -> str:
+    """About ``n_bytes`` of the built-in corpus (the standard library's source), whole files, in a fixed order."""
+    from lightning_mgpu.data.corpus import stdlib_source_files
+
+    parts, size = [], 0
+    for path in stdlib_source_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= n_bytes:
+            break
+    return "".join(parts)
+
+
+def make_tokenizer(directory: Path, vocab_size: int = 512, n_bytes: int = 300_000) -> Path:
+    """A byte-level BPE tokenizer (``vocab_size`` ids, ``<|endoftext|>`` among them) trained with the tokenizers
+    package on a slice of the built-in corpus, saved as ``directory/tokenizer.json``; returns ``directory``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[TEST_EOD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = corpus_text(n_bytes)
+    tok.train_from_iterator((text[i:i + 10_000] for i in range(0, len(text), 10_000)), trainer=trainer)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory

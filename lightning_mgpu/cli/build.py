@@ -33,18 +33,84 @@ def build_model_config(cfg: DictConfig) -> LlamaConfig:
                                  **overrides)
 
 
+def data_sources(cfg: DictConfig) -> list[tuple[str, float]]:
+    """``data.sources`` as (path, weight) pairs (a source without a weight weighs 1); empty when there are none."""
+    sources = cfg.data.get("sources")  # .get: a schema without the key reads as none
+    if not sources:
+        return []
+    items = OmegaConf.to_container(sources, resolve=True)
+    return [(s.get("path"), s.get("weight", 1.0)) if isinstance(s, dict) else (s, 1.0) for s in items]
+
+
+def token_paths(cfg: DictConfig) -> list[str]:
+    """The token sources of ``data=tokens``: each of ``data.sources``, or ``data.path``."""
+    if cfg.data.source != "tokens":
+        return []
+    sources = data_sources(cfg)
+    if sources:
+        return [str(p) for p, _ in sources]
+    return [str(cfg.data.path)] if cfg.data.path else []
+
+
+def run_tokenizer(cfg: DictConfig) -> Optional[tuple[Path, str]]:
+    """(tokenizer path, how to name it in messages) of a run, or None for byte tokens: ``data.tokenizer``; else the
+    ``tokenizer.json`` beside ``model.init_from``'s weights; else the tokenizer the prepared tokens were made with,
+    where that file is still there unchanged."""
+    explicit = cfg.data.get("tokenizer")
+    if explicit:
+        return Path(explicit), f"data.tokenizer={explicit!r}"
+    if cfg.model.init_from:
+        from lightning_mgpu.checkpoint.hf import hf_path
+        from lightning_mgpu.data.tokenizer import TOKENIZER_FILE
+
+        beside = hf_path(cfg.model.init_from) / TOKENIZER_FILE
+        if beside.is_file():
+            return beside, f"the tokenizer of model.init_from={cfg.model.init_from!r} ({beside})"
+    from lightning_mgpu.data.manifest import PreparedDataError, is_prepared, read_manifest
+    from lightning_mgpu.data.tokenizer import file_sha256
+
+    for path in token_paths(cfg):
+        if not is_prepared(path):
+            continue
+        try:
+            manifest = read_manifest(path)
+        except PreparedDataError:
+            return None  # validation names what is wrong with it
+        recorded = Path(manifest.tokenizer_path)
+        if recorded.is_file() and file_sha256(recorded) == manifest.tokenizer_sha256:
+            return recorded, f"the tokenizer {path} was prepared with ({recorded})"
+        return None
+    return None
+
+
+def build_tokenizer(cfg: DictConfig):
+    """The run's :class:`~lightning_mgpu.data.tokenizer.Tokenizer`, or None for byte tokens."""
+    found = run_tokenizer(cfg)
+    if found is None:
+        return None
+    from lightning_mgpu.data.tokenizer import Tokenizer
+
+    return Tokenizer(found[0])
+
+
 def build_datamodule(cfg: DictConfig) -> TokenFileDataModule:
     d = cfg.data
     common = dict(seq_len=d.seq_len, global_batch_size=d.global_batch_size, micro_batch_size=d.micro_batch_size,
                   seed=cfg.seed, val_fraction=d.val_fraction, val_batches=d.val_batches)
+    found = run_tokenizer(cfg)
+    tokenizer = None if found is None else found[0]
     if d.source == "corpus":
-        return StdlibCorpusDataModule(cache=d.cache, **common)
+        return StdlibCorpusDataModule(cache=d.cache, tokenizer=tokenizer, **common)
     if d.source == "text":
-        return TextFilesDataModule(list(d.files), text_key=d.text_key, cache=d.cache, **common)
+        return TextFilesDataModule(list(d.files), text_key=d.text_key, cache=d.cache, tokenizer=tokenizer, **common)
     if d.source == "tokens":
+        sources = data_sources(cfg)
+        if sources:
+            return TokenFileDataModule(sources=sources, dtype=d.dtype, tokenizer=tokenizer, **common)
         if not d.path or not Path(d.path).exists():
-            raise FileNotFoundError(f"data.path={d.path!r} does not exist; give the path of a token file")
-        return TokenFileDataModule(d.path, dtype=d.dtype, **common)
+            raise FileNotFoundError(f"data.path={d.path!r} does not exist; give a directory written by mgpu-prepare "
+                                    "or a token file")
+        return TokenFileDataModule(d.path, dtype=d.dtype, tokenizer=tokenizer, **common)
     raise ValueError(f"data.source={d.source!r} is unknown; choose corpus, text or tokens")
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -34,6 +34,14 @@ class ModelConfig:
 
 
 @dataclass
+class SourceConfig:
+    """One token source of a blend: a directory written by mgpu-prepare (or a flat token file) and its weight."""
+
+    path: str = MISSING
+    weight: float = 1.0  #: relative share of the samples drawn from it
+
+
+@dataclass
 class DataConfig:
     """Where tokens come from and how a global batch is made."""
 
@@ -48,6 +56,8 @@ class DataConfig:
     val_fraction: float = 0.01
     val_batches: int = 4
     cache: Optional[str] = None  #: directory of derived token files (default ~/.cache/lightning_mgpu)
+    tokenizer: Optional[str] = None  #: tokenizer.json or a directory with one; null = bytes (or model.init_from's)
+    sources: List[SourceConfig] = field(default_factory=list)  #: data=tokens blend: [{path: DIR, weight: 0.7}, ...]
 
 
 @dataclass

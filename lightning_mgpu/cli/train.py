@@ -15,7 +15,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.callbacks import PeriodicCheckpoint, ThroughputCallback, newest_checkpoint
-from lightning_mgpu.cli.build import build_datamodule, build_loggers, build_model_config, build_module, build_strategy
+from lightning_mgpu.cli.build import (
+    build_datamodule,
+    build_loggers,
+    build_model_config,
+    build_module,
+    build_strategy,
+    build_tokenizer,
+)
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.dry_run import dry_run_report
@@ -190,16 +197,19 @@ def report_timeline(strategy, step: int, run_dir: Path) -> None:
 
 
 def generate_sample(module, cfg: DictConfig) -> str:
-    """A short continuation of ``sample.prompt``. Every rank runs it (ZeRO-3 gathers parameters collectively)
-    with the same generator, so all ranks produce the same text."""
+    """A short continuation of ``sample.prompt``, encoded and decoded with the run's tokenizer (bytes without one).
+    Every rank runs it (ZeRO-3 gathers parameters collectively) with the same generator, so all ranks produce the
+    same text."""
+    tokenizer = build_tokenizer(cfg)
     model = module.model
     model.eval()
     device = next(model.parameters()).device
-    prompt = torch.from_numpy(encode_bytes(cfg.sample.prompt).astype("int64"))[None].to(device)
+    ids = encode_bytes(cfg.sample.prompt) if tokenizer is None else tokenizer.encode(cfg.sample.prompt)
+    prompt = torch.as_tensor(ids, dtype=torch.int64)[None].to(device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens = module.generate(prompt, cfg.sample.max_new_tokens, temperature=cfg.sample.temperature,
                             generator=generator)
-    return decode_bytes(tokens[0].tolist())
+    return decode_bytes(tokens[0].tolist()) if tokenizer is None else tokenizer.decode(tokens[0].tolist())
 
 
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")

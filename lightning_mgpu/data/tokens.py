@@ -1,9 +1,11 @@
-"""Data modules over a flat token stream, with sampling owned by the data module.
+"""Data modules over flat token streams (one, or a weighted blend), with sampling owned by the data module.
 
 The sequence of global batches depends only on the seed and the global batch size, never on the
 number of ranks or the layout: global batch ``k`` is drawn from ``numpy.random.default_rng([seed, k])``,
-and data-parallel rank ``d`` takes the ``d``-th contiguous slice of it. Because of that, Lightning must
-not inject a ``DistributedSampler`` (the loaders here are iterable, so it does not).
+and data-parallel rank ``d`` takes the ``d``-th contiguous slice of it (:mod:`lightning_mgpu.data.blend`).
+Because of that, Lightning must not inject a ``DistributedSampler`` (the loaders here are iterable, so it does
+not). Tokens are bytes unless a tokenizer is given; then the corpus and text files are prepared with it
+(:mod:`lightning_mgpu.data.prepare`) into the cache directory.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import glob
 import hashlib
 import json
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import lightning as L
 import numpy as np
@@ -20,32 +22,30 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_mgpu.data.batching import BatchPlan
-from lightning_mgpu.data.corpus import cache_dir, encode_bytes, stdlib_token_file, write_token_file
+from lightning_mgpu.data.blend import Blend, sample_starts
+from lightning_mgpu.data.corpus import cache_dir, encode_bytes, stdlib_source_files, stdlib_token_file, \
+    write_token_file
+from lightning_mgpu.data.manifest import TOKEN_DTYPES, Manifest, open_tokens, tokenizer_match_problems
 
-TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
-
-
-def sample_starts(seed: int, step: int, global_batch_size: int, n_tokens: int, seq_len: int) -> np.ndarray:
-    """Start offsets of the ``global_batch_size`` windows of global batch ``step`` (layout independent)."""
-    rng = np.random.default_rng([seed, step])
-    return rng.integers(0, n_tokens - seq_len - 1, size=global_batch_size)
+__all__ = ["StdlibCorpusDataModule", "TextFilesDataModule", "TokenFileDataModule", "sample_starts"]
 
 
 class _WindowBatches(IterableDataset):
-    """Yields this rank's slice ``[per_rank, seq_len + 1]`` of global batches ``first_step, first_step+1, ...``."""
+    """Yields this rank's slice ``[per_rank, seq_len + 1]`` of global batches ``first_step, first_step+1, ...``
+    of one token stream or a :class:`Blend`."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, plan: BatchPlan, dp_rank: int,
+    def __init__(self, tokens: Union[np.ndarray, Blend], seq_len: int, seed: int, plan: BatchPlan, dp_rank: int,
                  first_step: Callable[[], int], num_steps: Optional[int]) -> None:
-        self.tokens, self.seq_len, self.seed, self.plan = tokens, seq_len, seed, plan
+        self.blend = tokens if isinstance(tokens, Blend) else Blend.of([tokens])
+        self.seq_len, self.seed, self.plan = seq_len, seed, plan
         self.dp_rank, self.first_step, self.num_steps = dp_rank, first_step, num_steps
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         first = step = self.first_step()  # read per iterator: each epoch continues where the last one stopped
         lo, hi = self.dp_rank * self.plan.per_rank, (self.dp_rank + 1) * self.plan.per_rank
         while self.num_steps is None or step < first + self.num_steps:
-            starts = sample_starts(self.seed, step, self.plan.global_batch_size, len(self.tokens), self.seq_len)
-            windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in starts[lo:hi]]).astype(np.int64)
-            yield torch.from_numpy(windows)
+            yield torch.from_numpy(self.blend.windows(self.seed, step, self.plan.global_batch_size, self.seq_len,
+                                                      lo, hi))
             step += 1
 
     def __len__(self) -> int:
@@ -54,16 +54,25 @@ class _WindowBatches(IterableDataset):
         return self.num_steps
 
 
-class TokenFileDataModule(L.LightningDataModule):
-    """Causal-LM windows from a pre-tokenised, memory-mapped token file (flat ``uint16`` or ``uint32``).
+#: A weighted token source: (a directory written by mgpu-prepare or a flat token file, weight).
+WeightedSource = tuple[Union[str, Path], float]
 
-    The last ``val_fraction`` of the stream is held out for validation. Each training batch is one
+
+class TokenFileDataModule(L.LightningDataModule):
+    """Causal-LM windows from pre-tokenised, memory-mapped tokens: a directory written by ``mgpu-prepare`` (its
+    manifest gives the dtype and is checked against the token file), a flat ``uint16``/``uint32`` token file, or
+    ``sources``, several of them mixed by weight.
+
+    The last ``val_fraction`` of every stream is held out for validation. Each training batch is one
     rank's share of one global batch (``global_batch_size / dp`` samples), split into micro-batches by
-    the strategy; ``batch_plan`` says how.
+    the strategy; ``batch_plan`` says how. With ``tokenizer`` (a path), prepared sources must have been made with
+    it.
     """
 
-    def __init__(self, path: str | Path, seq_len: int = 128, global_batch_size: int = 16, micro_batch_size: int = 4,
-                 seed: int = 1234, dtype: str = "uint16", val_fraction: float = 0.01, val_batches: int = 4) -> None:
+    def __init__(self, path: Optional[str | Path] = None, seq_len: int = 128, global_batch_size: int = 16,
+                 micro_batch_size: int = 4, seed: int = 1234, dtype: str = "uint16", val_fraction: float = 0.01,
+                 val_batches: int = 4, sources: Optional[Sequence[WeightedSource]] = None,
+                 tokenizer: Optional[str | Path] = None) -> None:
         super().__init__()
         problems = []
         if dtype not in TOKEN_DTYPES:
@@ -72,39 +81,65 @@ class TokenFileDataModule(L.LightningDataModule):
             problems.append(f"data.val_fraction={val_fraction} must be between 0 and 1 (exclusive)")
         if seq_len < 1:
             problems.append(f"data.seq_len={seq_len} must be positive")
+        if path is not None and sources:
+            problems.append("give data.path (one source) or data.sources (a blend), not both")
         if problems:
             raise ValueError("Invalid data settings:\n" + "\n".join(f"  - {p}" for p in problems))
         self.path = Path(path) if path is not None else None
+        self.sources = [(Path(p), float(w)) for p, w in sources] if sources else None
+        self.tokenizer = Path(tokenizer) if tokenizer is not None else None
         self.seq_len, self.seed, self.dtype = seq_len, seed, dtype
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.val_fraction, self.val_batches = val_fraction, val_batches
         self.batch_plan: Optional[BatchPlan] = None
         self._dp_rank = 0
         self._start_step = 0
-        self._train: Optional[np.ndarray] = None
-        self._val: Optional[np.ndarray] = None
+        self._train: Optional[Blend] = None
+        self._val: Optional[Blend] = None
 
     # ------------------------------------------------------------------------------------ loading
     def token_file(self) -> Path:
-        """The token file to read; subclasses build theirs here."""
+        """The token file (or prepared directory) to read; subclasses build theirs here."""
+        if self.path is None:
+            raise ValueError("no token source: give data.path (a directory written by mgpu-prepare or a token file) "
+                             "or data.sources")
         if not self.path.exists():
-            raise FileNotFoundError(f"data.path={str(self.path)!r} does not exist; give an existing token file")
+            raise FileNotFoundError(f"data.path={str(self.path)!r} does not exist; give a directory written by "
+                                    "mgpu-prepare or an existing token file")
         return self.path
 
+    def weighted_sources(self) -> list[WeightedSource]:
+        """Every source with its weight: ``sources``, or the one token file with weight 1."""
+        return list(self.sources) if self.sources else [(self.token_file(), 1.0)]
+
     def prepare_data(self) -> None:
-        self.token_file()
+        self.weighted_sources()
 
     def setup(self, stage: str) -> None:
         dp_rank, dp_size = _data_parallel_coords(self.trainer)
         self.batch_plan = BatchPlan(self.global_batch_size, self.micro_batch_size, dp_size, self.seq_len)
         self._dp_rank = dp_rank
-        tokens = np.memmap(self.token_file(), dtype=TOKEN_DTYPES[self.dtype], mode="r")
-        split = int(len(tokens) * (1.0 - self.val_fraction))
-        self._train, self._val = tokens[:split], tokens[split:]
-        for name, part in (("training", self._train), ("validation", self._val)):
-            if len(part) < self.seq_len + 2:
-                raise ValueError(f"the {name} split of {self.token_file()} has {len(part)} tokens, fewer than "
-                                 f"data.seq_len + 2 = {self.seq_len + 2}; use more data or a shorter seq_len")
+        sources = self.weighted_sources()
+        opened = [open_tokens(path, self.dtype) for path, _ in sources]
+        prepared: list[tuple[str, Manifest]] = [(str(path), m) for (path, _), (_, m) in zip(sources, opened) if m]
+        sha = None
+        if self.tokenizer is not None and prepared:
+            from lightning_mgpu.data.tokenizer import Tokenizer
+
+            sha = Tokenizer(self.tokenizer).sha256
+        problems = tokenizer_match_problems(prepared, sha, f"data.tokenizer={str(self.tokenizer)!r}")
+        train, val = [], []
+        for (path, _), (tokens, _) in zip(sources, opened):
+            split = int(len(tokens) * (1.0 - self.val_fraction))
+            for name, part, out in (("training", tokens[:split], train), ("validation", tokens[split:], val)):
+                out.append(part)
+                if len(part) < self.seq_len + 2:
+                    problems.append(f"the {name} split of {path} has {len(part)} tokens, fewer than data.seq_len + 2 "
+                                    f"= {self.seq_len + 2}; use more data or a shorter seq_len")
+        if problems:
+            raise ValueError("Invalid data:\n" + "\n".join(f"  - {p}" for p in problems))
+        weights, names = [w for _, w in sources], [str(p) for p, _ in sources]
+        self._train, self._val = Blend.of(train, weights, names), Blend.of(val, weights, names)
 
     # -------------------------------------------------------------------------------- dataloaders
     def train_dataloader(self) -> DataLoader:
@@ -135,27 +170,37 @@ class TokenFileDataModule(L.LightningDataModule):
 
 
 class StdlibCorpusDataModule(TokenFileDataModule):
-    """The built-in corpus (the Python standard library's source as bytes): needs no download."""
+    """The built-in corpus (the Python standard library's source): needs no download. Byte tokens; with
+    ``tokenizer``, each source file is a document tokenised once into the cache directory."""
 
     def __init__(self, seq_len: int = 128, global_batch_size: int = 16, micro_batch_size: int = 4, seed: int = 1234,
-                 val_fraction: float = 0.01, val_batches: int = 4, cache: Optional[str] = None) -> None:
-        super().__init__(None, seq_len, global_batch_size, micro_batch_size, seed, "uint16", val_fraction, val_batches)
+                 val_fraction: float = 0.01, val_batches: int = 4, cache: Optional[str] = None,
+                 tokenizer: Optional[str | Path] = None) -> None:
+        super().__init__(None, seq_len, global_batch_size, micro_batch_size, seed, "uint16", val_fraction, val_batches,
+                         tokenizer=tokenizer)
         self.cache = Path(cache) if cache else None
 
     def token_file(self) -> Path:
-        return stdlib_token_file(self.cache)
+        if self.tokenizer is None:
+            return stdlib_token_file(self.cache)
+        import platform
+
+        return _prepared(stdlib_source_files(), self.tokenizer, self.cache or cache_dir(),
+                         f"stdlib-py{platform.python_version()}", "text")
 
 
 class TextFilesDataModule(TokenFileDataModule):
-    """The user's text or JSONL files (glob patterns), byte-tokenised once into a cached token file.
+    """The user's text or JSONL files (glob patterns), tokenised once into the cache directory: as bytes, or with
+    ``tokenizer`` (as ``mgpu-prepare`` does, one process).
 
     JSONL lines contribute the string under ``text_key``; other files contribute their whole text.
     """
 
     def __init__(self, files: list[str] | str, seq_len: int = 128, global_batch_size: int = 16,
                  micro_batch_size: int = 4, seed: int = 1234, val_fraction: float = 0.01, val_batches: int = 4,
-                 text_key: str = "text", cache: Optional[str] = None) -> None:
-        super().__init__(None, seq_len, global_batch_size, micro_batch_size, seed, "uint16", val_fraction, val_batches)
+                 text_key: str = "text", cache: Optional[str] = None, tokenizer: Optional[str | Path] = None) -> None:
+        super().__init__(None, seq_len, global_batch_size, micro_batch_size, seed, "uint16", val_fraction, val_batches,
+                         tokenizer=tokenizer)
         self.patterns = [files] if isinstance(files, str) else list(files)
         self.text_key = text_key
         self.cache = Path(cache) if cache else cache_dir()
@@ -168,6 +213,8 @@ class TextFilesDataModule(TokenFileDataModule):
 
     def token_file(self) -> Path:
         files = self._files()
+        if self.tokenizer is not None:
+            return _prepared(files, self.tokenizer, self.cache, "text", self.text_key)
         key = hashlib.sha256(json.dumps([(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns)
                                          for f in files] + [self.text_key]).encode()).hexdigest()[:16]
         path = self.cache / f"text-{key}.u16"
@@ -185,6 +232,20 @@ class TextFilesDataModule(TokenFileDataModule):
                     yield (record[self.text_key] + "\n").encode("utf-8")
         else:
             yield path.read_bytes() + b"\n"
+
+
+def _prepared(files: Sequence[Path], tokenizer: Path, cache: Path, name: str, text_key: str) -> Path:
+    """A prepared directory of ``files`` tokenised with ``tokenizer`` in ``cache``, made on first use (in this
+    process; every rank that finds it missing makes the same one, replaced atomically)."""
+    from lightning_mgpu.data.prepare import prepare
+    from lightning_mgpu.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer)
+    key = hashlib.sha256(json.dumps([tok.sha256, text_key] + [(str(f.resolve()), f.stat().st_size,
+                                                                 f.stat().st_mtime_ns) for f in files]).encode())
+    out = cache / f"{name}-{key.hexdigest()[:16]}"
+    prepare(list(files), tok.path, out, text_key=text_key, workers=1, progress=False)
+    return out
 
 
 def _data_parallel_coords(trainer: Optional[L.Trainer]) -> tuple[int, int]:

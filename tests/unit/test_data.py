@@ -82,3 +82,78 @@ def test_missing_inputs_are_clear(tmp_path):
 
 def test_byte_tokens_round_trip():
     assert decode_bytes(encode_bytes("héllo")) == "héllo"
+
+
+# ------------------------------------------------------------------------------------------------------- blends
+def two_sources(directory=None):
+    """Source A holds ids 0..999, source B ids 1000..1999: a window's first token says where it was drawn."""
+    a = (np.arange(30_000) % 1000).astype(np.uint16)
+    b = (1000 + np.arange(20_000) % 1000).astype(np.uint16)
+    if directory is None:
+        return a, b
+    a.tofile(directory / "a.u16")
+    b.tofile(directory / "b.u16")
+    return directory / "a.u16", directory / "b.u16"
+
+
+def test_blend_realises_its_weights():
+    """Over 2,000 global batches of 8 (n = 16,000 samples) the count drawn from B (weight 0.3) is binomial(n, 0.3):
+    mean 4,800, standard deviation sqrt(n x 0.3 x 0.7) = 58. 4.5 standard deviations (261 samples, 1.6 points of
+    share) fail a correct sampler with probability 7e-6, and the draw is fixed by the seed, so it cannot flake; a
+    sampler that ignored the weights (8,000) or swapped them (11,200) is 55 standard deviations away."""
+    from lightning_mgpu.data.blend import Blend
+
+    a, b = two_sources()
+    blend = Blend.of([a, b], [0.7, 0.3])
+    n, from_b = 0, 0
+    for step in range(2000):
+        windows = blend.windows(seed=11, step=step, global_batch_size=8, seq_len=16, lo=0, hi=8)
+        in_b = windows >= 1000
+        assert (in_b.all(axis=1) | ~in_b.any(axis=1)).all()  # every sample lies within one source
+        n, from_b = n + len(windows), from_b + int(in_b[:, 0].sum())
+    sd = (n * 0.3 * 0.7) ** 0.5
+    assert abs(from_b - 0.3 * n) < 4.5 * sd, (from_b, n)
+    same = Blend.of([a, b], [7, 3])  # weights are relative
+    assert np.array_equal(same.windows(11, 5, 8, 16, 0, 8), blend.windows(11, 5, 8, 16, 0, 8))
+
+
+def test_blended_global_batches_do_not_depend_on_data_parallel_size():
+    from lightning_mgpu.data.blend import Blend
+
+    blend = Blend.of(two_sources(), [0.5, 0.5])
+    one = global_batches(blend, 1)
+    assert any(bool((g >= 1000).any() and (g < 1000).any()) for g in one)  # batches mix the sources sample by sample
+    for dp in (2, 4):
+        assert all(torch.equal(x, y) for x, y in zip(one, global_batches(blend, dp)))
+
+
+def test_blend_resumes_exactly_at_its_saved_position(tmp_path):
+    sources = list(zip(two_sources(tmp_path), (0.7, 0.3)))
+
+    def batches(state=None, n=5):
+        dm = TokenFileDataModule(sources=sources, seq_len=16, global_batch_size=8, micro_batch_size=2, seed=5)
+        if state is not None:
+            dm.load_state_dict(state)
+        dm.setup("fit")
+        it = iter(dm.train_dataloader())
+        return dm, [next(it) for _ in range(n)]
+
+    full_dm, full = batches()
+    assert full_dm.state_dict()["next_global_batch"] == 0
+    resumed_dm, resumed = batches({"next_global_batch": 3, "seed": 5, "global_batch_size": 8}, n=2)
+    assert resumed_dm.state_dict()["next_global_batch"] == 3
+    assert torch.equal(full[3], resumed[0]) and torch.equal(full[4], resumed[1])
+    assert not torch.equal(full[0], resumed[0])
+    val = next(iter(full_dm.val_dataloader()))  # validation draws from the held-out last 1% of each source
+    assert val.shape == (8, 17) and bool((((val >= 700) & (val < 1000)) | (val >= 1800)).all())
+
+
+def test_blend_refuses_bad_weights_and_short_sources(tmp_path):
+    a, b = two_sources(tmp_path)
+    np.arange(15, dtype=np.uint16).tofile(tmp_path / "short.u16")
+    with pytest.raises(ValueError, match=r"b.u16: weight=0.0 must be a number > 0"):
+        TokenFileDataModule(sources=[(a, 1), (b, 0)], seq_len=16).setup("fit")
+    with pytest.raises(ValueError, match="the training split of .*short.u16 has 14 tokens, fewer than data.seq_len"):
+        TokenFileDataModule(sources=[(a, 1), (tmp_path / "short.u16", 1)], seq_len=16).setup("fit")
+    with pytest.raises(ValueError, match="give data.path .* or data.sources .*, not both"):
+        TokenFileDataModule(a, sources=[(b, 1)])

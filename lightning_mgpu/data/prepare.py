@@ -1,0 +1,341 @@
+"""Text / JSONL files (gzip too) -> a prepared token directory, tokenised in parallel processes.
+
+Every document (a whole text file, or one JSONL line's ``text_key`` field) is encoded with the tokenizer's own
+special tokens and followed by the end-of-document token. Work goes to the processes in units of about
+:data:`UNIT_BYTES` of text and comes back in input order, so the token file does not depend on the number of
+processes. The token file is written under a temporary name and renamed, then the manifest is written: a
+directory with a manifest is complete, and running again on the same inputs only checks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import gzip
+import hashlib
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from lightning_mgpu.data.manifest import (
+    MANIFEST_FILE,
+    TOKEN_DTYPES,
+    TOKENS_FILE,
+    Manifest,
+    PreparedDataError,
+    Source,
+    dtype_for,
+    read_manifest,
+)
+from lightning_mgpu.data.tokenizer import Tokenizer, TokenizerError, file_sha256
+
+#: Text per unit of work sent to a process: large enough that the transfer costs nothing beside tokenising it.
+UNIT_BYTES = 1 << 18
+#: Problems listed at most (the rest are counted).
+MAX_PROBLEMS = 20
+_JSONL_SUFFIXES = (".jsonl", ".ndjson")
+
+
+class PrepareError(ValueError):
+    """Bad inputs: every problem, one line each, naming the file (and line)."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    manifest: Manifest
+    skipped: bool  #: the directory was already up to date: nothing was tokenised
+    seconds: float  #: wall time of tokenising and writing
+    workers: int
+    cpu_seconds: float = 0.0  #: CPU time the processes spent tokenising, all together
+
+    @property
+    def mb_per_second_per_process(self) -> float:
+        return self.manifest.text_bytes / 1e6 / max(self.seconds, 1e-9) / self.workers
+
+    @property
+    def mb_per_cpu_second(self) -> float:
+        """Text tokenised per second of one process's CPU time: the figure that does not depend on how many cores
+        were free."""
+        return self.manifest.text_bytes / 1e6 / max(self.cpu_seconds, 1e-9)
+
+
+def expand_inputs(patterns: Sequence[str | Path]) -> list[Path]:
+    """Files named by ``patterns`` (paths, or globs given as strings, ``**`` included), in the order given, each
+    once."""
+    files: dict[Path, None] = {}  # insertion-ordered, each once
+    problems = []
+    for pattern in patterns:
+        if isinstance(pattern, Path):  # a path as it is, whatever characters it holds
+            if not pattern.is_file():
+                problems.append(f"input {str(pattern)!r} is not a file")
+            files.setdefault(pattern)
+            continue
+        matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True)) if glob.has_magic(pattern) \
+            else [os.path.expanduser(pattern)]
+        found = [Path(m) for m in matches if Path(m).is_file()]
+        if not found:
+            if len(matches) == 1 and Path(matches[0]).is_dir():
+                problems.append(f"input {pattern!r} is a directory; give its files or a glob, e.g. "
+                                f"'{pattern.rstrip('/')}/**/*.txt'")
+            elif not glob.has_magic(pattern) and not Path(pattern).exists():
+                problems.append(f"input {pattern!r} does not exist")
+            else:
+                problems.append(f"input {pattern!r} matches no file")
+        files.update(dict.fromkeys(found))
+    if problems:
+        raise PrepareError(problems)
+    return list(files)
+
+
+def is_jsonl(path: Path) -> bool:
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    return name.endswith(_JSONL_SUFFIXES)
+
+
+def describe_sources(files: Sequence[Path]) -> tuple[Source, ...]:
+    out = []
+    for f in files:
+        st = f.stat()
+        out.append(Source(str(f.resolve()), st.st_size, st.st_mtime_ns))
+    return tuple(out)
+
+
+# ------------------------------------------------------------------------------------------------ reading units
+# A unit is (file index, [(line number or 0, raw bytes), ...], read errors); raw bytes are a JSONL line or a whole
+# text file. A read error travels with the unit, so that problems are reported in input order.
+Unit = tuple[int, list[tuple[int, bytes]], list[str]]
+
+
+def read_units(files: Sequence[Path], unit_bytes: Optional[int] = None) -> Iterator[Unit]:
+    """Raw documents of ``files`` in order, grouped into units of about ``unit_bytes`` (default
+    :data:`UNIT_BYTES`; never across files). The rest of a file that cannot be read is skipped."""
+    unit_bytes = unit_bytes or UNIT_BYTES
+    for index, path in enumerate(files):
+        batch: list[tuple[int, bytes]] = []
+        size = 0
+        line = 0
+        try:
+            with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
+                if is_jsonl(path):
+                    for line, raw in enumerate(f, start=1):
+                        if raw.strip():
+                            batch.append((line, raw))
+                            size += len(raw)
+                        if size >= unit_bytes:
+                            yield index, batch, []
+                            batch, size = [], 0
+                else:
+                    batch.append((0, f.read()))
+        except (OSError, EOFError) as err:  # unreadable, or a corrupt / truncated gzip stream
+            where = f"{path}:{line + 1}" if is_jsonl(path) else str(path)
+            yield index, batch, [f"{where}: cannot be read ({err.strerror or err})"]
+            continue
+        if batch:
+            yield index, batch, []
+
+
+# ------------------------------------------------------------------------------------------- encoding (workers)
+_worker: dict = {}
+
+
+def _init_worker(tokenizer_path: str, eod_id: int, dtype: str, text_key: str, files: list[str]) -> None:
+    # One thread per process: the processes are the parallelism, and the MB/s per process is then honest.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    _worker.update(tokenizer=Tokenizer(tokenizer_path), eod_id=eod_id, dtype=TOKEN_DTYPES[dtype],
+                   text_key=text_key, files=files)
+
+
+def _texts(index: int, docs: list[tuple[int, bytes]]) -> tuple[list[str], list[str]]:
+    """(the documents' texts, what is wrong with the others)."""
+    path, key = _worker["files"][index], _worker["text_key"]
+    out, problems = [], []
+    for line, raw in docs:
+        where = f"{path}:{line}" if line else path
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            problems.append(f"{where}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}); convert it to "
+                            "UTF-8")
+            continue
+        if not line:
+            out.append(text)
+            continue
+        try:
+            record = json.loads(text)
+        except ValueError as err:
+            problems.append(f"{where}: not a JSON line ({err}); fix the line or remove it")
+            continue
+        if not isinstance(record, dict) or key not in record:
+            have = f"its fields: {', '.join(list(record)[:8])}" if isinstance(record, dict) else "it is not an object"
+            problems.append(f"{where}: no {key!r} field ({have}); set --text-key to the field with the text")
+        elif not isinstance(record[key], str):
+            problems.append(f"{where}: field {key!r} is a {type(record[key]).__name__}, not a string")
+        else:
+            out.append(record[key])
+    return out, problems
+
+
+def _encode_unit(unit: Unit) -> tuple[bytes, int, int, list[str], float]:
+    """(token bytes, documents, UTF-8 text bytes, problems, CPU seconds) of one unit: each document's ids, then the
+    end-of-document id."""
+    cpu = time.process_time()
+    index, docs, read_errors = unit
+    texts, problems = _texts(index, docs)
+    eod = _worker["eod_id"]
+    ids: list[int] = []
+    for doc in _worker["tokenizer"].encode_batch(texts):
+        ids += doc
+        if not doc or doc[-1] != eod:  # a post-processor may already end each document with it
+            ids.append(eod)
+    data = np.asarray(ids, dtype=_worker["dtype"]).tobytes()
+    return data, len(texts), sum(len(r) for _, r in docs), problems + read_errors, time.process_time() - cpu
+
+
+@contextlib.contextmanager
+def _encoder(workers: int, init_args: tuple) -> Iterator[Callable[[Iterable[Unit]], Iterator[tuple]]]:
+    """A function from units to their encodings, in input order; with several workers at most ``4 x workers`` units
+    are read ahead, so memory stays bounded."""
+    if workers == 1:
+        _init_worker(*init_args)
+        yield lambda units: map(_encode_unit, units)
+        return
+    # fork: the children inherit the imported modules (spawn would import torch and Lightning again in each one)
+    with multiprocessing.get_context("fork").Pool(workers, _init_worker, init_args) as pool:
+        def encoded(units: Iterable[Unit]) -> Iterator[tuple]:
+            pending: deque = deque()
+            for unit in units:
+                pending.append(pool.apply_async(_encode_unit, (unit,)))
+                if len(pending) >= 4 * workers:
+                    yield pending.popleft().get()
+            while pending:
+                yield pending.popleft().get()
+
+        yield encoded
+
+
+# ---------------------------------------------------------------------------------------------------- prepare
+def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path, text_key: str = "text",
+            workers: int = 1, eod_token: Optional[str] = None, overwrite: bool = False,
+            progress: bool = True) -> PrepareResult:
+    """Tokenise ``inputs`` (paths or globs) into the directory ``out``; return its manifest and timing.
+
+    Raises :class:`PrepareError` naming every bad input (and :class:`TokenizerError` for a bad tokenizer); bad
+    lines and unreadable files are all found in one pass, and then nothing is published in ``out``.
+    """
+    if workers < 1:
+        raise PrepareError([f"--workers={workers} must be >= 1"])
+    out = Path(out)
+    files = expand_inputs(inputs)
+    tok = Tokenizer(tokenizer)
+    eod_name, eod_id = tok.eod_token(eod_token)
+    sources = describe_sources(files)
+    existing = _existing(out, tok, eod_id, text_key, sources, overwrite)
+    if existing is not None:
+        return PrepareResult(existing, True, 0.0, workers)
+    dtype = dtype_for(tok.vocab_size)
+    out.mkdir(parents=True, exist_ok=True)
+    if overwrite:  # the directory is incomplete until the new manifest is written
+        (out / MANIFEST_FILE).unlink(missing_ok=True)
+    tmp = out / f"{TOKENS_FILE}.{os.getpid()}.tmp"
+    digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
+    start = time.perf_counter()
+    init = (str(tok.path), eod_id, dtype, text_key, [str(f) for f in files])
+    bar, problems, cpu = None, [], 0.0
+    try:
+        with _encoder(workers, init) as encode, open(tmp, "wb") as f:
+            bar = _progress_bar(files, progress)  # after the fork: no thread of it in the workers
+            for data, docs, size, bad, unit_cpu in encode(read_units(files)):
+                problems += bad
+                cpu += unit_cpu
+                if problems:  # the run fails: only look for more problems
+                    continue
+                f.write(data)
+                digest.update(data)
+                tokens += len(data) // np.dtype(TOKEN_DTYPES[dtype]).itemsize
+                documents += docs
+                text_bytes += size
+                if bar is not None:
+                    bar.update(size)
+        if problems:
+            more = len(problems) - MAX_PROBLEMS
+            raise PrepareError(problems[:MAX_PROBLEMS] + ([f"... and {more} more"] if more > 0 else []))
+        os.replace(tmp, out / TOKENS_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
+        if bar is not None:
+            bar.close()
+    seconds = time.perf_counter() - start
+    manifest = Manifest(tokenizer_path=str(tok.path), tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size,
+                        eod_token=eod_name, eod_id=eod_id, dtype=dtype, token_count=tokens,
+                        document_count=documents, text_bytes=text_bytes, text_key=text_key, sources=sources,
+                        tokens_sha256=digest.hexdigest())
+    written = out / f"{MANIFEST_FILE}.{os.getpid()}.tmp"
+    written.write_text(manifest.to_json(), encoding="utf-8")
+    os.replace(written, out / MANIFEST_FILE)
+    return PrepareResult(manifest, False, seconds, workers, cpu)
+
+
+def _existing(out: Path, tok: Tokenizer, eod_id: int, text_key: str, sources: tuple[Source, ...],
+              overwrite: bool) -> Optional[Manifest]:
+    """The manifest of ``out`` when it already holds these inputs tokenised alike (checksum verified); None when
+    there is nothing there (or ``overwrite``); an error when it holds something else."""
+    if overwrite or not (out / MANIFEST_FILE).is_file():
+        if out.exists() and not out.is_dir():
+            raise PrepareError([f"--out {str(out)!r} is a file; give a directory"])
+        return None
+    try:
+        old = read_manifest(out)
+    except PreparedDataError as err:
+        raise PrepareError([f"{err} (or pass --overwrite to replace it)"]) from None
+    fix = "give another --out, or pass --overwrite to replace it"
+    if old.tokenizer_sha256 != tok.sha256:
+        raise PrepareError([f"{out} was prepared with another tokenizer ({old.tokenizer_path}, sha256 "
+                            f"{old.tokenizer_sha256[:12]}) than --tokenizer {tok.path} (sha256 {tok.sha256[:12]}); "
+                            + fix])
+    changes = []
+    if old.eod_id != eod_id:
+        changes.append(f"end-of-document id {old.eod_id} -> {eod_id}")
+    if old.text_key != text_key and any(is_jsonl(Path(s.path)) for s in sources):
+        changes.append(f"--text-key {old.text_key!r} -> {text_key!r}")
+    if old.sources != sources:
+        before, now = {s.path: s for s in old.sources}, {s.path: s for s in sources}
+        changed = [p for p in now if p in before and now[p] != before[p]]
+        added, removed = [p for p in now if p not in before], [p for p in before if p not in now]
+        for what, paths in (("changed since", changed), ("new", added), ("missing", removed)):
+            if paths:
+                changes.append(f"{len(paths)} input file(s) {what}: {', '.join(paths[:3])}"
+                               + (" ..." if len(paths) > 3 else ""))
+        if not changes:
+            changes.append("the input files are given in another order")
+    if changes:
+        raise PrepareError([f"{out} already holds tokens of other inputs ({'; '.join(changes)}); {fix}"])
+    if file_sha256(out / old.tokens_file) != old.tokens_sha256:
+        raise PrepareError([f"{out / old.tokens_file} does not match the checksum in its manifest (changed after "
+                            f"preparation); pass --overwrite to prepare it again"])
+    return old
+
+
+def _progress_bar(files: Sequence[Path], enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    compressed = any(f.name.endswith(".gz") for f in files)  # text bytes of a .gz are unknown until it is read
+    total = None if compressed else sum(f.stat().st_size for f in files)
+    return tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, mininterval=0.5,
+                dynamic_ncols=True)
+
+
+__all__ = ["PrepareError", "PrepareResult", "TokenizerError", "expand_inputs", "prepare", "read_units"]

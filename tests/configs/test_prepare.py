@@ -1,0 +1,156 @@
+"""Bring your data: a tokenizer, ``mgpu-prepare``, then ``mgpu-train data=tokens`` through the command lines, and
+the checks ``mgpu-train`` makes of tokenizers, prepared directories and blends before launch."""
+
+import gzip
+import json
+import subprocess
+
+import pytest
+import torch
+from helpers import TEST_EOD, corpus_text, make_tokenizer
+from test_cli import BIN, composed, read_losses, read_metric
+
+from lightning_mgpu.cli.build import build_datamodule, build_tokenizer, run_tokenizer
+from lightning_mgpu.cli.prepare import main as prepare_main
+from lightning_mgpu.cli.validate import config_problems
+from lightning_mgpu.data.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A folder of two text files and a gzipped JSONL file (80 documents): 300 kB of the built-in corpus."""
+    folder = tmp_path_factory.mktemp("corpus")
+    text = corpus_text(300_000)
+    (folder / "a.txt").write_text(text[:100_000])
+    (folder / "b.txt").write_text(text[100_000:180_000])
+    with gzip.open(folder / "c.jsonl.gz", "wt") as f:
+        for i in range(80):
+            f.write(json.dumps({"text": text[180_000 + i * 1500:180_000 + (i + 1) * 1500]}) + "\n")
+    return folder
+
+
+def prepared(tmp_path, tokenizer_dir, corpus, name="data", *inputs):
+    prepare_main(["--tokenizer", str(tokenizer_dir), "--out", str(tmp_path / name), "--workers", "1",
+                  "--no-progress", *(inputs or [str(corpus / "*")])])
+    return tmp_path / name
+
+
+def test_prepare_then_train_through_the_command_lines(tmp_path, tokenizer_dir, corpus):
+    """Two processes tokenise; one mgpu-train process trains, validates and prints a sample decoded by the
+    tokenizer (a byte decoder yields at most one character per generated token; BPE tokens yield more)."""
+    out = tmp_path / "tokens"
+    prep = subprocess.run([str(BIN / "mgpu-prepare"), "--tokenizer", str(tokenizer_dir), "--out", str(out),
+                           "--workers", "2", str(corpus / "*.txt"), str(corpus / "*.jsonl.gz")],
+                          capture_output=True, text=True, timeout=120)
+    assert prep.returncode == 0, prep.stderr[-3000:]
+    assert "tokens (uint16, vocabulary 512" in prep.stdout and "MB/s per process (2 processes)" in prep.stdout
+    assert "tokenizing" in prep.stderr  # the progress bar
+    run_dir, prompt, new_tokens = tmp_path / "run", "def ", 40
+    train = subprocess.run(
+        [str(BIN / "mgpu-train"), "data=tokens", f"data.path={out}", f"data.tokenizer={tokenizer_dir}", "model=tiny",
+         "model.vocab_size=512", "trainer.devices=1", "trainer.max_steps=4", "data.seq_len=32",
+         "data.global_batch_size=4", "data.micro_batch_size=2", "data.val_batches=2", f"sample.prompt='{prompt}'",
+         f"sample.max_new_tokens={new_tokens}", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-4000:]
+    assert len(read_losses(run_dir / "metrics.csv")) == 4 and len(read_metric(run_dir / "metrics.csv", "val/loss")) == 1
+    sample = train.stdout.split("--- sample after 4 steps ---\n", 1)[1].rsplit("\n---", 1)[0]
+    assert sample.startswith(prompt) and len(sample) > len(prompt) + new_tokens, sample
+
+
+def test_prepare_command_line_refusals_exit_2_and_a_rerun_does_nothing(tmp_path, tokenizer_dir, corpus, capsys):
+    out = prepared(tmp_path, tokenizer_dir, corpus)
+    assert "throughput:" in capsys.readouterr().out
+    prepared(tmp_path, tokenizer_dir, corpus)
+    assert "is up to date: same inputs, same tokenizer" in capsys.readouterr().out
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"content": "no text field"}\n')
+    other = make_tokenizer(tmp_path / "other", vocab_size=300)
+    for argv, fragment in (
+            (["--out", str(tmp_path / "new"), str(bad)], f"{bad}:2: no 'text' field (its fields: content); set "
+                                                          "--text-key"),
+            (["--tokenizer", str(other), str(corpus / "*")], f"{out} was prepared with another tokenizer"),
+            ([str(tmp_path / "none*.txt")], "input '" + str(tmp_path / "none*.txt") + "' matches no file"),
+            (["--eod-token", "<s>", str(corpus / "*")], "end-of-document token '<s>' is not in the vocabulary")):
+        tok = [] if "--tokenizer" in argv else ["--tokenizer", str(tokenizer_dir)]
+        with pytest.raises(SystemExit) as exit_:
+            prepare_main([*tok, "--out", str(out), "--no-progress", *argv])  # a later --out wins
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith("Invalid input:\n  - ") and fragment in err, err
+        assert "Traceback" not in err
+    with pytest.raises(SystemExit) as exit_:
+        prepare_main(["--help"])
+    assert exit_.value.code == 0 and "--text-key" in capsys.readouterr().out
+
+
+def test_vocabulary_is_checked_against_the_tokenizer_before_launch(tmp_path, tokenizer_dir, corpus):
+    """One rule, bytes and tokenizers alike: the data's largest id must fit model.vocab_size."""
+    problems = config_problems(composed(f"data.tokenizer={tokenizer_dir}"))
+    assert f"model.vocab_size=256 is smaller than the 512 token ids of data.tokenizer='{tokenizer_dir}': ids up to " \
+           "511 have no embedding row; set model.vocab_size>=512" in problems
+    assert config_problems(composed(f"data.tokenizer={tokenizer_dir}", "model.vocab_size=512")) == []
+    assert any("model.vocab_size=64 is smaller than the 256 byte tokens of data.source=corpus" in p
+               for p in config_problems(composed("model.vocab_size=64")))
+    out = prepared(tmp_path, tokenizer_dir, corpus)  # the manifest's tokenizer, with no data.tokenizer given
+    problems = config_problems(composed("data=tokens", f"data.path={out}"))
+    assert any("model.vocab_size=256 is smaller than the 512 token ids of the tokenizer" in p for p in problems)
+    other = make_tokenizer(tmp_path / "other", vocab_size=300)
+    problems = config_problems(composed("data=tokens", f"data.path={out}", f"data.tokenizer={other}",
+                                        "model.vocab_size=512"))
+    assert any(f"data.tokenizer='{other}' (sha256 " in p and f"is not the tokenizer {out} was prepared with" in p
+               for p in problems), problems
+
+
+def test_a_hugging_face_directory_brings_its_tokenizer(tmp_path, tokenizer_dir):
+    from lightning_mgpu.checkpoint.hf import to_hf_config
+    from lightning_mgpu.models import LlamaConfig
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps(to_hf_config(LlamaConfig(vocab_size=256))))
+    assert run_tokenizer(composed(f"model.init_from=hf:{hf}")) is None  # no tokenizer.json: bytes
+    (hf / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
+    cfg = composed(f"model.init_from=hf:{hf}")
+    assert run_tokenizer(cfg)[0] == hf / "tokenizer.json"
+    assert build_datamodule(cfg).tokenizer == hf / "tokenizer.json"
+    assert any(f"the vocab_size=256 of model.init_from='hf:{hf}' (its config.json) is smaller than the 512 token ids"
+               f" of the tokenizer of model.init_from" in p and "use the tokenizer that came with the checkpoint" in p
+               for p in config_problems(cfg))
+    assert run_tokenizer(composed(f"model.init_from=hf:{hf}", f"data.tokenizer={tokenizer_dir}"))[0] == tokenizer_dir
+
+
+def test_generated_sample_is_encoded_and_decoded_with_the_tokenizer(tokenizer_dir):
+    from lightning_mgpu.cli.build import build_module
+    from lightning_mgpu.cli.train import generate_sample
+
+    cfg = composed(f"data.tokenizer={tokenizer_dir}", "model.vocab_size=512", "sample.max_new_tokens=12",
+                   "sample.prompt='def __init__(self'")
+    module = build_module(cfg)
+    module.configure_model()
+    tok = Tokenizer(tokenizer_dir)
+    prompt = torch.tensor([tok.encode(cfg.sample.prompt)])
+    ids = module.generate(prompt, 12, temperature=cfg.sample.temperature,
+                          generator=torch.Generator().manual_seed(cfg.seed))[0].tolist()
+    assert generate_sample(module, cfg) == tok.decode(ids) and tok.decode(ids).startswith("def __init__(self")
+    assert len(ids) == len(prompt[0]) + 12 and len(prompt[0]) < len("def __init__(self")
+    assert build_tokenizer(composed()) is None  # bytes by default
+
+
+def test_blend_from_the_command_line(tmp_path, tokenizer_dir, corpus):
+    one = prepared(tmp_path, tokenizer_dir, corpus, "one", str(corpus / "a.txt"))
+    two = prepared(tmp_path, tokenizer_dir, corpus, "two", str(corpus / "c.jsonl.gz"))
+    cfg = composed("data=tokens", f"data.sources=[{{path: {one}, weight: 0.7}}, {{path: {two}, weight: 0.3}}]",
+                   "model.vocab_size=512")
+    assert config_problems(cfg) == []
+    dm = build_datamodule(cfg)
+    assert dm.sources == [(one, 0.7), (two, 0.3)] and dm.tokenizer == tokenizer_dir / "tokenizer.json"
+    assert json.loads((one / "manifest.json").read_text())["eod_token"] == TEST_EOD
+    problems = config_problems(composed("data=tokens", f"data.sources=[{{path: {one}, weight: 0}}, {{weight: 1}}]"))
+    assert any("data.sources[0] (" in p and "weight=0.0 must be a number > 0" in p for p in problems), problems
+    assert "data.sources[1] has no path; give each source as {path: DIR, weight: W}" in problems
