@@ -15,6 +15,7 @@ from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS, read_consolidated
 from lightning_mgpu.checkpoint.hf import save_hf
 from lightning_mgpu.checkpoint.universal import is_universal, read_model_weights
 from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal
+from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.models.llama import LlamaConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,6 +46,7 @@ def _consolidated(checkpoint: Path) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of ``mgpu-export``: refused paths print their problems and exit with status 2."""
+    skip_final_garbage_collection()
     parser = argparse.ArgumentParser(prog="mgpu-export", description=__doc__)
     parser.add_argument("checkpoint", help="a checkpoint directory (universal, or with consolidated weights)")
     parser.add_argument("out", help="output directory (config.json + model.safetensors)")

@@ -17,6 +17,7 @@ from lightning_mgpu.cli.build import build_model_config
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal, plan_problems
+from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
 
 GB = 1e9
@@ -74,6 +75,7 @@ def compose_plan_config(overrides: Sequence[str]) -> DictConfig:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of ``mgpu-plan``: a refused configuration prints its problems and exits with status 2."""
+    skip_final_garbage_collection()
     parser = argparse.ArgumentParser(
         prog="mgpu-plan", description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  mgpu-plan recipe=llama3_70b_8node\n"

@@ -16,6 +16,7 @@ from typing import Sequence
 from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal
 from lightning_mgpu.data.manifest import MANIFEST_FILE
 from lightning_mgpu.data.prepare import PrepareError, PrepareResult, prepare
+from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.data.tokenizer import TokenizerError
 
 
@@ -83,6 +84,7 @@ def run(args: argparse.Namespace) -> PrepareResult:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point of ``mgpu-prepare``: bad inputs print their problems and exit with status 2."""
+    skip_final_garbage_collection()
     args = parser().parse_args(argv)
     exit_on_refusal(lambda: run(args))
 

@@ -26,6 +26,7 @@ from lightning_mgpu.cli.build import (
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.dry_run import dry_run_report
+from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.validate import (
     ConfigError,
     check_run,
@@ -220,6 +221,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 def main() -> None:
     """Console entry point of ``mgpu-train``: a refused configuration prints its problems and exits with status 2."""
+    skip_final_garbage_collection()
     register_configs()
     exit_on_refusal(_hydra_main)
 

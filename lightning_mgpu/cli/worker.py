@@ -12,10 +12,12 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from lightning_mgpu.cli.config import TrainConfig
+from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.train import CONFIG_NAME, train
 
 
 def main(run_dir: str) -> None:
+    skip_final_garbage_collection()
     cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(Path(run_dir) / CONFIG_NAME))
     train(cfg, Path(run_dir), worker=True)
 
