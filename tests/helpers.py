@@ -45,6 +45,18 @@ class Recorder(L.Callback):
         self.grad_norms.append(getattr(trainer.strategy, "last_grad_norm", None))
 
 
+class SaveAtStep(L.Callback):
+    """Writes a checkpoint after optimizer step ``step`` of a longer run, as a periodic checkpoint does: a save/resume
+    test then needs the uninterrupted run and the resumed one only."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 class DtypeProbe(L.Callback):
     """Records the dtype of the engine's parameters and of the first linear layer's output in training: the proof
     that a mixed-precision run really computed in that precision (its losses alone cannot tell)."""
@@ -193,7 +205,8 @@ def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, mo
     """The same training, written as a plain single-process PyTorch loop over whole global batches; with
     ``val_batches``, also the mean loss over that many validation batches after the last step. With ``accumulate``,
     one optimizer step per that many global batches (gradients averaged over them); ``losses`` has one entry per
-    batch and ``grad_norms`` one per optimizer step."""
+    batch and ``grad_norms`` one per optimizer step. A model with ``eod_token_id`` (documents) does not count the
+    target after an end-of-document token: each batch's loss is the mean over the targets it counts."""
     module = LLMModule(model, **(optim or OPTIM), global_batch_size=global_batch)
     module.configure_model()
     opt_cfg = module.configure_optimizers()
@@ -202,7 +215,7 @@ def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, mo
     for i, batch in enumerate(global_batches(token_file, steps * accumulate, global_batch, seq_len, seed,
                                              val_fraction)):
         logits = module.model(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), counted_targets(batch, model).flatten())
         (loss / accumulate).backward()
         losses.append(loss.item())
         if (i + 1) % accumulate:
@@ -215,10 +228,19 @@ def reference(token_file: Path, steps: int = 10, clip: Optional[float] = 0.3, mo
     out = {"losses": losses, "grad_norms": norms}
     if val_batches:
         with torch.no_grad():
-            val = [F.cross_entropy(module.model(b[:, :-1]).flatten(0, 1), b[:, 1:].flatten()).item()
+            val = [F.cross_entropy(module.model(b[:, :-1]).flatten(0, 1), counted_targets(b, model).flatten()).item()
                    for b in global_batches(token_file, val_batches, global_batch, seq_len, seed, val_fraction, True)]
         out["val_loss"] = sum(val) / len(val)
     return out
+
+
+def counted_targets(batch: torch.Tensor, model: LlamaConfig) -> torch.Tensor:
+    """The next-token targets of ``batch``; with documents (``model.eod_token_id``) the target after each
+    end-of-document input is -100, which ``F.cross_entropy`` skips (written here independently of LLMModule)."""
+    targets = batch[:, 1:]
+    if model.eod_token_id is None:
+        return targets
+    return targets.masked_fill(batch[:, :-1] == model.eod_token_id, -100)
 
 
 def max_abs_diff(a: list, b: list) -> float:
@@ -260,3 +282,19 @@ def make_tokenizer(directory: Path, vocab_size: int = 512, n_bytes: int = 300_00
     directory.mkdir(parents=True, exist_ok=True)
     tok.save(str(directory / "tokenizer.json"))
     return directory
+
+
+def make_document_token_file(directory: Path, eod: int, n_tokens: int = 20_000, seed: int = 0,
+                             lengths: tuple[int, int] = (3, 24)) -> Path:
+    """A packed stream of documents as mgpu-prepare writes one: :func:`make_token_file`'s stream with ids below
+    ``eod``, cut into documents of ``lengths[0]``-``lengths[1]`` tokens, each ended by ``eod``; ``documents.u16``."""
+    rng = np.random.default_rng(seed)
+    pattern = rng.integers(0, eod, size=97)
+    tokens = np.tile(pattern, n_tokens // len(pattern) + 1)[:n_tokens]
+    noise = rng.random(n_tokens) < 0.1
+    tokens[noise] = rng.integers(0, eod, size=int(noise.sum()))
+    ends = np.cumsum(rng.integers(lengths[0], lengths[1] + 1, size=n_tokens // lengths[0]))
+    tokens[ends[ends < n_tokens]] = eod
+    path = Path(directory) / "documents.u16"
+    tokens.astype(np.uint16).tofile(path)
+    return path
