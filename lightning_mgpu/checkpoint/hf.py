@@ -120,6 +120,27 @@ def load_hf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return cfg, state
 
 
+#: Tensors some Hugging Face checkpoints hold that are not weights (rotary tables, computed from the config).
+_NOT_WEIGHTS = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def completeness_problems(keys, cfg: LlamaConfig) -> list[str]:
+    """Every tensor the model needs that ``keys`` (a checkpoint's tensor names) lacks, and every tensor it holds that
+    the model has no place for: all at once, before any rank reads a slice. Each rank reads only its own slices, so a
+    checkpoint with an extra layer or a missing one would otherwise load without a word on the ranks that skip it."""
+    from lightning_mgpu.models.llama import Llama
+
+    with torch.device("meta"):
+        needed = {to_hf_name(name) for name, _ in Llama(cfg).named_parameters()}
+    if cfg.tie_embeddings:
+        needed.discard(to_hf_name("output.weight"))
+    present = {key for key in keys if not _NOT_WEIGHTS.fullmatch(key)}
+    problems = [f"missing {key}" for key in sorted(needed - present)]
+    problems += [f"unexpected {key} (the model has no such parameter)" for key in sorted(present - needed)
+                 if not (cfg.tie_embeddings and key == to_hf_name("output.weight"))]
+    return problems
+
+
 class HFWeights:
     """Reads slices of a Hugging Face Llama directory's tensors by our parameter names, without loading the rest: a
     rank reads only its shard (safetensors slices are read from the memory-mapped file)."""
@@ -133,6 +154,10 @@ class HFWeights:
         for f in sorted(self.path.glob("*.safetensors")):
             handle = safe_open(str(f), framework="pt")
             self._files.update({key: handle for key in handle.keys()})
+        problems = completeness_problems(self._files, self.config)
+        if problems:
+            raise ValueError(f"{self.path} does not fit the model its config.json describes:\n" +
+                             "\n".join(f"  - {p}" for p in problems))
 
     def read(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of our parameter ``name`` (the output head falls back to the embedding when tied)."""

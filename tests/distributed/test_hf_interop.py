@@ -99,6 +99,27 @@ def test_mismatched_shapes_are_named(tmp_path):
         load_into(other, state)
 
 
+def test_a_checkpoint_with_extra_or_missing_tensors_is_refused_before_any_slice_is_read(tmp_path):
+    """Each rank reads only its slices, so a checkpoint from a deeper model (an extra layer) or a shallower one would
+    otherwise load silently on the ranks that never touch the difference: both are named at once when it is opened."""
+    from safetensors.torch import save_file
+
+    from lightning_mgpu.checkpoint.hf import HFWeights
+
+    tiny_hf(tmp_path / "hf", tied=False)
+    state = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    deeper = {k.replace("layers.1.", "layers.2."): v.clone() for k, v in state.items() if ".layers.1." in k}
+    extra = dict(state, **deeper)
+    del extra["model.layers.0.mlp.up_proj.weight"]
+    extra["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # older checkpoints hold it: not a weight
+    save_file(extra, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(ValueError) as refused:
+        HFWeights(tmp_path / "hf")
+    message = str(refused.value)
+    assert "missing model.layers.0.mlp.up_proj.weight" in message
+    assert message.count("unexpected model.layers.2.") == 9 and "inv_freq" not in message
+
+
 # ----------------------------------------------------------------- mgpu-train model.init_from=hf:PATH, then mgpu-export
 @pytest.fixture(scope="module")
 def cli_run(token_file, tmp_path_factory):
