@@ -43,12 +43,22 @@ def scaled_lr(lr: float, rule: Optional[str], global_batch_size: Optional[int], 
     return lr * (ratio if rule == "linear" else math.sqrt(ratio))
 
 
+#: The target id that the loss skips (PyTorch's default ``ignore_index``).
+IGNORE_INDEX = -100
+
+
 class LLMModule(L.LightningModule):
     """Next-token prediction on batches of token windows ``[batch, seq_len + 1]``.
 
     ``training_step`` returns the mean loss of one (micro-)batch. With :class:`MGPUStrategy` the
     strategy runs the micro-batches of a global batch and hands ``on_train_batch_end`` the loss averaged
     over the whole global batch, which is what ``train/loss`` logs.
+
+    Packed documents: a model config with ``eod_token_id`` (``LlamaConfig(..., eod_token_id=ID)``) keeps attention
+    within documents and restarts positions (see :class:`LlamaConfig`), and the loss skips the target that follows
+    an end-of-document token (the first token of the next document cannot be predicted from the previous one:
+    Megatron's ``eod_mask_loss``). The loss is then the mean over the counted targets of the whole global batch, as
+    if one process computed it at once; :meth:`_tokens_per_microbatch` says how micro-batches and replicas get there.
     """
 
     def __init__(self, model: LlamaConfig | dict | str = "tiny", lr: float = 3e-3, weight_decay: float = 0.1,
@@ -74,6 +84,7 @@ class LLMModule(L.LightningModule):
         self._hf_weights: Optional[HFWeights] = None
         self.val_nll = MeanMetric()  # token-weighted mean loss; val/ppl = exp of it
         self.tokens_seen = 0
+        self._loss_tokens: Optional[torch.Tensor] = None  # counted targets per micro-batch of the current batch
 
     def configure_model(self) -> None:
         """Build the model. Initial weights depend only on ``init_seed`` and each parameter's name. Under MGPUStrategy
@@ -115,13 +126,26 @@ class LLMModule(L.LightningModule):
         return self.model
 
     def pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first stage's input, last stage's target) of a batch."""
-        return batch[:, :-1], batch[:, 1:]
+        """(first stage's input, last stage's target) of a batch. With documents, the target after each
+        end-of-document input is :data:`IGNORE_INDEX`: marking it in the target is what lets the last pipeline stage,
+        which never sees the input tokens, skip it."""
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        eod = self.config.eod_token_id
+        if eod is not None:
+            targets = targets.masked_fill(inputs == eod, IGNORE_INDEX)
+        return inputs, targets
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean loss of one micro-batch on the last stage."""
+        """Mean loss of one micro-batch on the last stage (with documents: its part of the global batch's mean)."""
         head = next(stage.output for stage in self.model.values() if stage.output is not None)
-        return cross_entropy(logits, targets, head=head)
+        return self._loss(logits, targets, head)
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
+        if self.config.eod_token_id is None:
+            return cross_entropy(logits, targets, head=head)
+        total = cross_entropy(logits, targets, head=head, ignore_index=IGNORE_INDEX, reduction="sum")
+        counted = self._loss_tokens if self._loss_tokens is not None else _counted(targets).clamp(min=1)
+        return total / counted
 
     def _pipeline(self):
         return getattr(self._trainer.strategy, "pipeline", None) if self._trainer is not None else None
@@ -136,8 +160,8 @@ class LLMModule(L.LightningModule):
         pipeline = self._pipeline()
         if pipeline is not None:
             return pipeline.evaluate(*self.pipeline_batch(batch))
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        return cross_entropy(self(inputs), targets, head=self.model.output)
+        inputs, targets = self.pipeline_batch(batch)
+        return self._loss(self(inputs), targets, self.model.output)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
@@ -163,8 +187,35 @@ class LLMModule(L.LightningModule):
         replicas = layout.size("dp") if layout is not None else self.trainer.world_size
         global_batch = self.hparams.global_batch_size or batch.shape[0] * replicas
         self.tokens_seen += global_batch * (batch.shape[-1] - 1)
+        if self.config.eod_token_id is not None:
+            self._loss_tokens = self._tokens_per_microbatch(batch, training=True)
+
+    def _tokens_per_microbatch(self, batch: torch.Tensor, training: bool) -> torch.Tensor:
+        """What each micro-batch divides its summed loss by: the counted targets of the whole global batch (this
+        rank's batch summed over the data-parallel replicas) over the number of parts the strategy averages with equal
+        weights, ``micro-batches x replicas``.
+
+        MGPUStrategy weighs every micro-batch's loss and every replica's mean equally (the engine scales each backward
+        by 1 / micro-batches and averages gradients over replicas; the logged loss is the same mean), so each part
+        contributing ``its sum / this`` makes the loss and the gradients those of one process computing
+        ``sum / counted`` over the global batch, whatever the layout and however the counted targets fall into
+        micro-batches. Evaluation does the same over the pipeline's micro-batches (one part without a pipeline);
+        ``val/loss``, averaged over replicas, is then each global batch's mean over its counted targets."""
+        counted = _counted(self.pipeline_batch(batch)[1])
+        strategy, pipeline = self.trainer.strategy, self._pipeline()
+        layout = getattr(strategy, "layout", None)
+        replicas = layout.size("dp") if layout is not None else self.trainer.world_size
+        if replicas > 1:  # tensor and pipeline ranks of a replica share its batch: sum over replicas only
+            counted = strategy.reduce(counted, group=layout.group("dp") if layout is not None else None,
+                                      reduce_op="sum")
+        if training:
+            micro = getattr(strategy, "num_microbatches", 1) if self.automatic_optimization else 1
+        else:
+            micro = pipeline.n_microbatches if pipeline is not None else 1
+        return counted.clamp(min=1) / (micro * replicas)  # a batch of only skipped targets: 0 / 1
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        self._loss_tokens = None  # a later direct call of loss() averages over its own batch
         loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().float()
         loss = loss * self.trainer.accumulate_grad_batches  # Lightning divides it by accumulate_grad_batches
         self.log("train/loss", loss, prog_bar=True, on_step=True)
@@ -181,9 +232,20 @@ class LLMModule(L.LightningModule):
         """Model training FLOPs per token at ``seq_len`` (for MFU; see ``lightning_mgpu.callbacks``)."""
         return model_flops_per_token(self.config, seq_len)
 
+    def on_validation_batch_start(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.config.eod_token_id is not None:
+            self._loss_tokens = self._tokens_per_microbatch(batch, training=False)
+
+    def on_validation_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        self._loss_tokens = None
+
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         loss = self.loss(batch)
-        self.val_nll.update(loss.detach().float(), weight=batch[:, 1:].numel())
+        # With documents each rank's loss is its share of the global batch's mean (see _tokens_per_microbatch):
+        # equal weights give that mean, as the default's equal token counts do.
+        weight = batch[:, 1:].numel() if self.config.eod_token_id is None else 1.0
+        self.val_nll.update(loss.detach().float(), weight=weight)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
@@ -206,3 +268,8 @@ class LLMModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+
+
+def _counted(targets: torch.Tensor) -> torch.Tensor:
+    """How many targets the loss counts, as a float tensor."""
+    return (targets != IGNORE_INDEX).sum().float()

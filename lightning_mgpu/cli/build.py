@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -20,17 +21,26 @@ _MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "v
 
 
 def build_model_config(cfg: DictConfig) -> LlamaConfig:
+    """The model of ``cfg``; with ``data.document_mask`` it carries the data's end-of-document id
+    (``LlamaConfig.eod_token_id``), which is what turns the document mask on in the model, the loss and the planner.
+    Left without one where the data has none, or an id the vocabulary lacks: validation refuses such a run before it
+    starts (``document_mask_problems``, ``vocabulary_problems``), naming the data rather than this field."""
     if cfg.model.init_from:  # the checkpoint's shape, whatever model.name says
         import json
-        from dataclasses import replace
 
         from lightning_mgpu.checkpoint.hf import from_hf_config, hf_path
 
         hf = json.loads((hf_path(cfg.model.init_from) / "config.json").read_text())
-        return replace(from_hf_config(hf), activation_checkpointing=cfg.model.activation_checkpointing)
-    overrides = {k: cfg.model[k] for k in _MODEL_OVERRIDES if cfg.model[k] is not None}
-    return LlamaConfig.from_name(cfg.model.name, activation_checkpointing=cfg.model.activation_checkpointing,
-                                 **overrides)
+        model = replace(from_hf_config(hf), activation_checkpointing=cfg.model.activation_checkpointing)
+    else:
+        overrides = {k: cfg.model[k] for k in _MODEL_OVERRIDES if cfg.model[k] is not None}
+        model = LlamaConfig.from_name(cfg.model.name, activation_checkpointing=cfg.model.activation_checkpointing,
+                                      **overrides)
+    if cfg.data.get("document_mask"):  # .get: a schema without the key reads as false
+        eod = run_eod_token_id(cfg)[0]
+        if eod is not None and eod < model.vocab_size:
+            model = replace(model, eod_token_id=eod)
+    return model
 
 
 def data_sources(cfg: DictConfig) -> list[tuple[str, float]]:
@@ -81,6 +91,35 @@ def run_tokenizer(cfg: DictConfig) -> Optional[tuple[Path, str]]:
             return recorded, f"the tokenizer {path} was prepared with ({recorded})"
         return None
     return None
+
+
+def run_eod_token_id(cfg: DictConfig) -> tuple[Optional[int], str]:
+    """(the id that ends every document in the run's tokens, where it comes from), or (None, why the data has none).
+
+    A prepared directory's manifest records the id mgpu-prepare appended (every prepared source of a run must have
+    the same one); otherwise the run's tokenizer's end-of-document token, which the data modules' own preparation of
+    ``data=corpus``/``data=text`` appends (for a flat token file it is taken on trust). Byte tokens mark no document
+    ends."""
+    from lightning_mgpu.data.manifest import PreparedDataError, is_prepared, read_manifest
+    from lightning_mgpu.data.tokenizer import Tokenizer, TokenizerError
+
+    for path in token_paths(cfg):
+        if is_prepared(path):
+            try:
+                manifest = read_manifest(path)
+            except PreparedDataError as err:
+                return None, str(err)
+            return manifest.eod_id, f"the manifest of {path} ({manifest.eod_token!r})"
+    found = run_tokenizer(cfg)
+    if found is None:
+        if cfg.data.source == "tokens":
+            return None, "a flat token file records no end-of-document id and no tokenizer is given"
+        return None, f"data.source={cfg.data.source} without a tokenizer gives byte tokens, which mark no document ends"
+    try:
+        token, eod = Tokenizer(found[0]).eod_token()
+    except TokenizerError as err:
+        return None, f"{found[1]}: {err}"
+    return eod, f"{found[1]} ({token!r})"
 
 
 def build_tokenizer(cfg: DictConfig):

@@ -58,6 +58,9 @@ class DataConfig:
     cache: Optional[str] = None  #: directory of derived token files (default ~/.cache/lightning_mgpu)
     tokenizer: Optional[str] = None  #: tokenizer.json or a directory with one; null = bytes (or model.init_from's)
     sources: List[SourceConfig] = field(default_factory=list)  #: data=tokens blend: [{path: DIR, weight: 0.7}, ...]
+    #: attention within each document of a packed sample, positions restarting per document, no loss on the token
+    #: after an end-of-document token; needs tokens with one (mgpu-prepare's, or a tokenizer's): not bytes
+    document_mask: bool = False
 
 
 @dataclass

@@ -19,6 +19,7 @@ from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal, plan_problems
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
+from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
 
 GB = 1e9
 
@@ -55,6 +56,7 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
             f"{t.pipeline_p2p:6.2f} {t.data_parallel:6.2f} {t.total:7.2f} | {t.tokens_per_second_per_gpu:9.0f} "
             f"{t.mfu:5.1%}")
     lines += ["", "memory in GB per GPU; time in seconds per optimizer step"]
+    lines += configured_layout_lines(cfg, model, cluster, precision, rows)
     if fitting:
         lines += ["", "best layouts:"]
         kept = [o for o in overrides if not o.startswith(("parallel.", "data.micro_batch_size",
@@ -65,6 +67,32 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     else:
         lines += ["", "no layout fits: use more GPUs, a shorter sequence or a smaller global batch"]
     return "\n".join(lines)
+
+
+def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precision: str, rows: list) -> list[str]:
+    """The layout the config itself asks for (a recipe's own ``virtual_pipeline_size=5``, its schedule, sequence
+    parallelism), evaluated like the table's rows: whether it fits, and where it ranks among the fitting ones."""
+    p = cfg.parallel
+    world = cluster.world_size
+    if world % (p.tensor_parallel_size * p.pipeline_parallel_size):
+        return ["", f"this configuration: tp {p.tensor_parallel_size} x pp {p.pipeline_parallel_size} does not divide "
+                    f"{world} GPUs"]
+    mine = Candidate(p.tensor_parallel_size, p.pipeline_parallel_size,
+                     world // (p.tensor_parallel_size * p.pipeline_parallel_size), p.zero_stage,
+                     cfg.data.micro_batch_size, p.virtual_pipeline_size, cfg.model.activation_checkpointing == "full",
+                     p.pipeline_schedule, p.sequence_parallel)
+    row = evaluate(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, mine, precision, cfg.plan.achievable)
+    m, t = row.memory, row.time
+    fitting = [r for r in rows if r.fits]
+    faster = sum(1 for r in fitting if r.time.total < t.total)
+    verdict = (f"fits; {faster} of the {len(fitting)} fitting layouts above are faster" if row.fits else
+               f"does not fit in {USABLE_MEMORY:.0%} of {cluster.gpu.memory_bytes / GB:.0f} GB")
+    return ["", f"this configuration: tp {mine.tp} x pp {mine.pp} (V {mine.virtual}, {mine.schedule}) x dp {mine.dp}, "
+                f"ZeRO-{mine.zero_stage}, micro-batch {mine.micro_batch}, "
+                f"{'full recompute' if mine.recompute else 'no recompute'}"
+                f"{', sequence parallel' if mine.sequence_parallel and mine.tp > 1 else ''}: "
+                f"{m.total / GB:.1f} GB per GPU ({m.activations / GB:.1f} activations), step {t.total:.2f} s, "
+                f"MFU {t.mfu:.1%}; {verdict}"]
 
 
 def compose_plan_config(overrides: Sequence[str]) -> DictConfig:

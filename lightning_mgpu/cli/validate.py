@@ -107,7 +107,7 @@ def data_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:
     if not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (exclusive), e.g. 0.01")
     vocabularies, problems = data_vocabularies(cfg)
-    out += problems
+    out += problems + document_mask_problems(cfg)
     if model is not None:
         if vocabularies:  # the largest one: every id of the data must have an embedding row
             out += vocabulary_problems(cfg, model, *max(vocabularies))
@@ -143,6 +143,34 @@ def token_source_problems(cfg: DictConfig) -> list[str]:
             continue
         out += _token_path_problems(f"{key}.path", path)
         out += weight_problems([weight], [f"{key} ({path})"])
+    return out
+
+
+def document_mask_problems(cfg: DictConfig) -> list[str]:
+    """``data.document_mask=true`` needs tokens with an end-of-document id (a prepared directory's manifest, or a
+    tokenizer that has one; not bytes), the same in every prepared source."""
+    if not cfg.data.get("document_mask"):
+        return []
+    from lightning_mgpu.cli.build import run_eod_token_id, token_paths
+    from lightning_mgpu.data.manifest import PreparedDataError, is_prepared, read_manifest
+
+    eod, origin = run_eod_token_id(cfg)
+    if eod is None:
+        return [f"data.document_mask=true needs tokens that end every document with an end-of-document id, but "
+                f"{origin}; prepare the data with mgpu-prepare (data=tokens data.path=DIR), or give "
+                "data.tokenizer=PATH of a tokenizer with an end-of-document token, or set data.document_mask=false"]
+    out = []
+    for path in token_paths(cfg):
+        if not is_prepared(path):
+            continue
+        try:
+            manifest = read_manifest(path)
+        except PreparedDataError:  # named by token_source_problems
+            continue
+        if manifest.eod_id != eod:
+            out.append(f"data.document_mask=true: {path} ends documents with id {manifest.eod_id} "
+                       f"({manifest.eod_token!r}), but {origin} says {eod}; prepare every source with the same "
+                       "--eod-token")
     return out
 
 

@@ -33,6 +33,10 @@ class LlamaConfig:
     tie_embeddings: bool = False
     activation_checkpointing: Literal["none", "full"] = "none"
     init_std: float = 0.02
+    #: The token that ends a document in packed samples, or None. When set, attention stays within each document of
+    #: a sample and rotary positions restart at 0 after every such token (a document ends *after* it). The model
+    #: finds the documents in its input tokens, so batches need no extra tensor and every data source works.
+    eod_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -47,6 +51,9 @@ class LlamaConfig:
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.eod_token_id is not None and not 0 <= self.eod_token_id < self.vocab_size:
+            problems.append(f"eod_token_id={self.eod_token_id} is not a token id of vocab_size={self.vocab_size}; "
+                            f"give an id in [0, {self.vocab_size}) or None (no document masking)")
         if problems:
             raise ValueError("Invalid LlamaConfig:\n" + "\n".join(f"  - {p}" for p in problems))
 
@@ -104,10 +111,48 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [batch, heads, seq, head_dim] (the Hugging Face convention)."""
+    """Rotate pairs (x[..., :d/2], x[..., d/2:]) of x [batch, heads, seq, head_dim] (the Hugging Face convention).
+
+    ``cos``/``sin`` are ``[seq, head_dim // 2]`` (positions 0, 1, ...) or ``[batch, 1, seq, head_dim // 2]`` (each
+    token's own position, see :func:`document_inputs`)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+def document_positions(tokens: torch.Tensor, eod_token_id: int) -> torch.Tensor:
+    """Each token's position in its document, ``[batch, seq]`` int64: 0 at the start of the sample and on the token
+    after every ``eod_token_id`` (the end-of-document token belongs to the document it ends).
+
+    Positions are what the model passes between pipeline stages: they give both the rotary angles and the documents
+    (token ``i``'s document starts at ``i - position[i]``)."""
+    b, s = tokens.shape
+    index = torch.arange(s, device=tokens.device).expand(b, s)
+    starts = torch.zeros_like(index)
+    starts[:, 1:] = torch.where(tokens[:, :-1] == eod_token_id, index[:, 1:], 0)
+    return index - starts.cummax(dim=1).values
+
+
+def document_inputs(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(cos, sin, attention bias) of packed documents for every block, from :func:`document_positions`.
+
+    The rotary tables are gathered at each token's position (``[batch, 1, seq, head_dim // 2]``). The bias is
+    block-diagonal causal, ``[batch, 1, seq, seq]``: 0 where query ``i`` may see key ``j`` (same document, ``j <= i``),
+    ``-inf`` elsewhere. It is an additive bias in the activations' dtype rather than a boolean mask because
+    ``scaled_dot_product_attention`` converts a boolean mask into a new bias of that kind on every call and saves the
+    copy for backward, one per block; a bias given in that dtype is saved as it is, so all blocks of a forward share
+    one (measured on CPU, torch 2.13). Every row allows its diagonal, so no row is all ``-inf``.
+    """
+    s = positions.shape[1]
+    index = torch.arange(s, device=positions.device)
+    first = (index - positions).unsqueeze(-1)  # [b, s, 1]: where query i's document starts
+    allowed = (index <= index.unsqueeze(-1)) & (index >= first)  # [b, s, s]: first[i] <= j <= i
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, float("-inf"))
+    # Real positions are below max_seq_len (the tables' length) already. The clamp is for a pipeline stage run on
+    # uninitialised tensors, as torch.distributed.pipelining does once to infer its output shapes.
+    rows = positions.clamp(0, cos.shape[0] - 1)
+    return cos[rows].unsqueeze(1), sin[rows].unsqueeze(1), bias.unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -122,17 +167,24 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Causal attention; with ``bias`` (and per-token ``cos``/``sin``, see :func:`document_inputs`) within
+        documents."""
         b, s, _ = x.shape
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        cos, sin = cos[: q.shape[2]], sin[: q.shape[2]]  # tables may be longer than this sequence
+        if bias is None:
+            cos, sin = cos[: q.shape[2]], sin[: q.shape[2]]  # tables may be longer than this sequence
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if k.shape[1] != q.shape[1]:
             rep = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if bias is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))  # no copy if equal
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -157,18 +209,27 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, bias)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, activation_checkpointing: str) -> torch.Tensor:
-    """Apply transformer blocks in order, recomputing each in backward when ``activation_checkpointing="full"``."""
+def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, activation_checkpointing: str,
+               positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Apply transformer blocks in order, recomputing each in backward when ``activation_checkpointing="full"``.
+
+    With ``positions`` (:func:`document_positions`) attention stays within documents: the per-token rotary tables and
+    the bias are made once here and shared by every block."""
+    bias = None
+    if positions is not None:
+        cos, sin, bias = document_inputs(positions, cos, sin, x.dtype)
+    extra = () if bias is None else (bias,)  # the default path calls blocks exactly as before
     for layer in layers:
         if activation_checkpointing == "full" and layer.training and torch.is_grad_enabled():
-            x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            x = checkpoint(layer, x, cos, sin, *extra, use_reentrant=False)
         else:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, *extra)
     return x
 
 
@@ -222,8 +283,10 @@ class Llama(nn.Module):
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
+        eod = self.config.eod_token_id
+        positions = None if eod is None else document_positions(tokens, eod)
         return self.output(self.norm(run_layers(self.layers, self.tok_embeddings(tokens), self.rope_cos,
-                                                self.rope_sin, self.config.activation_checkpointing)))
+                                                self.rope_sin, self.config.activation_checkpointing, positions)))
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,

@@ -8,12 +8,12 @@ blocks; the first stage also holds the embedding, the last the final norm and th
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from lightning_mgpu.models.llama import Llama, run_layers
+from lightning_mgpu.models.llama import Llama, document_positions, run_layers
 
 #: Module name pattern -> tensor-parallel style (see ``lightning_mgpu.parallel.plan``).
 LLAMA_TP_PLAN: dict[str, str] = {
@@ -39,7 +39,14 @@ def llama_tp_plan(prefix: str = "") -> dict[str, str]:
 
 class LlamaStage(nn.Module):
     """Blocks ``[start, end)`` of a :class:`Llama`, sharing its modules; tokens in on the first stage, logits out
-    of the last, hidden states ``[batch, seq, dim]`` in between."""
+    of the last, hidden states ``[batch, seq, dim]`` in between.
+
+    With documents (``LlamaConfig.eod_token_id``) only the first stage sees the tokens, so a stage that is not the
+    last hands on ``(hidden states, positions)``: the int64 positions of :func:`document_positions`, from which the
+    next stage makes its rotary tables and attention bias. ``torch.distributed.pipelining`` sends every tensor a stage
+    returns and passes them to the next stage as its arguments; integer tensors get no gradient.
+    Positions rather than the ``[batch, 1, seq, seq]`` bias are sent: ``seq`` times fewer elements.
+    """
 
     def __init__(self, model: Llama, start: int, end: int) -> None:
         super().__init__()
@@ -51,12 +58,19 @@ class LlamaStage(nn.Module):
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.activation_checkpointing = model.config.activation_checkpointing
+        self.eod_token_id = model.config.eod_token_id
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if self.tok_embeddings is not None:
+            if self.eod_token_id is not None:
+                positions = document_positions(x, self.eod_token_id)
             x = self.tok_embeddings(x)
-        x = run_layers(self.layers.values(), x, self.rope_cos, self.rope_sin, self.activation_checkpointing)
-        return self.output(self.norm(x)) if self.output is not None else x
+        x = run_layers(self.layers.values(), x, self.rope_cos, self.rope_sin, self.activation_checkpointing,
+                       positions)
+        if self.output is not None:
+            return self.output(self.norm(x))
+        return x if positions is None else (x, positions)
 
 
 def balanced_boundaries(n_layers: int, num_stages: int) -> list[int]:

@@ -7,7 +7,7 @@ row-wise max, then the target logit and the sum of exponentials packed together)
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,17 +58,23 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, voc
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, head: Optional[nn.Module] = None,
-                  ignore_index: int = -100) -> torch.Tensor:
-    """Mean next-token loss of ``logits [..., vocab]`` against ``target [...]``, for a whole or sharded head.
+                  ignore_index: int = -100, reduction: Literal["mean", "sum"] = "mean") -> torch.Tensor:
+    """Next-token loss of ``logits [..., vocab]`` against ``target [...]``, for a whole or sharded head: the mean
+    over the targets that are not ``ignore_index`` (``reduction="mean"``), or their sum (``"sum"``, for a caller that
+    divides by a count over more than these logits, e.g. a whole global batch).
 
     Pass the module that produced the logits as ``head``: when a tensor-parallel plan has turned it into
     a :class:`VocabParallelOutput`, the loss is computed over the shards; otherwise this is
     ``F.cross_entropy``. The same training step thus runs with and without tensor parallelism.
     """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r} is not supported; choose 'mean' or 'sum'")
     logits, target = logits.flatten(0, -2), target.flatten()
     if not isinstance(head, VocabParallelOutput):
-        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index)
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore_index, reduction=reduction)
     losses = vocab_parallel_cross_entropy(logits, target, head.vocab_start, head.group, ignore_index)
+    if reduction == "sum":
+        return losses.sum()
     return losses.sum() / (target != ignore_index).sum().clamp(min=1)
 
 

@@ -22,6 +22,14 @@ in Large Transformer Models", with the attention-score term ``5as/h`` dropped be
 sequence parallelism) for a block whose forward is recomputed (only its input is kept). With pipeline
 parallelism the first stage holds ``P`` micro-batches in flight under 1F1B (``P (1 + (P - 1) / (P V))`` with
 ``V`` interleaved stages per rank). The head's fp32 logits and their bf16 copy add ``6 s b V / t``.
+
+Packed documents (``LlamaConfig.eod_token_id``) add, per micro-batch and stage chunk in flight (not per block), the
+``[b, 1, s, s]`` attention bias in the activations' dtype and the per-token rotary tables (cos and sin, fp32,
+``4 b s d_head`` bytes): every block of a chunk shares them, and ``scaled_dot_product_attention`` saves a bias of the
+query's dtype as it is. Measured with saved-tensor hooks on this Llama (fp32, CPU, torch 2.13): masked minus
+unmasked saved bytes are exactly ``4 b s^2 + 4 b s d_head`` at 2 and 4 blocks alike
+(tests/unit/test_packed_documents.py). Neither is split by tensor or sequence parallelism: attention sees whole
+sequences.
 """
 
 from __future__ import annotations
@@ -87,7 +95,19 @@ def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, 
     blocks_per_rank = -(-cfg.n_layers // pp)
     in_flight = 1.0 if pp == 1 else pp * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else float(pp)
     logits = 6 * s * b * cfg.vocab_size / tp
-    return per_block * blocks_per_rank * in_flight + working + logits
+    # in_flight counts whole ranks' activations; a rank holds `virtual` chunks, each with its own document bias
+    documents = document_mask_bytes(cfg, s, b) * in_flight * virtual
+    return per_block * blocks_per_rank * in_flight + working + logits + documents
+
+
+def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, element_bytes: int = 2) -> float:
+    """Bytes one stage chunk keeps for backward per micro-batch for packed documents: the ``[b, 1, s, s]`` attention
+    bias of ``element_bytes`` per element (2: the bf16 activations the formulas above are written for) and the fp32
+    per-token rotary tables; 0 without ``eod_token_id``."""
+    if cfg.eod_token_id is None:
+        return 0.0
+    s, b = seq_len, micro_batch
+    return element_bytes * b * s * s + 4 * b * s * cfg.head_dim
 
 
 def estimate_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, dp: int, zero_stage: int,

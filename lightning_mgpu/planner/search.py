@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
 from lightning_mgpu.layout import ModelShape, divisors, layout_problems
 from lightning_mgpu.models.llama import LlamaConfig
@@ -26,14 +26,19 @@ class Candidate:
     micro_batch: int
     virtual: int = 1
     recompute: bool = False
+    #: The schedule and sequence parallelism of a configured layout; the search leaves them to its defaults.
+    pipeline_schedule: Optional[str] = None
+    sequence_parallel_on: Optional[bool] = None
 
     @property
     def schedule(self) -> str:
+        if self.pipeline_schedule is not None:
+            return self.pipeline_schedule
         return "interleaved_1f1b" if self.virtual > 1 else "1f1b"
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.tp > 1
+        return self.tp > 1 if self.sequence_parallel_on is None else self.sequence_parallel_on
 
     def overrides(self) -> list[str]:
         """The ``mgpu-train`` overrides that select this layout."""

@@ -41,8 +41,9 @@ def prepared(tmp_path, tokenizer_dir, corpus, name="data", *inputs):
 
 
 def test_prepare_then_train_through_the_command_lines(tmp_path, tokenizer_dir, corpus):
-    """Two processes tokenise; one mgpu-train process trains, validates and prints a sample decoded by the
-    tokenizer (a byte decoder yields at most one character per generated token; BPE tokens yield more)."""
+    """Two processes tokenise; one mgpu-train process trains with the document mask (from the manifest's
+    end-of-document id), validates and prints a sample decoded by the tokenizer (a byte decoder yields at most one
+    character per generated token; BPE tokens yield more)."""
     out = tmp_path / "tokens"
     prep = subprocess.run([str(BIN / "mgpu-prepare"), "--tokenizer", str(tokenizer_dir), "--out", str(out),
                            "--workers", "2", str(corpus / "*.txt"), str(corpus / "*.jsonl.gz")],
@@ -53,8 +54,9 @@ def test_prepare_then_train_through_the_command_lines(tmp_path, tokenizer_dir, c
     run_dir, prompt, new_tokens = tmp_path / "run", "def ", 40
     train = subprocess.run(
         [str(BIN / "mgpu-train"), "data=tokens", f"data.path={out}", f"data.tokenizer={tokenizer_dir}", "model=tiny",
-         "model.vocab_size=512", "trainer.devices=1", "trainer.max_steps=4", "data.seq_len=32",
-         "data.global_batch_size=4", "data.micro_batch_size=2", "data.val_batches=2", f"sample.prompt='{prompt}'",
+         "model.vocab_size=512", "data.document_mask=true", "trainer.devices=1", "trainer.max_steps=4",
+         "data.seq_len=32", "data.global_batch_size=4", "data.micro_batch_size=2", "data.val_batches=2",
+         f"sample.prompt='{prompt}'",
          f"sample.max_new_tokens={new_tokens}", "trainer.enable_progress_bar=false",
          "trainer.enable_model_summary=false", f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, capture_output=True, text=True, timeout=240)
@@ -62,6 +64,8 @@ def test_prepare_then_train_through_the_command_lines(tmp_path, tokenizer_dir, c
     assert len(read_losses(run_dir / "metrics.csv")) == 4 and len(read_metric(run_dir / "metrics.csv", "val/loss")) == 1
     sample = train.stdout.split("--- sample after 4 steps ---\n", 1)[1].rsplit("\n---", 1)[0]
     assert sample.startswith(prompt) and len(sample) > len(prompt) + new_tokens, sample
+    eod = json.loads((out / "manifest.json").read_text())["eod_id"]
+    assert f"eod_token_id: {eod}\n" in (run_dir / "hparams.yaml").read_text()  # the model that trained masked
 
 
 def test_prepare_command_line_refusals_exit_2_and_a_rerun_does_nothing(tmp_path, tokenizer_dir, corpus, capsys):
@@ -154,3 +158,28 @@ def test_blend_from_the_command_line(tmp_path, tokenizer_dir, corpus):
     problems = config_problems(composed("data=tokens", f"data.sources=[{{path: {one}, weight: 0}}, {{weight: 1}}]"))
     assert any("data.sources[0] (" in p and "weight=0.0 must be a number > 0" in p for p in problems), problems
     assert "data.sources[1] has no path; give each source as {path: DIR, weight: W}" in problems
+
+
+def test_document_mask_needs_an_end_of_document_id(tmp_path, tokenizer_dir, corpus):
+    """One rule: the mask needs tokens with an end-of-document id (a manifest's, or a tokenizer's), not bytes; the
+    model then carries that id."""
+    from lightning_mgpu.cli.build import build_model_config
+
+    problems = config_problems(composed("data.document_mask=true"))
+    assert ["data.document_mask=true needs tokens that end every document with an end-of-document id, but "
+            "data.source=corpus without a tokenizer gives byte tokens, which mark no document ends; prepare the data "
+            "with mgpu-prepare (data=tokens data.path=DIR), or give data.tokenizer=PATH of a tokenizer with an "
+            "end-of-document token, or set data.document_mask=false"] == problems
+    eod = Tokenizer(tokenizer_dir).token_id(TEST_EOD)
+    with_tokenizer = composed("data.document_mask=true", f"data.tokenizer={tokenizer_dir}", "model.vocab_size=512")
+    assert config_problems(with_tokenizer) == [] and build_model_config(with_tokenizer).eod_token_id == eod
+    out = prepared(tmp_path, tokenizer_dir, corpus, "data", str(corpus / "a.txt"))
+    from_manifest = composed("data=tokens", f"data.path={out}", "data.document_mask=true", "model.vocab_size=512")
+    assert config_problems(from_manifest) == [] and build_model_config(from_manifest).eod_token_id == eod
+    assert build_model_config(composed("data=tokens", f"data.path={out}", "model.vocab_size=512")).eod_token_id is None
+    other = prepared(tmp_path, tokenizer_dir, corpus, "other", "--eod-token", "e", str(corpus / "b.txt"))
+    blend = composed("data=tokens", f"data.sources=[{{path: {out}}}, {{path: {other}}}]", "data.document_mask=true",
+                     "model.vocab_size=512")
+    assert [f"data.document_mask=true: {other} ends documents with id {Tokenizer(tokenizer_dir).token_id('e')} ('e'), "
+            f"but the manifest of {out} ('{TEST_EOD}') says {eod}; prepare every source with the same --eod-token"] \
+        == config_problems(blend)

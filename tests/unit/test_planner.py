@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from lightning_mgpu.callbacks import throughput
+from lightning_mgpu.cli.build import build_model_config
 from lightning_mgpu.cli.plan import compose_plan_config, main, plan_report
 from lightning_mgpu.models import Llama, LlamaConfig
 from lightning_mgpu.models.llama_plan import llama_stages
@@ -14,6 +15,7 @@ from lightning_mgpu.planner import GPUS, ClusterSpec, estimate_memory, plan_layo
 from lightning_mgpu.planner.hardware import gpu_by_device_name
 from lightning_mgpu.planner.memory import model_state_bytes
 from lightning_mgpu.planner.model_stats import model_flops_per_token
+from lightning_mgpu.planner.search import Candidate, evaluate
 
 CFG = LlamaConfig(dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=250, max_seq_len=64)
 PACKAGE = Path(__file__).resolve().parents[2] / "lightning_mgpu"
@@ -65,6 +67,21 @@ def test_mgpu_plan_prints_a_table_and_command_lines(capsys):
     assert "best layouts:" in out and "mgpu-train recipe=llama3_70b_8node parallel.tensor_parallel_size=" in out
     assert "no layout fits" in plan_report(compose_plan_config(["model=llama3_405b", "trainer.devices=8",
                                                                 "plan.gpu=a100_80gb"]))
+
+
+def test_mgpu_plan_evaluates_the_configured_layout_itself():
+    """A recipe's own layout is not one the search tries (V=5): it gets its own line, with the numbers the planner
+    gives that exact layout and a verdict that changes with the memory it needs."""
+    cfg = compose_plan_config(["recipe=llama3_70b_8node"])
+    line = next(x for x in plan_report(cfg).splitlines() if x.startswith("this configuration:"))
+    assert "tp 8 x pp 4 (V 5, interleaved_1f1b) x dp 2, ZeRO-1, micro-batch 1, full recompute, sequence parallel" in line
+    own = evaluate(build_model_config(cfg), ClusterSpec(8, 8, GPUS["h100_80gb"]), 8192, 512,
+                   Candidate(8, 4, 2, 1, 1, 5, True, "interleaved_1f1b", True))
+    assert f"{own.memory.total / 1e9:.1f} GB per GPU" in line and f"step {own.time.total:.2f} s" in line
+    assert own.fits and "fits;" in line
+    no_recompute = plan_report(compose_plan_config(["recipe=llama3_70b_8node", "model.activation_checkpointing=none",
+                                                    "data.micro_batch_size=8"]))
+    assert "does not fit in 90% of 80 GB" in next(x for x in no_recompute.splitlines() if x.startswith("this conf"))
 
 
 def test_throughput_counts_tokens_once_per_replica():
