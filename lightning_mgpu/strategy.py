@@ -199,6 +199,7 @@ class MGPUStrategy(ParallelStrategy):
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
+        engines.preload()  # while the other ranks start: the rendezvous below waits for them anyway
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         self.layout = ParallelLayout(world_size=self.world_size, devices_per_node=self.num_processes,
                                      **self._layout_args)

@@ -13,9 +13,11 @@ torch.set_num_threads(1)
 os.environ.setdefault("MGPU_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "mgpu"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# Every ZeRO engine imports DeepSpeed's Muon optimizer, whose kernels are decorated with torch.compile: 2-3 s of CPU per
-# process the first time. Imported once here, every forked rank of every multi-process test inherits it.
-import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
+# What building a DeepSpeed engine imports (2-3 s of CPU per process the first time), imported once here: every forked
+# rank of every multi-process test inherits it.
+from lightning_mgpu.engine import preload  # noqa: E402
+
+preload()
 
 
 def pytest_collection_modifyitems(config, items):

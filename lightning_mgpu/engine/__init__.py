@@ -28,12 +28,14 @@ from lightning_mgpu.engine.runtime import (
     gathered,
     init_engine_comm,
     initialize_engine,
+    preload,
     step,
     zero_stage,
 )
 
 __all__ = [
     "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "bucket_elements", "bucket_elements_for",
-    "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32", "evaluation_config", "gathered", "init_engine_comm", "initialize_engine",
-    "load_engine_checkpoint", "precision_config", "save_engine_checkpoint", "step", "zero_config", "zero_stage",
+    "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32", "evaluation_config",
+    "gathered", "init_engine_comm", "initialize_engine", "load_engine_checkpoint", "precision_config", "preload",
+    "save_engine_checkpoint", "step", "zero_config", "zero_stage",
 ]

@@ -80,6 +80,20 @@ def _skip_cpu_shared_memory_op() -> None:
         module.build_shm_op = lambda: None
 
 
+def preload() -> None:
+    """Import what building an engine imports, ahead of time: DeepSpeed itself, and the Muon optimizer module every
+    ZeRO engine imports (its kernels are ``torch.compile``-decorated, which loads torch's compiler: 2-3 s of CPU per
+    process the first time, measured here). The strategy calls it before the rendezvous, so the first rank does this
+    while the others are still starting; a parent that forks ranks calls it once for all of them."""
+    import deepspeed  # noqa: F401
+
+    _skip_cpu_shared_memory_op()
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:  # a DeepSpeed without Muon: nothing more to load
+        pass
+
+
 def init_engine_comm(timeout=None) -> None:
     """Let DeepSpeed's comm layer adopt the torch.distributed process group the strategy created."""
     import deepspeed
