@@ -93,6 +93,22 @@ def run_tokenizer(cfg: DictConfig) -> Optional[tuple[Path, str]]:
     return None
 
 
+def lost_tokenizer(cfg: DictConfig) -> Optional[str]:
+    """The tokenizer the run's prepared tokens were made with, when the run has no tokenizer because that file moved
+    or changed (its ids are then not bytes, and decoding them as bytes would print noise); else None."""
+    if run_tokenizer(cfg) is not None:
+        return None
+    from lightning_mgpu.data.manifest import PreparedDataError, is_prepared, read_manifest
+
+    for path in token_paths(cfg):
+        if is_prepared(path):
+            try:
+                return read_manifest(path).tokenizer_path
+            except PreparedDataError:
+                return None
+    return None
+
+
 def run_eod_token_id(cfg: DictConfig) -> tuple[Optional[int], str]:
     """(the id that ends every document in the run's tokens, where it comes from), or (None, why the data has none).
 

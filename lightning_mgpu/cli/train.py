@@ -22,6 +22,7 @@ from lightning_mgpu.cli.build import (
     build_module,
     build_strategy,
     build_tokenizer,
+    lost_tokenizer,
 )
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
@@ -172,9 +173,14 @@ def _fit(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, strategy, module, d
                                                                                           trainer.global_step)
     if cfg.parallel.pipeline_timeline and strategy.pipeline is not None:
         report_timeline(strategy, trainer.global_step - 1, run_dir)
+    lost = lost_tokenizer(cfg) if cfg.data.source == "tokens" else None
     if cfg.parallel.pipeline_parallel_size > 1:
         if trainer.is_global_zero:
             print("(no sample: generation needs the whole model on each rank, and it is split into pipeline stages)")
+    elif lost is not None:
+        if trainer.is_global_zero:
+            print(f"(no sample: the tokens were prepared with the tokenizer {lost}, which is missing or changed; set "
+                  "data.tokenizer=PATH to decode them)")
     else:
         sample = generate_sample(module, cfg)
         if trainer.is_global_zero:

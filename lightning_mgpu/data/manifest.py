@@ -1,12 +1,15 @@
 """Prepared token directories: ``tokens.bin`` (a flat token stream) and ``manifest.json`` (what made it).
 
 ``mgpu-prepare`` writes them; training reads them and checks, cheaply, that the token file is the one the
-manifest describes (its dtype and size). The manifest is written last, so a directory with one is complete.
+manifest describes: its size, and a checksum of 64 evenly spaced 4 KiB blocks (a full checksum of a corpus would read
+every byte on every rank at every start). The manifest is written last, so a directory with one is complete. A
+token file named directly (``DIR/tokens.bin``) is read through the manifest beside it, never as a bare stream.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +51,7 @@ class Manifest:
     text_key: str  #: the JSONL field read
     sources: tuple[Source, ...] = field(default_factory=tuple)
     tokens_sha256: str = ""  #: SHA-256 of tokens.bin
+    tokens_sample_sha256: str = ""  #: :func:`sampled_sha256` of tokens.bin, checked whenever training opens it
     format: str = FORMAT
     tokens_file: str = TOKENS_FILE
 
@@ -70,14 +74,41 @@ class PreparedDataError(ValueError):
     """A token directory that cannot be read as it is; the message names the path and the fix."""
 
 
+#: Blocks read by :func:`sampled_sha256`, and their size.
+SAMPLE_BLOCKS, SAMPLE_BLOCK_BYTES = 64, 4096
+
+
+def sampled_sha256(path: str | Path) -> str:
+    """SHA-256 of the file's size and of ``SAMPLE_BLOCKS`` blocks at evenly spaced offsets (the whole file when it is
+    smaller): 256 KiB read whatever the corpus size, and a replaced or overwritten file almost surely differs."""
+    size = Path(path).stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK_BYTES:
+            digest.update(f.read())
+        else:
+            step = (size - SAMPLE_BLOCK_BYTES) // (SAMPLE_BLOCKS - 1)
+            for i in range(SAMPLE_BLOCKS):
+                f.seek(i * step)
+                digest.update(f.read(SAMPLE_BLOCK_BYTES))
+    return digest.hexdigest()
+
+
+def _beside_manifest(path: Path) -> bool:
+    return path.is_file() and (path.parent / MANIFEST_FILE).is_file()
+
+
 def is_prepared(path: str | Path) -> bool:
-    """Whether ``path`` is a directory (prepared, or meant to be), as opposed to a flat token file."""
-    return Path(path).is_dir()
+    """Whether ``path`` is a prepared directory (or meant to be one), or the token file inside one, as opposed to a
+    flat token file."""
+    return Path(path).is_dir() or _beside_manifest(Path(path))
 
 
 def read_manifest(directory: str | Path) -> Manifest:
-    """The manifest of a prepared directory, checked against its token file (dtype and size)."""
-    directory = Path(directory)
+    """The manifest of a prepared directory (or of the directory of its token file), checked against its token file:
+    dtype, size and sampled checksum."""
+    named = Path(directory)
+    directory = named.parent if _beside_manifest(named) else named
     path = directory / MANIFEST_FILE
     fix = "prepare it with mgpu-prepare --tokenizer PATH --out DIR INPUT..."
     if not path.is_file():
@@ -99,6 +130,12 @@ def read_manifest(directory: str | Path) -> Manifest:
         raise PreparedDataError(f"{tokens} has {tokens.stat().st_size:,} bytes, but the manifest lists "
                                 f"{manifest.token_count:,} {manifest.dtype} tokens = {expected:,} bytes: it was "
                                 f"changed or cut short; {fix}")
+    if named != directory and named.name != manifest.tokens_file:
+        raise PreparedDataError(f"{named} is not the token file of the prepared directory it sits in (its manifest "
+                                f"names {manifest.tokens_file}); give the directory {directory}")
+    if manifest.tokens_sample_sha256 and sampled_sha256(tokens) != manifest.tokens_sample_sha256:
+        raise PreparedDataError(f"{tokens} does not match the checksum in {path}: it was changed after preparation; "
+                                f"prepare it again (mgpu-prepare ... --overwrite)")
     return manifest
 
 
@@ -107,7 +144,8 @@ def open_tokens(path: str | Path, dtype: str = "uint16") -> tuple[np.ndarray, Op
     path = Path(path)
     if is_prepared(path):
         manifest = read_manifest(path)
-        return np.memmap(path / manifest.tokens_file, dtype=TOKEN_DTYPES[manifest.dtype], mode="r"), manifest
+        directory = path if path.is_dir() else path.parent
+        return np.memmap(directory / manifest.tokens_file, dtype=TOKEN_DTYPES[manifest.dtype], mode="r"), manifest
     if not path.is_file():
         raise FileNotFoundError(f"data.path={str(path)!r} does not exist; give a directory written by mgpu-prepare or "
                                 "a flat token file")

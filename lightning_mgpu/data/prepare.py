@@ -5,6 +5,11 @@ special tokens and followed by the end-of-document token. Work goes to the proce
 :data:`UNIT_BYTES` of text and comes back in input order, so the token file does not depend on the number of
 processes. The token file is written under a temporary name and renamed, then the manifest is written: a
 directory with a manifest is complete, and running again on the same inputs only checks it.
+
+Why not litdata (Lightning's own preparation and streaming library): its optimised format stores serialised samples in
+chunks that a streaming loader reads in shuffled chunk order. Training here draws each global batch's windows at
+random offsets of one flat token stream from the seed and the step alone (never from the layout), which needs random
+access to the whole stream; a flat memory-mapped array gives that with no format of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from lightning_mgpu.data.manifest import (
     Source,
     dtype_for,
     read_manifest,
+    sampled_sha256,
 )
 from lightning_mgpu.data.tokenizer import Tokenizer, TokenizerError, file_sha256
 
@@ -280,7 +286,7 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
     manifest = Manifest(tokenizer_path=str(tok.path), tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size,
                         eod_token=eod_name, eod_id=eod_id, dtype=dtype, token_count=tokens,
                         document_count=documents, text_bytes=text_bytes, text_key=text_key, sources=sources,
-                        tokens_sha256=digest.hexdigest())
+                        tokens_sha256=digest.hexdigest(), tokens_sample_sha256=sampled_sha256(out / TOKENS_FILE))
     written = out / f"{MANIFEST_FILE}.{os.getpid()}.tmp"
     written.write_text(manifest.to_json(), encoding="utf-8")
     os.replace(written, out / MANIFEST_FILE)

@@ -10,7 +10,7 @@ import torch
 from helpers import TEST_EOD, corpus_text, make_tokenizer
 from test_cli import BIN, composed, read_losses, read_metric
 
-from lightning_mgpu.cli.build import build_datamodule, build_tokenizer, run_tokenizer
+from lightning_mgpu.cli.build import build_datamodule, build_tokenizer, lost_tokenizer, run_tokenizer
 from lightning_mgpu.cli.prepare import main as prepare_main
 from lightning_mgpu.cli.validate import config_problems
 from lightning_mgpu.data.tokenizer import Tokenizer
@@ -109,6 +109,21 @@ def test_vocabulary_is_checked_against_the_tokenizer_before_launch(tmp_path, tok
                                         "model.vocab_size=512"))
     assert any(f"data.tokenizer='{other}' (sha256 " in p and f"is not the tokenizer {out} was prepared with" in p
                for p in problems), problems
+
+
+def test_prepared_tokens_whose_tokenizer_moved_are_not_decoded_as_bytes(tmp_path, tokenizer_dir, corpus):
+    """The tokenizer a prepared directory records is the run's tokenizer; once moved, the run has none, and the
+    sample says why instead of decoding BPE ids as bytes."""
+    import shutil
+
+    tok = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok)
+    out = prepared(tmp_path, tok, corpus, "data", str(corpus / "a.txt"))
+    cfg = composed("data=tokens", f"data.path={out}")
+    assert run_tokenizer(cfg)[0] == tok / "tokenizer.json" and lost_tokenizer(cfg) is None
+    shutil.rmtree(tok)
+    assert run_tokenizer(cfg) is None and lost_tokenizer(cfg) == str(tok / "tokenizer.json")
+    assert lost_tokenizer(composed("data=tokens", f"data.path={out}", f"data.tokenizer={tokenizer_dir}")) is None
 
 
 def test_a_hugging_face_directory_brings_its_tokenizer(tmp_path, tokenizer_dir):

@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from helpers import TEST_EOD, corpus_text, make_tokenizer
 
 from lightning_mgpu.data import TokenFileDataModule
@@ -112,6 +113,41 @@ def test_prepare_refuses_what_would_mix_up_a_directory(tmp_path, tokenizer_dir, 
         f.write(b"\0\0")
     with pytest.raises(PreparedDataError, match="has .* bytes, but the manifest lists"):
         read_manifest(out)
+
+
+def test_a_changed_input_or_token_file_is_noticed(tmp_path, tokenizer_dir, inputs):
+    """A re-run after an input changed is refused (not "up to date"); a token file overwritten in place after
+    preparation, size unchanged, is refused by the re-run and by training (sampled checksum)."""
+    folder, _ = inputs
+    out = tmp_path / "out"
+    prepare([str(folder / "a.txt")], tokenizer_dir, out, progress=False)
+    (folder / "a.txt").write_text((folder / "a.txt").read_text()[:-10] + "# changed\n")
+    with pytest.raises(PrepareError, match=r"other inputs .*changed since: .*a.txt"):
+        prepare([str(folder / "a.txt")], tokenizer_dir, out, progress=False)
+    prepare([str(folder / "a.txt")], tokenizer_dir, out, overwrite=True, progress=False)
+    size = (out / "tokens.bin").stat().st_size
+    with open(out / "tokens.bin", "r+b") as f:  # the middle of the file, where no other check looks
+        f.seek(size // 2 - (size // 2) % 4)
+        f.write(b"\x07\x00" * 2000)
+    assert (out / "tokens.bin").stat().st_size == size
+    with pytest.raises(PreparedDataError, match="does not match the checksum"):
+        read_manifest(out)
+    with pytest.raises(PrepareError, match="checksum"):
+        prepare([str(folder / "a.txt")], tokenizer_dir, out, progress=False)
+
+
+def test_naming_the_token_file_of_a_prepared_directory_reads_it_through_its_manifest(tmp_path, tokenizer_dir, inputs):
+    """data.path=DIR/tokens.bin must not read the file as a bare stream of data.dtype (a uint32 directory read as
+    uint16 would give two garbage ids per token, past every vocabulary check)."""
+    folder, _ = inputs
+    out = tmp_path / "out"
+    prepare([str(folder / "*")], tokenizer_dir, out, progress=False)
+    by_dir, by_file = (TokenFileDataModule(p, seq_len=16, global_batch_size=4, micro_batch_size=2, dtype="uint32")
+                       for p in (out, out / "tokens.bin"))
+    for dm in (by_dir, by_file):
+        dm.setup("fit")
+    assert torch.equal(next(iter(by_dir.train_dataloader())), next(iter(by_file.train_dataloader())))
+    assert read_manifest(out / "tokens.bin") == read_manifest(out)
 
 
 def test_bad_inputs_name_file_and_line_all_at_once(tmp_path, tokenizer_dir, monkeypatch):
