@@ -255,9 +255,10 @@ class MGPUStrategy(ParallelStrategy):
                 raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; MGPUStrategy "
                                  "drives one DeepSpeed engine and needs exactly one")
             optimizer = self.optimizers[0]
+        precision = engines.precision_config(self.precision_plugin.precision)
         config = engines.zero_config(self.layout, module, micro_size, micro_batches * accumulate,
-                                     trainer.gradient_clip_val, engines.precision_config(self.precision_plugin.precision),
-                                     self.nvme_path, self.deepspeed_config_overrides)
+                                     trainer.gradient_clip_val, precision, self.nvme_path,
+                                     self.deepspeed_config_overrides, overlap=self.root_device.type == "cuda")
         if optimizer is None:
             config = engines.evaluation_config(config)
         elif engines.drifts_from_fp32(config):

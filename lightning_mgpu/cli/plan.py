@@ -55,7 +55,8 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
             f"{'yes' if r.fits else 'no':>4} | {t.compute:8.2f} {t.tensor_parallel:6.2f} {t.pipeline_bubble:7.2f} "
             f"{t.pipeline_p2p:6.2f} {t.data_parallel:6.2f} {t.total:7.2f} | {t.tokens_per_second_per_gpu:9.0f} "
             f"{t.mfu:5.1%}")
-    lines += ["", "memory in GB per GPU; time in seconds per optimizer step"]
+    lines += ["", "memory in GB per GPU; time in seconds per optimizer step; dp: the data-parallel communication left "
+                  "after overlapping it with compute"]
     lines += configured_layout_lines(cfg, model, cluster, precision, rows)
     if fitting:
         lines += ["", "best layouts:"]

@@ -11,8 +11,11 @@
   ``2 s b h`` bytes per micro-batch each way;
 * data parallelism: the gradients of the rank's parameters, all-reduced (ZeRO 0-2: reduce-scatter +
   all-gather moves the same bytes) or, for ZeRO-3, also the parameter all-gathers of forward and backward
-  (1.5x); over the inter-node network when the job spans nodes. Nothing is assumed overlapped, so the
-  estimate errs slow.
+  (1.5x); over the inter-node network when the job spans nodes. With ``overlap`` (the default on CUDA, see
+  ``lightning_mgpu.engine.zero_config``) the gradient reduction runs behind the backward pass of the last
+  micro-batch (two thirds of its compute) when there is no pipeline (a pipeline schedule reduces once, after its
+  last backward), and ZeRO-3's parameter gathers run behind the compute of the whole step (prefetch); only what
+  exceeds that is counted. ``data_parallel_hidden`` says how much was hidden.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class StepTimeEstimate:
     world_size: int
     model_flops_per_step: float
     peak_flops: float
+    data_parallel_hidden: float = 0.0  #: data-parallel communication run behind compute (not in ``total``)
 
     @property
     def total(self) -> float:
@@ -62,7 +66,8 @@ def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool = True) -> f
 
 def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, micro_batch: int,
                        tp: int, pp: int, zero_stage: int, virtual: int = 1, schedule: str = "1f1b",
-                       recompute: bool = False, achievable: float = ACHIEVABLE_FRACTION) -> StepTimeEstimate:
+                       recompute: bool = False, achievable: float = ACHIEVABLE_FRACTION,
+                       overlap: bool = True) -> StepTimeEstimate:
     gpu, world = cluster.gpu, cluster.world_size
     dp = world // (tp * pp)
     tokens = global_batch * seq_len
@@ -80,6 +85,11 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     p2p = 0.0 if pp == 1 else 2 * microbatches * virtual * act_bytes / tp / pp_bw
     dp_bw = gpu.inter_node_bandwidth if cluster.nodes > 1 else gpu.intra_node_bandwidth
     grad_bytes = 2.0 * max_rank_parameters(cfg, tp, pp, virtual)
-    data_parallel = _ring(grad_bytes, dp, dp_bw) * (1.5 if zero_stage == 3 else 1.0)
-    return StepTimeEstimate(compute, tensor_parallel, bubble, p2p, data_parallel, tokens, world, model_flops,
-                            gpu.bf16_peak_flops)
+    reduction = _ring(grad_bytes, dp, dp_bw)
+    gathers = 0.5 * reduction if zero_stage == 3 else 0.0
+    exposed = reduction + gathers
+    if overlap:
+        last_backward = (2 / 3) * compute / max(1, microbatches) if pp == 1 else 0.0
+        exposed = max(0.0, reduction - last_backward) + max(0.0, gathers - compute)
+    return StepTimeEstimate(compute, tensor_parallel, bubble, p2p, exposed, tokens, world, model_flops,
+                            gpu.bf16_peak_flops, reduction + gathers - exposed)

@@ -45,6 +45,24 @@ def test_cpu_offload_matches_single_process(token_file, ref, offload):
     assert max_abs_diff(result["grad_norms"], ref["grad_norms"]) < 1e-5
 
 
+@pytest.mark.parametrize("kw", [dict(zero_stage=2), dict(zero_stage=3),
+                                dict(zero_stage=1, pipeline_parallel_size=2, pipeline_schedule="gpipe")],
+                         ids=["zero2", "zero3", "pp2_zero1"])
+def test_overlapped_communication_matches_single_process(token_file, ref, kw):
+    """The configuration CUDA runs by default (``overlap_comm``: gradient buckets reduced, and ZeRO-3 parameters
+    gathered, on side streams during compute), forced on CPU: the same losses and grad norms as one process."""
+    import lightning as L
+
+    class OverlapOn(L.Callback):
+        def on_train_start(self, trainer, *args):
+            assert trainer.strategy.model.zero_overlap_comm() is True  # the engine really runs overlapped
+
+    devices = 2 * kw.get("pipeline_parallel_size", 1)
+    results = run_distributed(fit, devices, token_file, devices, callbacks=[OverlapOn()],
+                              deepspeed_config={"zero_optimization": {"overlap_comm": True}}, **kw)
+    assert_parity(results, ref)
+
+
 def test_single_process_strategy_matches_reference(token_file, ref):
     assert_parity(run_distributed(fit, 1, token_file, 1, zero_stage=0), ref)
 

@@ -88,6 +88,9 @@ def test_deepspeed_config_buckets_from_model_and_overrides_merge():
     assert cfg["gradient_accumulation_steps"] == 4 and cfg["gradient_clipping"] == 1.0
     assert cfg["bf16"] == {"enabled": True} and cfg["steps_per_print"] == 5
     assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}}
+    # Overlap is the strategy's choice per device (on for CUDA), not a constant.
+    assert zero_config(layout, model, 2, 4, 1.0, {})["zero_optimization"]["overlap_comm"] is False
+    assert zero_config(layout, model, 2, 4, 1.0, {}, overlap=True)["zero_optimization"]["overlap_comm"] is True
 
 
 def test_lr_schedule_warmup_then_cosine():

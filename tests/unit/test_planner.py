@@ -84,6 +84,30 @@ def test_mgpu_plan_evaluates_the_configured_layout_itself():
     assert "does not fit in 90% of 80 GB" in next(x for x in no_recompute.splitlines() if x.startswith("this conf"))
 
 
+def test_overlap_hides_data_parallel_communication_behind_compute_up_to_its_length():
+    """With overlap (CUDA's default) the gradient reduction hides behind the last micro-batch's backward (2/3 of its
+    compute) without a pipeline, never behind a pipeline schedule (it reduces after its last backward); ZeRO-3's
+    gathers hide behind the step's compute. Hidden time is reported, never subtracted twice."""
+    from lightning_mgpu.planner.time import estimate_step_time
+
+    model = LlamaConfig.from_name("llama3_8b")
+    two_nodes = ClusterSpec(2, 8, GPUS["h100_80gb"])
+    for kw in (dict(tp=1, pp=1, zero_stage=1, micro_batch=1), dict(tp=1, pp=1, zero_stage=3, micro_batch=4),
+               dict(tp=2, pp=2, zero_stage=1, micro_batch=1), dict(tp=8, pp=1, zero_stage=2, micro_batch=2)):
+        plain = estimate_step_time(model, two_nodes, 4096, 64, overlap=False, **kw)
+        hidden = estimate_step_time(model, two_nodes, 4096, 64, **kw)
+        assert plain.data_parallel_hidden == 0.0
+        assert hidden.data_parallel + hidden.data_parallel_hidden == pytest.approx(plain.data_parallel)
+        assert hidden.compute == plain.compute and hidden.total <= plain.total
+        microbatches = 64 // (kw["micro_batch"] * (16 // (kw["tp"] * kw["pp"])))
+        reduction = plain.data_parallel / (1.5 if kw["zero_stage"] == 3 else 1.0)
+        last_backward = 2 / 3 * plain.compute / microbatches if kw["pp"] == 1 else 0.0
+        gathers = plain.data_parallel - reduction
+        assert hidden.data_parallel_hidden == pytest.approx(min(reduction, last_backward) + min(gathers, plain.compute))
+    pipelined = estimate_step_time(model, two_nodes, 4096, 64, tp=2, pp=2, zero_stage=1, micro_batch=1)
+    assert pipelined.data_parallel_hidden == 0 and pipelined.data_parallel > 0
+
+
 def test_throughput_counts_tokens_once_per_replica():
     # tp=2 x pp=2 x dp=2 on 8 GPUs, each rank sees a batch of 4 x 1024 tokens: the job processes 2 replicas'
     # batches per step, not 8 ranks' worth (naive world-size scaling would be 4x off).
