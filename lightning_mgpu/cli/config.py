@@ -20,7 +20,7 @@ class ModelConfig:
     """A named Llama shape, with optional overrides of single fields."""
 
     name: str = "tiny"  #: tiny | llama3_1b | llama3_8b | llama3_70b | llama3_405b
-    activation_checkpointing: str = "none"  #: none | full
+    activation_checkpointing: str = "none"  #: none | selective (recompute all but matmuls) | full
     init_seed: int = 0  #: initial weights depend only on this
     dim: Optional[int] = None
     n_layers: Optional[int] = None

@@ -29,6 +29,7 @@ from lightning_mgpu.data.batching import batch_problems
 from lightning_mgpu.data.manifest import TOKEN_DTYPES as _NUMPY_TOKEN_DTYPES
 from lightning_mgpu.layout import V_SCHEDULES, ModelShape, divisors, layout_problems, training_loop_problems
 from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
+from lightning_mgpu.models.llama import activation_checkpointing_problems
 from lightning_mgpu.models.llama_plan import boundary_problems
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.planner.model_stats import max_rank_parameters
@@ -77,8 +78,7 @@ def model_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
         if m[key] is not None:
             out += _positive(f"model.{key}", m[key])
-    if m.activation_checkpointing not in ("none", "full"):
-        out.append(f"model.activation_checkpointing={m.activation_checkpointing!r}; choose none or full")
+    out += activation_checkpointing_problems(m.activation_checkpointing, "model.activation_checkpointing")
     if out:
         return None, out
     from lightning_mgpu.cli.build import build_model_config

@@ -14,7 +14,21 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+
+#: Activation checkpointing modes: keep every activation for backward; keep only the matrix multiplications' outputs
+#: and recompute attention and the element-wise ops (selective recomputation, Korthikanti et al.); keep only each
+#: block's input and recompute the whole block.
+ACTIVATION_CHECKPOINTING = ("none", "selective", "full")
+
+
+def activation_checkpointing_problems(value: str, key: str) -> list[str]:
+    """The one rule for an activation checkpointing mode, worded with the config ``key`` that set it."""
+    if value in ACTIVATION_CHECKPOINTING:
+        return []
+    return [f"{key}={value!r} is not an activation checkpointing mode; choose one of "
+            f"{', '.join(ACTIVATION_CHECKPOINTING)}"]
 
 
 @dataclass(frozen=True)
@@ -31,7 +45,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
-    activation_checkpointing: Literal["none", "full"] = "none"
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
     init_std: float = 0.02
     #: The token that ends a document in packed samples, or None. When set, attention stays within each document of
     #: a sample and rotary positions restart at 0 after every such token (a document ends *after* it). The model
@@ -46,8 +60,7 @@ class LlamaConfig:
             problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
         if (self.dim // self.n_heads) % 2:
             problems.append(f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
-        if self.activation_checkpointing not in ("none", "full"):
-            problems.append(f"activation_checkpointing={self.activation_checkpointing!r}; choose 'none' or 'full'")
+        problems += activation_checkpointing_problems(self.activation_checkpointing, "activation_checkpointing")
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
@@ -215,9 +228,23 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+#: What selective checkpointing keeps: the outputs of matrix multiplications (``nn.Linear`` on CPU and CUDA), the
+#: expensive part of a block. Everything else, attention included, is recomputed in backward.
+_KEPT_BY_SELECTIVE = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _KEPT_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_context():
+    return create_selective_checkpoint_contexts(_selective_policy)
+
+
 def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, activation_checkpointing: str,
                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Apply transformer blocks in order, recomputing each in backward when ``activation_checkpointing="full"``.
+    """Apply transformer blocks in order, recomputing each in backward when ``activation_checkpointing="full"``, or
+    all but its matrix multiplications when ``"selective"``.
 
     With ``positions`` (:func:`document_positions`) attention stays within documents: the per-token rotary tables and
     the bias are made once here and shared by every block."""
@@ -226,8 +253,9 @@ def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ac
         cos, sin, bias = document_inputs(positions, cos, sin, x.dtype)
     extra = () if bias is None else (bias,)  # the default path calls blocks exactly as before
     for layer in layers:
-        if activation_checkpointing == "full" and layer.training and torch.is_grad_enabled():
-            x = checkpoint(layer, x, cos, sin, *extra, use_reentrant=False)
+        if activation_checkpointing != "none" and layer.training and torch.is_grad_enabled():
+            context = {"context_fn": _selective_context} if activation_checkpointing == "selective" else {}
+            x = checkpoint(layer, x, cos, sin, *extra, use_reentrant=False, **context)
         else:
             x = layer(x, cos, sin, *extra)
     return x

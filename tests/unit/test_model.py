@@ -38,16 +38,55 @@ def test_attention_is_causal():
     assert torch.allclose(model(x)[0, :8], model(y)[0, :8], atol=1e-6)
 
 
-def test_full_activation_checkpointing_gives_same_gradients():
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_activation_checkpointing_gives_same_gradients(mode):
     torch.manual_seed(0)
     plain = Llama(LlamaConfig())
-    ckpt = Llama(LlamaConfig(activation_checkpointing="full"))
+    ckpt = Llama(LlamaConfig(activation_checkpointing=mode))
     ckpt.load_state_dict(plain.state_dict())
     x = torch.randint(0, 256, (2, 16))
-    for m in (plain, ckpt):
-        m(x).square().mean().backward()
+    losses = [m(x).square().mean() for m in (plain, ckpt)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[0].item() - losses[1].item()) < 1e-6
     for a, b in zip(plain.parameters(), ckpt.parameters()):
         assert torch.allclose(a.grad, b.grad, atol=1e-6)
+
+
+def test_selective_checkpointing_keeps_only_matmul_outputs_and_recomputes_no_matmul():
+    """Bytes a forward leaves allocated for backward (torch's profiler, CPU allocator events) and FLOPs of forward +
+    backward (torch's FLOP counter, which counts matrix multiplications): selective keeps exactly each block's input
+    and the outputs of its seven projections, and adds no matmul FLOPs; full keeps the inputs alone and runs every
+    forward matmul again."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from lightning_mgpu.models.llama import run_layers
+
+    cfg = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=256, vocab_size=64, max_seq_len=256)
+    b, s = 4, 128
+    def measure(mode: str) -> tuple[int, int]:
+        model = Llama(LlamaConfig(**cfg, activation_checkpointing=mode), init_seed=3).train()
+        x = model.tok_embeddings(torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(1))).detach()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function("forward"):  # nothing else is freed inside it: the bytes it leaves are kept
+                out = run_layers(model.layers, x, model.rope_cos, model.rope_sin, mode)
+        kept = next(e for e in prof.events() if e.name == "forward").cpu_memory_usage - out.nbytes
+        del out
+        with FlopCounterMode(display=False) as counter:
+            run_layers(model.layers, x, model.rope_cos, model.rope_sin, mode).sum().backward()
+        return kept, counter.get_total_flops()
+
+    kept, flops = {}, {}
+    for mode in ("none", "selective", "full"):
+        kept[mode], flops[mode] = measure(mode)
+    head_dim = cfg["dim"] // cfg["n_heads"]
+    projections = cfg["dim"] + 2 * cfg["n_kv_heads"] * head_dim + cfg["dim"] + 2 * cfg["ffn_hidden"] + cfg["dim"]
+    block_inputs = (cfg["n_layers"] - 1) * cfg["dim"]  # the first block's input existed before the forward
+    expected = b * s * (cfg["n_layers"] * projections + block_inputs) * 4  # fp32
+    assert kept["full"] < kept["selective"] < kept["none"]
+    assert abs(kept["selective"] - expected) <= 0.01 * expected, (kept, expected)
+    assert flops["selective"] == flops["none"] < flops["full"]
 
 
 def test_bad_config_lists_every_problem():
