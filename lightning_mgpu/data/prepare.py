@@ -252,8 +252,6 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
         return PrepareResult(existing, True, 0.0, workers)
     dtype = dtype_for(tok.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
-    if overwrite:  # the directory is incomplete until the new manifest is written
-        (out / MANIFEST_FILE).unlink(missing_ok=True)
     tmp = out / f"{TOKENS_FILE}.{os.getpid()}.tmp"
     digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
     start = time.perf_counter()
@@ -277,6 +275,9 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
         if problems:
             more = len(problems) - MAX_PROBLEMS
             raise PrepareError(problems[:MAX_PROBLEMS] + ([f"... and {more} more"] if more > 0 else []))
+        # Only now, with every input tokenised, is an earlier preparation replaced (--overwrite): the directory has no
+        # manifest from here until the new one is written, so it never describes the wrong token file.
+        (out / MANIFEST_FILE).unlink(missing_ok=True)
         os.replace(tmp, out / TOKENS_FILE)
     finally:
         tmp.unlink(missing_ok=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -162,11 +163,22 @@ class TokenFileDataModule(L.LightningDataModule):
         return max(self._start_step, self.trainer.fit_loop.epoch_loop.batch_progress.total.ready)
 
     def state_dict(self) -> dict:
-        """The data position: the next global batch to draw."""
-        return {"next_global_batch": self._next_batch(), "seed": self.seed, "global_batch_size": self.global_batch_size}
+        """The data position: the next global batch to draw, and what the batches are drawn with."""
+        return {"next_global_batch": self._next_batch(), "seed": self.seed, "global_batch_size": self.global_batch_size,
+                "sources": [[str(path), weight] for path, weight in self.sources] if self.sources else
+                [[str(self.path), 1.0]] if self.path is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue at the saved position. Resuming with another seed, global batch or blend is allowed (a new data
+        mixture for the rest of a run is a normal choice) but warned about: the batches from here on are not the ones
+        the interrupted run would have drawn."""
         self._start_step = int(state["next_global_batch"])
+        now = self.state_dict()
+        changed = [key for key in ("seed", "global_batch_size", "sources") if key in state and state[key] != now[key]]
+        if changed:
+            rank_zero_warn(f"resuming at global batch {self._start_step} with other data settings than the checkpoint's "
+                           f"({', '.join(f'{k}: {state[k]} -> {now[k]}' for k in changed)}): the batches from here on "
+                           "differ from those the interrupted run would have drawn")
 
 
 class StdlibCorpusDataModule(TokenFileDataModule):

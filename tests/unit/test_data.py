@@ -144,6 +144,10 @@ def test_blend_resumes_exactly_at_its_saved_position(tmp_path):
     assert resumed_dm.state_dict()["next_global_batch"] == 3
     assert torch.equal(full[3], resumed[0]) and torch.equal(full[4], resumed[1])
     assert not torch.equal(full[0], resumed[0])
+    saved = full_dm.state_dict()
+    with pytest.warns(UserWarning, match=r"other data settings than the checkpoint's \(sources: .*0.7.* -> .*0.5"):
+        TokenFileDataModule(sources=[(p, 0.5) for p, _ in sources], seq_len=16, global_batch_size=8,
+                            seed=5).load_state_dict(saved)
     val = next(iter(full_dm.val_dataloader()))  # validation draws from the held-out last 1% of each source
     assert val.shape == (8, 17) and bool((((val >= 700) & (val < 1000)) | (val >= 1800)).all())
 

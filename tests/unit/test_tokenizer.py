@@ -109,6 +109,10 @@ def test_prepare_refuses_what_would_mix_up_a_directory(tmp_path, tokenizer_dir, 
         prepare([str(folder / "a.txt"), str(folder / "b.txt")], tokenizer_dir, out, progress=False)
     replaced = prepare([str(folder / "a.txt")], other, out, overwrite=True, progress=False)
     assert not replaced.skipped and read_manifest(out).vocab_size == 400
+    (folder / "bad.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(PrepareError, match="bad.jsonl:2"):  # an overwrite that fails keeps what was there
+        prepare([str(folder / "bad.jsonl")], tokenizer_dir, out, overwrite=True, progress=False)
+    assert read_manifest(out) == replaced.manifest
     with open(out / "tokens.bin", "ab") as f:  # a token file changed after preparation
         f.write(b"\0\0")
     with pytest.raises(PreparedDataError, match="has .* bytes, but the manifest lists"):
