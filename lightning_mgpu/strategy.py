@@ -361,7 +361,7 @@ class MGPUStrategy(ParallelStrategy):
                 out = self._forward_redirection(self.model, self.lightning_module, "training_step", micro_batch,
                                                 *rest, **kwargs)
             loss = out["loss"] if isinstance(out, Mapping) else out
-            self.model.backward(loss)  # scaled by 1 / (micro-batches x accumulate_grad_batches) inside the engine
+            engines.backward(self.model, loss)  # scaled by 1 / (micro-batches x accumulate_grad_batches) in the engine
             losses.append(loss.detach().float())
         mean = self._mean_over_replicas(torch.stack(losses).mean())
         # The module's other outputs (of the last micro-batch) reach on_train_batch_end as under DDP.
@@ -402,7 +402,7 @@ class MGPUStrategy(ParallelStrategy):
         the engine. Manual optimization (``self.manual_backward(loss)``): the engine's backward."""
         if not self.lightning_module.automatic_optimization:
             with name_lost_ranks(self._heartbeat):
-                self.model.backward(closure_loss, *args, **kwargs)
+                engines.backward(self.model, closure_loss, *args, **kwargs)
         return closure_loss
 
     def engine_step(self) -> None:

@@ -684,7 +684,7 @@ def _fix_kinds(cfg: DictConfig, budget: MemoryBudget) -> list[list[dict]]:
     p, t, d = cfg.parallel, cfg.trainer, cfg.data
     world = t.devices * t.num_nodes
     kinds = [[{"parallel.zero_stage": z} for z in range(p.zero_stage + 1, 4)],
-             [{"model.activation_checkpointing": "full"}] if cfg.model.activation_checkpointing == "none" else [],
+             [{"model.activation_checkpointing": "full"}] if cfg.model.activation_checkpointing != "full" else [],
              [{"data.micro_batch_size": m} for m in reversed(divisors(d.micro_batch_size)) if m < d.micro_batch_size],
              [{"parallel.tensor_parallel_size": n} for n in divisors(t.devices) if n > p.tensor_parallel_size],
              [{"parallel.pipeline_parallel_size": n} for n in divisors(world // p.tensor_parallel_size)

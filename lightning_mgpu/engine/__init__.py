@@ -23,6 +23,7 @@ from lightning_mgpu.engine.parameter_state import MOMENTS, ParameterState
 from lightning_mgpu.engine.runtime import (
     EngineOwnedOptimizer,
     LayoutMPU,
+    backward,
     data_parallel_size,
     deferred_grad_reduction,
     gathered,
@@ -34,8 +35,8 @@ from lightning_mgpu.engine.runtime import (
 )
 
 __all__ = [
-    "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "bucket_elements", "bucket_elements_for",
-    "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32", "evaluation_config",
-    "gathered", "init_engine_comm", "initialize_engine", "load_engine_checkpoint", "precision_config", "preload",
-    "save_engine_checkpoint", "step", "zero_config", "zero_stage",
+    "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "backward", "bucket_elements",
+    "bucket_elements_for", "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32",
+    "evaluation_config", "gathered", "init_engine_comm", "initialize_engine", "load_engine_checkpoint",
+    "precision_config", "preload", "save_engine_checkpoint", "step", "zero_config", "zero_stage",
 ]

@@ -62,8 +62,9 @@ def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int,
     accumulation: then the whole schedule counts as one micro-step of ``micro_batch_size * num_microbatches``.
     ``precision`` is ``precision_config(...)``; ``overrides`` (the user's ``deepspeed_config``) is merged over the
     result. ``overlap`` (the strategy sets it on CUDA) reduces gradient buckets, and with ZeRO-3 gathers parameters,
-    on DeepSpeed's side streams while backward and forward compute go on; on CPU there are no streams to overlap on,
-    so it stays off there (the same configuration trains at parity on CPU:
+    on DeepSpeed's side streams while backward and forward compute go on, for ZeRO 2 and 3: DeepSpeed refuses it at
+    ZeRO 0 and 1 without managed accumulation ("supports ZeRO overlap_comm only with ZeRO stage 2"). On CPU there are
+    no streams to overlap on, so it stays off there (the same configuration trains at parity on CPU:
     ``tests/distributed/test_zero_parity.py::test_overlapped_communication_matches_single_process``).
     """
     coalesced = layout.pipeline_parallel_size > 1 and layout.zero_stage >= 1
@@ -72,7 +73,7 @@ def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int,
         "stage": layout.zero_stage,
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
-        "overlap_comm": overlap,
+        "overlap_comm": overlap and layout.zero_stage >= 2,
         "contiguous_gradients": True,
     }
     if layout.zero_stage == 3:
@@ -108,8 +109,8 @@ def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int,
 def evaluation_config(config: dict) -> dict:
     """``config`` for an engine built without optimizer (validate/test/predict): ZeRO 1 and 2 partition only
     optimizer state and gradients, so such an engine runs stage 0; stage 3 keeps partitioning the weights."""
-    if config["zero_optimization"]["stage"] in (1, 2):
-        config = deep_merge(config, {"zero_optimization": {"stage": 0}})
+    if config["zero_optimization"]["stage"] in (1, 2):  # and stage 0 cannot overlap (see zero_config)
+        config = deep_merge(config, {"zero_optimization": {"stage": 0, "overlap_comm": False}})
     return config
 
 

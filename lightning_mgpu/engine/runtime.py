@@ -155,6 +155,11 @@ def deferred_grad_reduction(engine: Any) -> ContextManager:
     return engine.coalesce_grad_reduction() if zero_stage(engine) >= 1 else contextlib.nullcontext()
 
 
+def backward(engine: Any, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    """Backward of one micro-batch's loss through the engine (scaled by its accumulation, loss-scaled under fp16)."""
+    engine.backward(loss, *args, **kwargs)
+
+
 def step(engine: Any) -> Optional[float]:
     """One optimizer step (reduce, clip by the global norm, update, zero gradients); the global gradient norm before
     clipping, or None when the engine computed none."""

@@ -228,9 +228,11 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-#: What selective checkpointing keeps: the outputs of matrix multiplications (``nn.Linear`` on CPU and CUDA), the
-#: expensive part of a block. Everything else, attention included, is recomputed in backward.
-_KEPT_BY_SELECTIVE = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+#: What selective checkpointing keeps: the outputs of the projections (``nn.Linear`` runs as ``mm``/``addmm``), the
+#: expensive part of a block. Everything else is recomputed in backward: attention (``bmm`` is left out, so a math
+#: attention kernel does not keep its ``s x s`` scores), the norms, the element-wise ops, and the tensor-parallel
+#: collectives between them (as often as under full recomputation).
+_KEPT_BY_SELECTIVE = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:

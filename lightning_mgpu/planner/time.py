@@ -11,11 +11,11 @@
   ``2 s b h`` bytes per micro-batch each way;
 * data parallelism: the gradients of the rank's parameters, all-reduced (ZeRO 0-2: reduce-scatter +
   all-gather moves the same bytes) or, for ZeRO-3, also the parameter all-gathers of forward and backward
-  (1.5x); over the inter-node network when the job spans nodes. With ``overlap`` (the default on CUDA, see
-  ``lightning_mgpu.engine.zero_config``) the gradient reduction runs behind the backward pass of the last
-  micro-batch (two thirds of its compute) when there is no pipeline (a pipeline schedule reduces once, after its
-  last backward), and ZeRO-3's parameter gathers run behind the compute of the whole step (prefetch); only what
-  exceeds that is counted. ``data_parallel_hidden`` says how much was hidden.
+  (1.5x); over the inter-node network when the job spans nodes. With ``overlap`` (the default on CUDA for ZeRO 2
+  and 3, see ``lightning_mgpu.engine.zero_config``) the gradient reduction runs behind the backward pass of the
+  last micro-batch (two thirds of its compute) when there is no pipeline (a pipeline schedule reduces once, after
+  its last backward), and ZeRO-3's parameter gathers run behind the compute of the whole step (prefetch); only what
+  exceeds that is counted. ``data_parallel_hidden`` says how much was hidden. ZeRO 0 and 1 do not overlap.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     reduction = _ring(grad_bytes, dp, dp_bw)
     gathers = 0.5 * reduction if zero_stage == 3 else 0.0
     exposed = reduction + gathers
-    if overlap:
+    if overlap and zero_stage >= 2:
         last_backward = (2 / 3) * compute / max(1, microbatches) if pp == 1 else 0.0
         exposed = max(0.0, reduction - last_backward) + max(0.0, gathers - compute)
     return StepTimeEstimate(compute, tensor_parallel, bubble, p2p, exposed, tokens, world, model_flops,

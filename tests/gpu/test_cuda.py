@@ -18,4 +18,5 @@ def test_bf16_training_on_one_gpu_with_nccl(token_file, zero_stage):
     trainer.fit(module, datamodule(token_file))
     assert torch.distributed.get_backend() == "nccl"
     assert next(trainer.strategy.model.parameters()).is_cuda
+    assert trainer.strategy.model.zero_overlap_comm() is (zero_stage >= 2)  # overlap is on by default on CUDA
     assert trainer.global_step == 5

@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_mgpu
 from lightning_mgpu import LLMModule, MGPUPrecision, MGPUStrategy
-from lightning_mgpu.engine import deep_merge, precision_config, zero_config
+from lightning_mgpu.engine import deep_merge, evaluation_config, precision_config, zero_config
 from lightning_mgpu.module import lr_multiplier, scaled_lr
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.models import Llama, LlamaConfig
@@ -88,9 +88,14 @@ def test_deepspeed_config_buckets_from_model_and_overrides_merge():
     assert cfg["gradient_accumulation_steps"] == 4 and cfg["gradient_clipping"] == 1.0
     assert cfg["bf16"] == {"enabled": True} and cfg["steps_per_print"] == 5
     assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}}
-    # Overlap is the strategy's choice per device (on for CUDA), not a constant.
+    # Overlap is the strategy's choice per device (on for CUDA), for the stages DeepSpeed overlaps (2 and 3); an engine
+    # built to evaluate runs stage 0, which cannot.
     assert zero_config(layout, model, 2, 4, 1.0, {})["zero_optimization"]["overlap_comm"] is False
     assert zero_config(layout, model, 2, 4, 1.0, {}, overlap=True)["zero_optimization"]["overlap_comm"] is True
+    for stage in (0, 1, 2):
+        config = zero_config(ParallelLayout(world_size=2, zero_stage=stage), model, 2, 4, 1.0, {}, overlap=True)
+        assert config["zero_optimization"]["overlap_comm"] is (stage == 2)
+        assert evaluation_config(config)["zero_optimization"]["overlap_comm"] is False
 
 
 def test_lr_schedule_warmup_then_cosine():

@@ -53,11 +53,28 @@ def test_activation_checkpointing_gives_same_gradients(mode):
         assert torch.allclose(a.grad, b.grad, atol=1e-6)
 
 
-def test_selective_checkpointing_keeps_only_matmul_outputs_and_recomputes_no_matmul():
+@pytest.mark.parametrize("mode, forwards", [("none", 1), ("selective", 2), ("full", 2)])
+def test_checkpointed_blocks_run_their_forward_again_in_backward_whole_model_and_stage(mode, forwards):
+    """Parity cannot tell whether recomputation ran (it gives the same numbers): count the block's forward calls in
+    one forward + backward, through the whole model and through a pipeline stage."""
+    from lightning_mgpu.models.llama_plan import llama_stages
+
+    cfg = LlamaConfig(n_layers=2, activation_checkpointing=mode)
+    x = torch.randint(0, 256, (2, 16))
+    for run in ("model", "stage"):
+        model = Llama(cfg).train()
+        calls = []
+        model.layers[0].attention.register_forward_hook(lambda *_: calls.append(1))
+        module = model if run == "model" else llama_stages(model, [0], 1)[0]
+        module(x).square().mean().backward()
+        assert len(calls) == forwards, (run, mode, len(calls))
+
+
+def test_selective_checkpointing_keeps_only_projection_outputs_and_runs_no_projection_again():
     """Bytes a forward leaves allocated for backward (torch's profiler, CPU allocator events) and FLOPs of forward +
-    backward (torch's FLOP counter, which counts matrix multiplications): selective keeps exactly each block's input
-    and the outputs of its seven projections, and adds no matmul FLOPs; full keeps the inputs alone and runs every
-    forward matmul again."""
+    backward (torch's FLOP counter, which on CPU counts the projections' matmuls but not the attention kernel):
+    selective keeps exactly each block's input and the outputs of its seven projections, and runs no projection
+    again (attention is recomputed); full keeps the inputs alone and runs every projection again."""
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.flop_counter import FlopCounterMode
 
