@@ -73,11 +73,11 @@ def _token_file(directory):
     return make_token_file(directory, n_tokens=5000)
 
 
-@pytest.mark.parametrize("layout, tied", [(dict(tensor_parallel_size=2, sequence_parallel=True), True),
+@pytest.mark.parametrize("layout, tied", [(dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3), True),
                                           (dict(pipeline_parallel_size=2, zero_stage=1), False),
                                           (dict(tensor_parallel_size=2, zero_stage=1, save_consolidated_weights=False),
                                            False)],
-                         ids=["tp2_sp_tied", "pp2_zero1", "tp2_from_universal_checkpoint"])
+                         ids=["tp2_sp_zero3_tied", "pp2_zero1", "tp2_from_universal_checkpoint"])
 def test_import_train_zero_steps_export_round_trip(tmp_path, layout, tied):
     """Tied embeddings: one tensor in our model (split over the vocabulary under tp), ``embed_tokens`` alone in the
     export, and transformers ties ``lm_head`` to it again on loading."""
