@@ -38,6 +38,10 @@ class ParallelModule(Protocol):
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The mean loss of one micro-batch from the last stage's output."""
 
+    def checkpointed_blocks(self) -> tuple[str, list[nn.Module]]:
+        """(activation checkpointing mode, the blocks it applies to) of the module as it is now (after a stage split,
+        only this rank's blocks): ``parallelize`` applies it (:mod:`lightning_mgpu.parallel.checkpointing`)."""
+
     def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of parameter ``name``'s initial value, whose whole tensor has shape ``shape``. Defining it lets
         the strategy build ``configure_model`` on the meta device and give each rank only its share. ``name`` is the

@@ -11,9 +11,10 @@ from torchmetrics import MeanMetric
 
 from lightning_mgpu.checkpoint.hf import HFWeights, hf_path, load_hf, load_into
 from lightning_mgpu.layout import ModelShape
-from lightning_mgpu.models.llama import Llama, LlamaConfig
+from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
+from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.cross_entropy import cross_entropy, gather_logits
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.tensor import ParallelNorm
@@ -91,9 +92,17 @@ class LLMModule(L.LightningModule):
         this runs on the meta device and the strategy asks :meth:`initial_value` for each rank's share only."""
         if self.model is None:
             self.model = Llama(self.config, init_seed=self.hparams.init_seed)
-            if self.hparams.init_from and not self.model.output.weight.is_meta:  # whole weights (one process)
-                _, state = load_hf(hf_path(self.hparams.init_from))
-                load_into(self.model, state)
+            if not self.model.output.weight.is_meta:  # a real build, not MGPUStrategy's (which parallelize finishes)
+                if self.hparams.init_from:  # whole weights (one process)
+                    _, state = load_hf(hf_path(self.hparams.init_from))
+                    load_into(self.model, state)
+                mode, blocks = self.checkpointed_blocks()
+                checkpoint_blocks(blocks, mode)
+
+    def checkpointed_blocks(self) -> tuple[str, list[torch.nn.Module]]:
+        """(``config.activation_checkpointing``, this rank's transformer blocks): applied by ``parallelize`` under
+        MGPUStrategy, by :meth:`configure_model` otherwise."""
+        return self.config.activation_checkpointing, [m for m in self.model.modules() if isinstance(m, Block)]
 
     def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of parameter ``name``'s initial value (``model.layers.0.attention.wq.weight``, whole shape

@@ -14,7 +14,6 @@ from typing import Callable, Literal, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 #: Activation checkpointing modes: keep every activation for backward; keep only the matrix multiplications' outputs
@@ -45,6 +44,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    #: Applied to the blocks from outside (``lightning_mgpu.parallel.checkpointing``), not by this file.
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     init_std: float = 0.02
     #: The token that ends a document in packed samples, or None. When set, attention stays within each document of
@@ -228,25 +228,10 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-#: What selective checkpointing keeps: the outputs of the projections (``nn.Linear`` runs as ``mm``/``addmm``), the
-#: expensive part of a block. Everything else is recomputed in backward: attention (``bmm`` is left out, so a math
-#: attention kernel does not keep its ``s x s`` scores), the norms, the element-wise ops, and the tensor-parallel
-#: collectives between them (as often as under full recomputation).
-_KEPT_BY_SELECTIVE = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
-
-
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _KEPT_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context():
-    return create_selective_checkpoint_contexts(_selective_policy)
-
-
-def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, activation_checkpointing: str,
+def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Apply transformer blocks in order, recomputing each in backward when ``activation_checkpointing="full"``, or
-    all but its matrix multiplications when ``"selective"``.
+    """Apply transformer blocks in order (activation checkpointing, when configured, is applied to the blocks from
+    outside: ``lightning_mgpu.parallel.checkpointing``).
 
     With ``positions`` (:func:`document_positions`) attention stays within documents: the per-token rotary tables and
     the bias are made once here and shared by every block."""
@@ -255,11 +240,7 @@ def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ac
         cos, sin, bias = document_inputs(positions, cos, sin, x.dtype)
     extra = () if bias is None else (bias,)  # the default path calls blocks exactly as before
     for layer in layers:
-        if activation_checkpointing != "none" and layer.training and torch.is_grad_enabled():
-            context = {"context_fn": _selective_context} if activation_checkpointing == "selective" else {}
-            x = checkpoint(layer, x, cos, sin, *extra, use_reentrant=False, **context)
-        else:
-            x = layer(x, cos, sin, *extra)
+        x = layer(x, cos, sin, *extra)
     return x
 
 
@@ -316,7 +297,7 @@ class Llama(nn.Module):
         eod = self.config.eod_token_id
         positions = None if eod is None else document_positions(tokens, eod)
         return self.output(self.norm(run_layers(self.layers, self.tok_embeddings(tokens), self.rope_cos,
-                                                self.rope_sin, self.config.activation_checkpointing, positions)))
+                                                self.rope_sin, positions)))
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,

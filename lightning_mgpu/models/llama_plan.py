@@ -57,7 +57,6 @@ class LlamaStage(nn.Module):
         self.output = model.output if last else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-        self.activation_checkpointing = model.config.activation_checkpointing
         self.eod_token_id = model.config.eod_token_id
 
     def forward(self, x: torch.Tensor,
@@ -66,8 +65,7 @@ class LlamaStage(nn.Module):
             if self.eod_token_id is not None:
                 positions = document_positions(x, self.eod_token_id)
             x = self.tok_embeddings(x)
-        x = run_layers(self.layers.values(), x, self.rope_cos, self.rope_sin, self.activation_checkpointing,
-                       positions)
+        x = run_layers(self.layers.values(), x, self.rope_cos, self.rope_sin, positions)
         if self.output is not None:
             return self.output(self.norm(x))
         return x if positions is None else (x, positions)

@@ -1,9 +1,9 @@
 """One function over the layout that turns a LightningModule into what this rank trains, in a fixed order:
 
-tensor-parallel plan -> pipeline stage split -> materialise this rank's share.
+tensor-parallel plan -> pipeline stage split -> activation checkpointing of this rank's blocks -> materialise this
+rank's share.
 
-Activation checkpointing is a setting of the model (``LlamaConfig.activation_checkpointing``) and the engine
-(DeepSpeed, :mod:`lightning_mgpu.engine`) wraps the result; the strategy calls this between the two. Tests call
+The engine (DeepSpeed, :mod:`lightning_mgpu.engine`) wraps the result; the strategy calls this between the two. Tests call
 it without a Trainer. A module built on the meta device (``MGPUStrategy`` builds ``configure_model`` there when the
 module defines ``initial_value``) holds no memory until the last step, which gives each rank only its own shard.
 """
@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_mgpu.checkpoint.universal import canonical_name
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.materialize import materialize, meta_parameters
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
 
@@ -52,6 +53,10 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
     if layout.size("pp") > 1:
         ids = layout.stage_ids(layout.rank("pp"))
         kept = module.pipeline_stages(ids, layout.num_stages, boundaries)
+    if callable(getattr(module, "checkpointed_blocks", None)):
+        mode, blocks = module.checkpointed_blocks()
+        if checkpoint_blocks(blocks, mode):
+            notes.append(f"activation checkpointing: {mode} on {len(blocks)} blocks of this rank")
     buffers = [name for name, b in kept.named_buffers() if b.is_meta]
     if buffers:
         raise ValueError(f"{type(module).__name__} built buffers on the meta device ({', '.join(buffers[:3])}), which "

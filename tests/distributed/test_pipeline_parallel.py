@@ -46,11 +46,20 @@ def test_pp2_dp2_zero_matches_single_process(token_file, ref, zero_stage):
 
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])
 def test_pp2_tp2_with_sequence_parallel_matches_single_process(token_file, ref, checkpointing):
-    """Selective recomputation (matmul outputs kept, the tensor-parallel collectives and attention recomputed) gives
-    the plain run's losses and grad norms: ``ref`` recomputes nothing."""
+    """Selective recomputation (projection outputs kept, the tensor-parallel collectives and attention recomputed),
+    applied by ``parallelize`` to this rank's blocks after the stage split, gives the plain run's losses and grad
+    norms: ``ref`` recomputes nothing."""
+    import lightning as L
+
+    class Checkpointed(L.Callback):
+        def on_train_start(self, trainer, *args):
+            blocks = trainer.lightning_module.checkpointed_blocks()[1]
+            assert blocks and all(getattr(b, "activation_checkpointing", None) == (
+                None if checkpointing == "none" else checkpointing) for b in blocks)
+
     results = run(token_file, 4, model=replace(DEEP, activation_checkpointing=checkpointing), pipeline_parallel_size=2,
                   tensor_parallel_size=2, sequence_parallel=True, pipeline_schedule="interleaved_1f1b",
-                  virtual_pipeline_size=2)
+                  virtual_pipeline_size=2, callbacks=[Checkpointed()])
     assert_parity(results, ref)
 
 

@@ -8,6 +8,7 @@ import torch
 
 import lightning_mgpu.models.llama as llama_file
 from lightning_mgpu.models import LLAMA_SHAPES, Llama, LlamaConfig
+from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 
 
 @pytest.mark.parametrize("name, billions", [("llama3_1b", 1.24), ("llama3_8b", 8.03), ("llama3_70b", 70.55),
@@ -44,6 +45,7 @@ def test_activation_checkpointing_gives_same_gradients(mode):
     plain = Llama(LlamaConfig())
     ckpt = Llama(LlamaConfig(activation_checkpointing=mode))
     ckpt.load_state_dict(plain.state_dict())
+    assert checkpoint_blocks(ckpt.layers, mode) == len(ckpt.layers)
     x = torch.randint(0, 256, (2, 16))
     losses = [m(x).square().mean() for m in (plain, ckpt)]
     for loss in losses:
@@ -56,18 +58,24 @@ def test_activation_checkpointing_gives_same_gradients(mode):
 @pytest.mark.parametrize("mode, forwards", [("none", 1), ("selective", 2), ("full", 2)])
 def test_checkpointed_blocks_run_their_forward_again_in_backward_whole_model_and_stage(mode, forwards):
     """Parity cannot tell whether recomputation ran (it gives the same numbers): count the block's forward calls in
-    one forward + backward, through the whole model and through a pipeline stage."""
+    one forward + backward, through ``LLMModule`` (which applies the config's mode itself outside MGPUStrategy) and
+    through a pipeline stage of checkpointed blocks (``parallelize`` applies it after the split; the distributed
+    selective test checks it did)."""
+    from lightning_mgpu import LLMModule
     from lightning_mgpu.models.llama_plan import llama_stages
 
     cfg = LlamaConfig(n_layers=2, activation_checkpointing=mode)
     x = torch.randint(0, 256, (2, 16))
-    for run in ("model", "stage"):
-        model = Llama(cfg).train()
+    for run in ("module", "stage"):
+        lightning_module = LLMModule(cfg)
+        lightning_module.configure_model()
+        model = lightning_module.model.train()
         calls = []
         model.layers[0].attention.register_forward_hook(lambda *_: calls.append(1))
-        module = model if run == "model" else llama_stages(model, [0], 1)[0]
+        module = model if run == "module" else llama_stages(model, [0], 1)[0]
         module(x).square().mean().backward()
         assert len(calls) == forwards, (run, mode, len(calls))
+    assert getattr(model.layers[1], "activation_checkpointing", None) == (None if mode == "none" else mode)
 
 
 def test_selective_checkpointing_keeps_only_projection_outputs_and_runs_no_projection_again():
@@ -84,14 +92,15 @@ def test_selective_checkpointing_keeps_only_projection_outputs_and_runs_no_proje
     b, s = 4, 128
     def measure(mode: str) -> tuple[int, int]:
         model = Llama(LlamaConfig(**cfg, activation_checkpointing=mode), init_seed=3).train()
+        checkpoint_blocks(model.layers, mode)
         x = model.tok_embeddings(torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(1))).detach()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with record_function("forward"):  # nothing else is freed inside it: the bytes it leaves are kept
-                out = run_layers(model.layers, x, model.rope_cos, model.rope_sin, mode)
+                out = run_layers(model.layers, x, model.rope_cos, model.rope_sin)
         kept = next(e for e in prof.events() if e.name == "forward").cpu_memory_usage - out.nbytes
         del out
         with FlopCounterMode(display=False) as counter:
-            run_layers(model.layers, x, model.rope_cos, model.rope_sin, mode).sum().backward()
+            run_layers(model.layers, x, model.rope_cos, model.rope_sin).sum().backward()
         return kept, counter.get_total_flops()
 
     kept, flops = {}, {}

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from lightning_mgpu import LLMModule
 from lightning_mgpu.models import Llama, LlamaConfig
 from lightning_mgpu.models.llama import document_positions
+from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.planner.memory import activation_bytes, document_mask_bytes
 
 EOD = 0
@@ -63,6 +64,7 @@ def test_recomputed_blocks_give_the_same_gradients_with_documents():
     plain = Llama(CFG)
     ckpt = Llama(replace(CFG, activation_checkpointing="full"))
     ckpt.load_state_dict(plain.state_dict())
+    assert checkpoint_blocks(ckpt.layers, "full") == len(ckpt.layers)
     tokens = torch.cat(documents(5, 7, 6))[None].repeat(2, 1)
     for m in (plain, ckpt):
         m(tokens).square().mean().backward()
