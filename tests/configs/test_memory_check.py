@@ -16,6 +16,7 @@ from lightning_mgpu.cli.paths import recipes_dir
 from lightning_mgpu.cli.validate import (EXIT_REFUSED, ConfigError, check_run, memory_budget, memory_problems,
                                          run_memory)
 from lightning_mgpu.models import Llama, LlamaConfig
+from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.planner.model_stats import max_rank_parameters
 from lightning_mgpu.planner.memory import activation_bytes, estimate_memory
 from lightning_mgpu.planner.process import (CPU_ACTIVATION_FACTOR, CPU_STATE_FACTOR, PROCESS_BASELINE_BYTES,
@@ -175,6 +176,7 @@ def test_the_cpu_activation_factor_bounds_what_this_llama_saves(recompute):
     """Bytes autograd keeps for backward of a real forward (fp32, CPU) against the host estimate's activations."""
     cfg = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=1024, activation_checkpointing=recompute)
     model, tokens, saved = Llama(cfg), torch.randint(0, cfg.vocab_size, (2, 65)), {}
+    checkpoint_blocks(model.layers, recompute)  # as parallelize (or LLMModule) applies it
 
     def keep(t):
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
