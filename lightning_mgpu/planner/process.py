@@ -75,7 +75,7 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
     optimizer state (``offload_optimizer``) and ZeRO-3's parameter partitions (``offload_params``) to host memory.
     """
     planned = estimate_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, stages_per_rank, sequence_parallel,
-                              recompute, precision)
+                              recompute, precision, overlap=not host)  # the engine overlaps on GPUs only
     w = 2 if precision == "bf16-true" else 4
     whole = (cfg.num_parameters() if builds_whole_model else max_rank_parameters(cfg, tp, pp, stages_per_rank)) * w
     if host:

@@ -84,7 +84,7 @@ def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int) -> Ite
 def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, c: Candidate,
              precision: str = "bf16-mixed", achievable: float = ACHIEVABLE_FRACTION) -> PlanRow:
     memory = estimate_memory(cfg, seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
-                             c.sequence_parallel, c.recompute, precision)
+                             c.sequence_parallel, c.recompute, precision, overlap=True)  # a plan is for GPUs
     time = estimate_step_time(cfg, cluster, seq_len, global_batch, c.micro_batch, c.tp, c.pp, c.zero_stage,
                               c.virtual, c.schedule, c.recompute, achievable)
     return PlanRow(c, memory, time, memory.total <= USABLE_MEMORY * cluster.gpu.memory_bytes)

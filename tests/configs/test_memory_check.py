@@ -159,12 +159,13 @@ def test_every_rank_building_the_whole_model_is_a_peak_of_its_own():
 def test_host_and_gpu_estimates_follow_the_planner():
     cfg = LlamaConfig.from_name("llama3_1b")
     kw = dict(seq_len=2048, micro_batch=2, tp=2, pp=1, dp=4, zero_stage=3, precision="bf16-mixed")
-    planned = estimate_memory(cfg, **kw)
+    planned = estimate_memory(cfg, **kw, overlap=True)  # a GPU overlaps communication (a second reduce bucket)
     gpu = process_memory(cfg, **kw, host=False, builds_whole_model=False)
     assert (gpu.baseline, gpu.model_states, gpu.activations) == (0, planned.model_states, planned.activations)
     offloaded = process_memory(cfg, **kw, host=False, builds_whole_model=False, offload_optimizer=True,
                                offload_params=True)  # ZeRO-3 offload: what stays on the GPU
     assert offloaded.model_states == pytest.approx(planned.gradients + planned.buffers)
+    planned = estimate_memory(cfg, **kw)  # a CPU process does not overlap
     host = process_memory(cfg, **kw, host=True, builds_whole_model=False)
     assert host.baseline == PROCESS_BASELINE_BYTES
     assert host.model_states == pytest.approx(CPU_STATE_FACTOR * planned.model_states)

@@ -110,6 +110,19 @@ def test_overlap_hides_data_parallel_communication_behind_compute_up_to_its_leng
         assert unhidden.data_parallel_hidden == 0 and unhidden.data_parallel > 0
 
 
+def test_overlap_holds_a_second_reduce_bucket_at_zero_2_and_3():
+    """DeepSpeed reduces one bucket while the next fills when it overlaps (ZeRO 2 and 3 on GPUs): one more bucket of
+    buffers there, nothing at ZeRO 0 and 1; a GPU plan counts it, a CPU process does not."""
+    n = 10_000_000
+    for stage in range(4):
+        plain, overlapped = (model_state_bytes(n, stage, 8, overlap=o)["buffers"] for o in (False, True))
+        assert overlapped - plain == (n // 4 * 2 if stage >= 2 else 0)
+    cfg = LlamaConfig.from_name("llama3_8b")
+    row = evaluate(cfg, ClusterSpec(1, 8, GPUS["h100_80gb"]), 4096, 64, Candidate(1, 1, 8, 2, 1))
+    assert row.memory.buffers == estimate_memory(cfg, 4096, 1, 1, 1, 8, 2, overlap=True).buffers > \
+        estimate_memory(cfg, 4096, 1, 1, 1, 8, 2).buffers
+
+
 def test_throughput_counts_tokens_once_per_replica():
     # tp=2 x pp=2 x dp=2 on 8 GPUs, each rank sees a batch of 4 x 1024 tokens: the job processes 2 replicas'
     # batches per step, not 8 ranks' worth (naive world-size scaling would be 4x off).
