@@ -6,7 +6,7 @@ import contextlib
 import logging
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -19,6 +19,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -111,6 +112,9 @@ class MGPUStrategy(ParallelStrategy):
         self.pipeline: Optional[Pipeline] = None
         #: When set, local ranks 1..N-1 run this command instead of re-running the script (see launcher.py).
         self.worker_command: Optional[list[str]] = None
+        #: When set, a CPU job forks local ranks 1..N-1 from this process, which run this function instead of
+        #: ``worker_command``: they inherit torch, Lightning and DeepSpeed already imported (see launcher.py).
+        self.fork_entry: Optional[Callable[[], object]] = None
         self.tensor_parallel_plan = tensor_parallel_plan
         self.tensor_parallel_notes: list[str] = []
         self.nvme_path = nvme_path
@@ -184,8 +188,11 @@ class MGPUStrategy(ParallelStrategy):
                        **self._layout_args)
         if not self.cluster_environment.creates_processes_externally:
             if self.worker_command:
+                fork_entry = self.fork_entry if isinstance(self.accelerator, CPUAccelerator) else None
+                if fork_entry is not None and self.num_processes > 1:
+                    engines.preload()  # once, in the process every local rank is forked from
                 self._launcher = WorkerCommandLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                                       self.worker_command)
+                                                       self.worker_command, fork_entry=fork_entry)
             else:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
                                                            self.num_nodes)

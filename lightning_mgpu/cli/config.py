@@ -192,6 +192,9 @@ class ClusterConfig:
     """How processes are started: ``local`` (Lightning), ``torchrun`` or ``slurm`` (hydra-submitit-launcher)."""
 
     launcher: str = "local"
+    #: cluster=local on CPU: fork local ranks 1..N-1 from the first process, which has imported torch, Lightning and
+    #: DeepSpeed already (false: start each as a fresh interpreter, as on GPUs)
+    fork_on_cpu: bool = True
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -73,6 +74,10 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
     strategy = build_strategy(cfg)  # validates the parallel settings before any process starts
     if cfg.cluster.launcher == "local" and not worker:
         strategy.worker_command = [sys.executable, "-m", "lightning_mgpu.cli.worker", str(run_dir.resolve())]
+        if cfg.cluster.fork_on_cpu:
+            from lightning_mgpu.cli.worker import main as worker_main
+
+            strategy.fork_entry = functools.partial(worker_main, str(run_dir.resolve()))
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, model_config)
     launch_env = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}

@@ -43,11 +43,42 @@ def test_multirun_gives_one_directory_and_config_per_job(token_file, tmp_path):
 def test_submitit_runs_the_job_with_the_config_resolved_at_submission(token_file, tmp_path):
     sweep = tmp_path / "sweep"
     run([str(BIN / "mgpu-train"), "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
-         "trainer.devices=2", "data=tokens", f"data.path={token_file}", "trainer.max_steps=2", *TINY_ARGS,
+         "trainer.devices=2", "cluster.fork_on_cpu=false",  # the worker command, as GPU jobs start their ranks "data=tokens", f"data.path={token_file}", "trainer.max_steps=2", *TINY_ARGS,
          f"hydra.sweep.dir={sweep}"], tmp_path)
     assert (sweep / "0" / "config.yaml").is_file()
     assert len(read_losses(sweep / "0" / "metrics.csv")) == 2
     assert list((sweep / ".submitit").iterdir())  # it really went through submitit
+
+
+def _forked_rank(out: Path) -> None:
+    rank = int(os.environ["LOCAL_RANK"])
+    imported = "deepspeed.runtime.zero.muon.muon_optimizer" in sys.modules
+    (out / f"rank{rank}").write_text(f"{os.getppid()} {imported}")
+    raise SystemExit(rank)
+
+
+def test_cpu_local_ranks_are_forked_with_everything_imported_and_report_their_status(tmp_path, monkeypatch):
+    from lightning.pytorch.plugins.environments import LightningEnvironment
+
+    from lightning_mgpu import MGPUStrategy
+    from lightning_mgpu.launcher import WorkerCommandLauncher
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(name, "0" if name != "MASTER_ADDR" else "127.0.0.1")  # restored after the test
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    launcher = WorkerCommandLauncher(LightningEnvironment(), 3, 1, ["false"], fork_entry=lambda: _forked_rank(tmp_path))
+    launcher._call_children_scripts()
+    assert [p.wait() for p in launcher.procs] == [1, 2]  # each child's SystemExit code, as the observer polls it
+    for rank in (1, 2):
+        assert (tmp_path / f"rank{rank}").read_text() == f"{os.getpid()} True"  # forked from here, modules loaded
+
+    monkeypatch.delenv("LOCAL_RANK")  # set by the launch above; with it, Lightning takes this for a started rank
+    strategy = MGPUStrategy()  # what mgpu-train sets on a cluster=local job
+    strategy.worker_command, strategy.fork_entry = ["false"], lambda: None
+    import lightning as L
+
+    L.Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+    assert strategy.launcher.fork_entry is strategy.fork_entry  # a CPU job forks its ranks
 
 
 def test_slurm_cluster_writes_the_expected_sbatch_script(tmp_path):
