@@ -1,17 +1,20 @@
 """The one validated object that owns the parallel layout: rank coordinates, rules and process groups.
 
-Rank ``r`` has coordinates ``tp = r % T``, ``pp = (r // T) % P``, ``dp = r // (T * P)``: tensor
-parallelism is innermost so that, with 8 GPUs a node and ``T`` dividing 8, every tensor-parallel group
-sits inside one node.
+Rank ``r`` has coordinates ``tp = r % T``, ``cp = (r // T) % C``, ``pp = (r // (T * C)) % P`` and
+``dp = r // (T * C * P)``: tensor parallelism is innermost so that, with 8 GPUs a node and ``T`` dividing 8, every
+tensor-parallel group sits inside one node; context parallelism comes next, so that its per-layer key/value exchange
+also stays inside a node whenever ``T * C`` divides the node's GPU count. Pipeline stages exchange one activation per
+micro-batch and data-parallel replicas one gradient reduction per step, so they take the slower links across nodes.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
-AXES = ("tp", "pp", "dp")
+AXES = ("tp", "cp", "pp", "dp")
 
 #: Pipeline schedules by their public name (see ``torch.distributed.pipelining.schedules``).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
@@ -54,7 +57,12 @@ def _fmt(options: list[int]) -> str:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """World size split into tensor (tp), pipeline (pp) and data (dp) parallel axes.
+    """World size split into tensor (tp), context (cp), pipeline (pp) and data (dp) parallel axes.
+
+    Context-parallel ranks split each sequence of a micro-batch (see ``lightning_mgpu.parallel.context``); they hold
+    the same weights, so their gradients are reduced, and ZeRO partitions, over the data x context ranks of a model
+    shard (group ``"dp_cp"``): that is exactly the set of ranks whose gradients sum to the replica's, and partitioning
+    over it divides optimizer memory by ``D * C`` instead of ``D``.
 
     Build it with keyword arguments; construction validates every rule at once and raises one
     ``ValueError`` that lists each problem with its value, the rule and the fix. Process groups are
@@ -71,6 +79,7 @@ class ParallelLayout:
     sequence_parallel: bool = False
     offload_optimizer: Optional[str] = None
     offload_params: Optional[str] = None
+    context_parallel_size: int = 1
     devices_per_node: Optional[int] = None
     model: Optional[ModelShape] = None
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -93,17 +102,20 @@ class ParallelLayout:
         """Every rule this layout breaks, as human-readable lines (empty when valid)."""
         out: list[str] = []
         W, T, P, V = self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size, self.virtual_pipeline_size
+        C = self.context_parallel_size
         for name, value in (("world_size", W), ("tensor_parallel_size", T), ("pipeline_parallel_size", P),
-                            ("virtual_pipeline_size", V)):
+                            ("virtual_pipeline_size", V), ("context_parallel_size", C)):
             if not isinstance(value, int) or value < 1:
                 out.append(f"{name}={value!r} must be a positive integer; use 1 to disable this axis")
         if out:
             return out
-        if W % (T * P) != 0:
-            valid = [d for d in divisors(W) if W % (d * P) == 0]
+        if W % (T * C * P) != 0:
+            valid = [d for d in divisors(W) if W % (d * C * P) == 0]
+            what = f"tensor_parallel_size*pipeline_parallel_size={T}*{P}={T * P}" if C == 1 else \
+                f"tensor*context*pipeline_parallel_size={T}*{C}*{P}={T * C * P}"
             out.append(
-                f"world_size={W} is not divisible by tensor_parallel_size*pipeline_parallel_size={T}*{P}={T * P}; "
-                f"the world must hold whole tp x pp model replicas: with pipeline_parallel_size={P} choose "
+                f"world_size={W} is not divisible by {what}; the world must hold whole model replicas: with "
+                f"pipeline_parallel_size={P}{'' if C == 1 else f' and context_parallel_size={C}'} choose "
                 f"tensor_parallel_size from {_fmt(valid)}, or change the number of devices"
             )
         if self.zero_stage not in (0, 1, 2, 3):
@@ -174,23 +186,27 @@ class ParallelLayout:
     # ------------------------------------------------------------------------------- coordinates
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_parallel_size * self.pipeline_parallel_size)
+        """Model replicas: ranks that train on different samples."""
+        return self.world_size // (self.tensor_parallel_size * self.context_parallel_size *
+                                   self.pipeline_parallel_size)
 
     def size(self, axis: str) -> int:
-        """Number of ranks along ``axis`` ("tp", "pp" or "dp")."""
-        return {"tp": self.tensor_parallel_size, "pp": self.pipeline_parallel_size, "dp": self.data_parallel_size}[
-            _check_axis(axis)
-        ]
+        """Number of ranks along ``axis`` ("tp", "cp", "pp", "dp", or "dp_cp": data x context ranks)."""
+        if axis == "dp_cp":
+            return self.data_parallel_size * self.context_parallel_size
+        return {"tp": self.tensor_parallel_size, "cp": self.context_parallel_size, "pp": self.pipeline_parallel_size,
+                "dp": self.data_parallel_size}[_check_axis(axis)]
 
     def coords(self, global_rank: int) -> dict[str, int]:
-        """The (tp, pp, dp) coordinates of ``global_rank``; tp is innermost."""
-        T, P = self.tensor_parallel_size, self.pipeline_parallel_size
-        return {"tp": global_rank % T, "pp": (global_rank // T) % P, "dp": global_rank // (T * P)}
+        """The (tp, cp, pp, dp) coordinates of ``global_rank``; tp is innermost, then cp."""
+        T, C, P = self.tensor_parallel_size, self.context_parallel_size, self.pipeline_parallel_size
+        return {"tp": global_rank % T, "cp": (global_rank // T) % C, "pp": (global_rank // (T * C)) % P,
+                "dp": global_rank // (T * C * P)}
 
-    def global_rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0) -> int:
+    def global_rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
         """The global rank at the given coordinates (inverse of :meth:`coords`)."""
-        T, P = self.tensor_parallel_size, self.pipeline_parallel_size
-        return tp + T * (pp + P * dp)
+        T, C, P = self.tensor_parallel_size, self.context_parallel_size, self.pipeline_parallel_size
+        return tp + T * (cp + C * (pp + P * dp))
 
     @property
     def num_stages(self) -> int:
@@ -210,21 +226,29 @@ class ParallelLayout:
         return next(r for r in range(self.pipeline_parallel_size) if stage_id in self.stage_ids(r))
 
     def group_ranks(self, axis: str) -> list[list[int]]:
-        """All groups along ``axis`` (each a list of global ranks), plus "mp" = the tp x pp model replica."""
-        T, P, D = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
+        """All groups along ``axis`` (each a list of global ranks), plus "mp" = the tp x pp ranks of one replica's
+        sequence part (their parameters make up the whole model once) and "dp_cp" = the data x context ranks that
+        hold the same parameter shard."""
+        T, C, P, D = self.tensor_parallel_size, self.context_parallel_size, self.pipeline_parallel_size, \
+            self.data_parallel_size
+        at = self.global_rank_of
         if axis == "tp":
-            return [[self.global_rank_of(t, p, d) for t in range(T)] for d in range(D) for p in range(P)]
+            return [[at(t, p, d, c) for t in range(T)] for d in range(D) for p in range(P) for c in range(C)]
+        if axis == "cp":
+            return [[at(t, p, d, c) for c in range(C)] for d in range(D) for p in range(P) for t in range(T)]
         if axis == "pp":
-            return [[self.global_rank_of(t, p, d) for p in range(P)] for d in range(D) for t in range(T)]
+            return [[at(t, p, d, c) for p in range(P)] for d in range(D) for c in range(C) for t in range(T)]
         if axis == "dp":
-            return [[self.global_rank_of(t, p, d) for d in range(D)] for p in range(P) for t in range(T)]
+            return [[at(t, p, d, c) for d in range(D)] for p in range(P) for c in range(C) for t in range(T)]
+        if axis == "dp_cp":
+            return [[at(t, p, d, c) for d in range(D) for c in range(C)] for p in range(P) for t in range(T)]
         if axis == "mp":
-            return [[self.global_rank_of(t, p, d) for p in range(P) for t in range(T)] for d in range(D)]
-        raise ValueError(f"axis={axis!r} is unknown; choose 'tp', 'pp', 'dp' or 'mp'")
+            return [[at(t, p, d, c) for p in range(P) for t in range(T)] for d in range(D) for c in range(C)]
+        raise ValueError(f"axis={axis!r} is unknown; choose 'tp', 'cp', 'pp', 'dp', 'dp_cp' or 'mp'")
 
     # ------------------------------------------------------------------------------ process groups
     def init_groups(self, global_rank: int, timeout=None) -> None:
-        """Create this rank's tp, pp, dp and mp (tp x pp) process groups, with the collective ``timeout`` (a
+        """Create this rank's tp, cp, pp, dp, dp_cp and mp (tp x pp) process groups, with the collective ``timeout`` (a
         ``timedelta``; torch's ``new_group`` does not inherit the world group's, it would wait 30 minutes on gloo).
 
         Every rank must call this in the same order, since ``new_group`` is collective over the world.
@@ -238,14 +262,15 @@ class ParallelLayout:
                                f"{dist.get_world_size()} ranks")
         self._groups.clear()
         self._groups["rank"] = global_rank
-        for axis in ("tp", "pp", "dp", "mp"):
+        for axis in ("tp", "cp", "pp", "dp", "dp_cp", "mp"):
             for ranks in self.group_ranks(axis):
                 group = dist.new_group(ranks, timeout=timeout)
                 if global_rank in ranks:
                     self._groups[axis] = group
 
     def group(self, axis: str):
-        """This rank's process group along ``axis`` ("tp", "pp", "dp" or "mp"); needs :meth:`init_groups`."""
+        """This rank's process group along ``axis`` ("tp", "cp", "pp", "dp", "dp_cp" or "mp"); needs
+        :meth:`init_groups`."""
         if axis not in self._groups:
             raise RuntimeError(f"no process group for axis {axis!r}: call init_groups() after init_process_group")
         return self._groups[axis]
@@ -254,7 +279,10 @@ class ParallelLayout:
         """This rank's coordinate along ``axis``; needs :meth:`init_groups`."""
         if "rank" not in self._groups:
             raise RuntimeError("ParallelLayout.rank needs init_groups() first")
-        return self.coords(self._groups["rank"])[_check_axis(axis)]
+        coords = self.coords(self._groups["rank"])
+        if axis == "dp_cp":  # the rank's place in its dp_cp group, in the order group_ranks lists it
+            return coords["dp"] * self.context_parallel_size + coords["cp"]
+        return coords[_check_axis(axis)]
 
 
 class _UncheckedLayout(ParallelLayout):
@@ -285,6 +313,25 @@ def training_loop_problems(pipeline_parallel_size: int, accumulate_grad_batches:
         out.append(f"manual optimization runs one training_step per batch, but {num_microbatches} micro-batches were "
                    "asked for; use num_microbatches=1 (micro-batch = the whole batch) or automatic optimization")
     return out
+
+
+def sequence_problems(seq_len: int, context_parallel_size: int = 1, tensor_parallel_size: int = 1,
+                      sequence_parallel: bool = False, key: str = "seq_len") -> list[str]:
+    """The one rule for how a sequence of ``seq_len`` tokens splits: context parallelism gives each of its ``C`` ranks
+    two equal chunks (an early and a late one, which balances causal attention), so ``seq_len`` must be a multiple of
+    ``2 * C``; sequence parallelism then splits each rank's ``seq_len / C`` tokens ``T`` ways, so also of ``C * T``."""
+    C, T = context_parallel_size, tensor_parallel_size if sequence_parallel else 1
+    unit = math.lcm(2 * C if C > 1 else 1, C * T)
+    if unit == 1 or seq_len % unit == 0:
+        return []
+    why = []
+    if C > 1:
+        why.append(f"context_parallel_size={C} gives each rank 2 of {2 * C} equal chunks")
+    if T > 1:
+        why.append(f"sequence parallelism splits each rank's tokens over tensor_parallel_size={T}")
+    lower, upper = seq_len // unit * unit, (seq_len // unit + 1) * unit
+    near = f"{lower} or {upper}" if lower else f"{upper}"
+    return [f"{key}={seq_len} is not a multiple of {unit} ({'; '.join(why)}); use {near}"]
 
 
 def _check_axis(axis: str) -> str:

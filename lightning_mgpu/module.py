@@ -15,6 +15,7 @@ from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
+from lightning_mgpu.parallel.context import shard_sequence
 from lightning_mgpu.parallel.cross_entropy import cross_entropy, gather_logits
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.tensor import ParallelNorm
@@ -135,14 +136,29 @@ class LLMModule(L.LightningModule):
         return self.model
 
     def pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first stage's input, last stage's target) of a batch. With documents, the target after each
-        end-of-document input is :data:`IGNORE_INDEX`: marking it in the target is what lets the last pipeline stage,
-        which never sees the input tokens, skip it."""
+        """(first stage's input, last stage's target) of a batch: with context parallelism, this rank's chunks of
+        them. With documents, the target after each end-of-document input is :data:`IGNORE_INDEX`: marking it in the
+        target is what lets the last pipeline stage, which never sees the input tokens, skip it."""
         inputs, targets = batch[:, :-1], batch[:, 1:]
         eod = self.config.eod_token_id
         if eod is not None:
             targets = targets.masked_fill(inputs == eod, IGNORE_INDEX)
-        return inputs, targets
+        return self.context_parallel_batch(inputs, targets)
+
+    def context_parallel_batch(self, *sequences: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This context rank's chunks of each ``[batch, seq]`` tensor (all of them without context parallelism).
+
+        Every context rank gets the same samples (they are one replica) and each takes its two chunks; the loss is
+        then each rank's mean over its tokens, and the strategy's mean over the context ranks (equal token counts) is
+        the mean over the sequence."""
+        rank, size = self._context_coordinates()
+        return tuple(shard_sequence(x, rank, size) for x in sequences)
+
+    def _context_coordinates(self) -> tuple[int, int]:
+        layout = getattr(self._trainer.strategy, "layout", None) if self._trainer is not None else None
+        if layout is None or layout.size("cp") == 1:
+            return 0, 1
+        return layout.rank("cp"), layout.size("cp")
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of one micro-batch on the last stage (with documents: its part of the global batch's mean)."""
@@ -180,6 +196,9 @@ class LLMModule(L.LightningModule):
         if self._pipeline() is not None:
             raise NotImplementedError("generate() needs the whole model on each rank; it is not available with "
                                       "pipeline parallelism (pipeline_parallel_size > 1)")
+        if self._context_coordinates()[1] > 1:
+            raise NotImplementedError("generate() runs whole sequences on each rank; it is not available with "
+                                      "context parallelism (context_parallel_size > 1)")
         head = self.model.output
         sequence_parallel = any(isinstance(m, ParallelNorm) and m.sequence_parallel for m in self.model.modules())
         multiple = getattr(head, "tp_size", 1) if sequence_parallel else 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import logging
 from datetime import timedelta
 from pathlib import Path
@@ -48,8 +49,8 @@ log = logging.getLogger(__name__)
 class MGPUStrategy(ParallelStrategy):
     """Tensor, pipeline and ZeRO data parallelism for ``lightning.Trainer``.
 
-    Every process holds one DeepSpeed engine whose ZeRO stage partitions over the data-parallel group
-    only. One Lightning batch is this rank's share of one global batch: ``training_step`` runs its
+    Every process holds one DeepSpeed engine whose ZeRO stage partitions over the ranks holding the same model shard:
+    the data-parallel group, times the context-parallel group when sequences are split. One Lightning batch is this rank's share of one global batch: ``training_step`` runs its
     micro-batches (forward and backward through the engine) and the optimizer step is one
     ``engine.step()`` — gradient clipping (``Trainer(gradient_clip_val=...)``) by the global norm included.
 
@@ -57,6 +58,10 @@ class MGPUStrategy(ParallelStrategy):
         zero_stage: ZeRO stage 0-3 over the data-parallel group.
         tensor_parallel_size: ranks that split each layer's matmuls (innermost axis).
         pipeline_parallel_size: ranks that split the stack of layers into stages.
+        context_parallel_size: ranks that split each sequence of a micro-batch (long context; see
+            ``lightning_mgpu.parallel.context``): each holds two of ``2 x context_parallel_size`` equal chunks and
+            attends over the keys and values of all of them. Needs a module whose attention kernel can be replaced
+            (``LLMModule``).
         sequence_parallel: run norms on sequence shards, with all-gather / reduce-scatter in place of
             all-reduce inside tensor-parallel groups (needs ``tensor_parallel_size > 1``).
         tensor_parallel_plan: ``{module name pattern: style}`` that splits the LightningModule's layers (see
@@ -92,17 +97,18 @@ class MGPUStrategy(ParallelStrategy):
                  tensor_parallel_plan: Optional[TensorParallelPlan] = None,
                  pipeline_boundaries: Optional[list[int]] = None, pipeline_timeline: bool = False,
                  save_consolidated_weights: bool = False, checkpoint_format: str = "universal",
-                 **kwargs: Any) -> None:
+                 context_parallel_size: int = 1, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._layout_args = dict(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             zero_stage=zero_stage, pipeline_schedule=pipeline_schedule, virtual_pipeline_size=virtual_pipeline_size,
             num_microbatches=num_microbatches, sequence_parallel=sequence_parallel,
+            context_parallel_size=context_parallel_size,
             offload_optimizer=offload_optimizer, offload_params=offload_params)
         # Everything that does not depend on the world size is checked now, before any process exists.
-        ParallelLayout(world_size=tensor_parallel_size * pipeline_parallel_size
-                       if isinstance(tensor_parallel_size, int) and isinstance(pipeline_parallel_size, int)
-                       and tensor_parallel_size > 0 and pipeline_parallel_size > 0 else 1, **self._layout_args)
+        sizes = (tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
+        ParallelLayout(world_size=math.prod(sizes) if all(isinstance(n, int) and n > 0 for n in sizes) else 1,
+                       **self._layout_args)
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
         self.pipeline_timeline = pipeline_timeline
         self.save_consolidated_weights = save_consolidated_weights
@@ -375,9 +381,10 @@ class MGPUStrategy(ParallelStrategy):
         return {**out, "loss": mean} if isinstance(out, Mapping) else mean
 
     def _mean_over_replicas(self, mean: torch.Tensor) -> torch.Tensor:
-        if self.layout.size("dp") > 1:
-            dist.all_reduce(mean, group=self.layout.group("dp"))
-            mean /= self.layout.size("dp")
+        """The loss of the global batch: the mean over replicas and over the equal sequence parts of context ranks."""
+        if self.layout.size("dp_cp") > 1:
+            dist.all_reduce(mean, group=self.layout.group("dp_cp"))
+            mean /= self.layout.size("dp_cp")
         return mean
 
     @override

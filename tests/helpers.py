@@ -14,6 +14,7 @@ from lightning_mgpu import LLMModule, MGPUStrategy
 from lightning_mgpu.data import TokenFileDataModule
 from lightning_mgpu.data.tokens import sample_starts
 from lightning_mgpu.models import LlamaConfig
+from lightning_mgpu.parallel.context import ContextParallelAttention
 
 TINY = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64)
 SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH = 16, 8, 2
@@ -114,14 +115,20 @@ def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precisio
 
 
 def expected_groups(rank: int, devices: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                    **_: Any) -> dict[str, list[int]]:
-    """The members of ``rank``'s tp, pp and dp groups, written out from the rank order the README states
-    (``tp = r % T``, ``pp = (r // T) % P``, ``dp = r // (T * P)``), independently of ``ParallelLayout``."""
-    T, P = tensor_parallel_size, pipeline_parallel_size
-    D = devices // (T * P)
-    t, p, d = rank % T, (rank // T) % P, rank // (T * P)
-    return {"tp": [d * T * P + p * T + u for u in range(T)], "pp": [d * T * P + q * T + t for q in range(P)],
-            "dp": [e * T * P + p * T + t for e in range(D)]}
+                    context_parallel_size: int = 1, **_: Any) -> dict[str, list[int]]:
+    """The members of ``rank``'s tp, cp, pp and dp groups, and of the data x context group ZeRO uses, written out from
+    the rank order the README states (``tp = r % T``, ``cp = (r // T) % C``, ``pp = (r // (T * C)) % P``,
+    ``dp = r // (T * C * P)``), independently of ``ParallelLayout``."""
+    T, C, P = tensor_parallel_size, context_parallel_size, pipeline_parallel_size
+    D = devices // (T * C * P)
+    t, c, p, d = rank % T, (rank // T) % C, (rank // (T * C)) % P, rank // (T * C * P)
+
+    def at(t_, c_, p_, d_):
+        return t_ + T * (c_ + C * (p_ + P * d_))
+
+    return {"tp": [at(u, c, p, d) for u in range(T)], "cp": [at(t, u, p, d) for u in range(C)],
+            "pp": [at(t, c, q, d) for q in range(P)], "dp": [at(t, c, p, e) for e in range(D)],
+            "dp_cp": sorted(at(t, u, p, e) for e in range(D) for u in range(C))}
 
 
 def assert_layout_applied(trainer: L.Trainer, devices: int, strategy_kwargs: dict) -> None:
@@ -137,7 +144,7 @@ def assert_layout_applied(trainer: L.Trainer, devices: int, strategy_kwargs: dic
         assert got == members, f"rank {rank}: {axis} group {got}, expected {members}"
     engine = strategy.model
     assert engine.zero_optimization_stage() == strategy_kwargs.get("zero_stage", 0)
-    D = len(expected_groups(rank, devices, **strategy_kwargs)["dp"])
+    D = len(expected_groups(rank, devices, **strategy_kwargs)["dp_cp"])  # ZeRO's group: data x context ranks
     assert engine.dp_world_size == D, (engine.dp_world_size, D)
     T = strategy_kwargs.get("tensor_parallel_size", 1)
     split = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
@@ -145,6 +152,11 @@ def assert_layout_applied(trainer: L.Trainer, devices: int, strategy_kwargs: dic
     for p in split:  # each holds one T-th of its (padded) dimension
         shape = getattr(p, "ds_shape", p.shape)
         assert shape[p.partition_dim] * T >= p.full_size > (shape[p.partition_dim] - 1) * T, (shape, p.full_size)
+    C = strategy_kwargs.get("context_parallel_size", 1)
+    kernels = [m.kernel for m in engine.module.modules() if hasattr(m, "kernel")]
+    swapped = [k for k in kernels if isinstance(k, ContextParallelAttention)]
+    assert len(swapped) == (len(kernels) if C > 1 else 0), f"rank {rank}: {len(swapped)} of {len(kernels)} " \
+        f"attention kernels are context-parallel at context_parallel_size={C}"
     config = getattr(trainer.lightning_module, "config", None)
     if isinstance(config, LlamaConfig):
         layout = strategy.layout

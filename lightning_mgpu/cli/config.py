@@ -70,6 +70,8 @@ class ParallelConfig:
     zero_stage: int = 2
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    #: ranks that split each sequence (long context); tokens per sample must be a multiple of 2 x this
+    context_parallel_size: int = 1
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1

@@ -27,7 +27,14 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_mgpu.data import BYTE_VOCAB_SIZE
 from lightning_mgpu.data.batching import batch_problems
 from lightning_mgpu.data.manifest import TOKEN_DTYPES as _NUMPY_TOKEN_DTYPES
-from lightning_mgpu.layout import V_SCHEDULES, ModelShape, divisors, layout_problems, training_loop_problems
+from lightning_mgpu.layout import (
+    V_SCHEDULES,
+    ModelShape,
+    divisors,
+    layout_problems,
+    sequence_problems,
+    training_loop_problems,
+)
 from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
 from lightning_mgpu.models.llama import activation_checkpointing_problems
 from lightning_mgpu.models.llama_plan import boundary_problems
@@ -44,6 +51,7 @@ TOKEN_DTYPES = tuple(_NUMPY_TOKEN_DTYPES)
 #: trainer.max_time as Lightning's Timer parses it: days:hours:minutes:seconds.
 _MAX_TIME = re.compile(r"^\d+:\d+:\d+:\d+$")
 _PARALLEL_KEYS = ("world_size", "tensor_parallel_size", "pipeline_parallel_size", "zero_stage", "pipeline_schedule",
+                  "context_parallel_size", "tensor*context*pipeline_parallel_size",
                   "virtual_pipeline_size", "num_microbatches", "sequence_parallel", "offload_optimizer",
                   "offload_params", "pipeline_parallel_size*virtual_pipeline_size")
 
@@ -314,8 +322,9 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
     sizes_ok = not (_positive("trainer.devices", t.devices) or _positive("trainer.num_nodes", t.num_nodes))
     world = t.devices * t.num_nodes if sizes_ok else 1
     shape = None if model is None else ModelShape.of(model)
-    T, P = p.tensor_parallel_size, p.pipeline_parallel_size
-    dp = world // (T * P) if isinstance(T, int) and isinstance(P, int) and T > 0 and P > 0 and world % (T * P) == 0 \
+    T, P, C = p.tensor_parallel_size, p.pipeline_parallel_size, p.context_parallel_size
+    sizes = (T, P, C)
+    dp = world // (T * P * C) if all(isinstance(n, int) and n > 0 for n in sizes) and world % (T * P * C) == 0 \
         else None
     micro = p.num_microbatches
     batch = []
@@ -325,13 +334,14 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
             micro = d.global_batch_size // (d.micro_batch_size * dp)
     raw = layout_problems(world_size=world, tensor_parallel_size=T, pipeline_parallel_size=P, zero_stage=p.zero_stage,
                           pipeline_schedule=p.pipeline_schedule, virtual_pipeline_size=p.virtual_pipeline_size,
-                          num_microbatches=micro, sequence_parallel=p.sequence_parallel,
+                          num_microbatches=micro, sequence_parallel=p.sequence_parallel, context_parallel_size=C,
                           offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape)
     out = [_as_key(line, world, t) for line in raw] + batch
-    if p.sequence_parallel and isinstance(T, int) and T > 1 and isinstance(d.seq_len, int) and d.seq_len % T:
-        out.append(f"data.seq_len={d.seq_len} is not divisible by parallel.tensor_parallel_size={T}: sequence "
-                   f"parallelism splits each sequence into {T} shards; use a multiple of {T} or "
-                   "parallel.sequence_parallel=false")
+    if isinstance(T, int) and isinstance(C, int) and T > 0 and C > 0 and isinstance(d.seq_len, int):
+        out += sequence_problems(d.seq_len, C, T, bool(p.sequence_parallel), key="data.seq_len")
+    if isinstance(C, int) and C > 1 and d.get("document_mask"):
+        out.append(f"parallel.context_parallel_size={C} does not support data.document_mask=true yet (each rank would "
+                   "need the document boundaries of the chunks it does not hold); set one of them off")
     if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
         out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
     if isinstance(P, int) and P > 1:

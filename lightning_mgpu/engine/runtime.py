@@ -17,7 +17,8 @@ from lightning_mgpu.layout import ParallelLayout
 class LayoutMPU:
     """The model-parallel-unit object DeepSpeed asks for process groups.
 
-    * data-parallel group: ZeRO partitions and reduces only over replicas of the same model shard;
+    * data-parallel group: ZeRO partitions and reduces only over ranks holding the same model shard: the data x
+      context ranks (context-parallel ranks compute gradients of the same weights from other tokens);
     * model-parallel group: the tp x pp ranks of one replica, so that gradient clipping and overflow
       checks see the whole model (a tp-only group would give each pipeline stage its own norm);
       its rank is the tp rank, which is how DeepSpeed names checkpoint files (the pp rank goes into
@@ -29,13 +30,13 @@ class LayoutMPU:
         self.layout = layout
 
     def get_data_parallel_group(self):
-        return self.layout.group("dp")
+        return self.layout.group("dp_cp")
 
     def get_data_parallel_rank(self) -> int:
-        return self.layout.rank("dp")
+        return self.layout.rank("dp_cp")
 
     def get_data_parallel_world_size(self) -> int:
-        return self.layout.size("dp")
+        return self.layout.size("dp_cp")
 
     def get_model_parallel_group(self):
         return self.layout.group("mp")
@@ -56,7 +57,7 @@ class LayoutMPU:
         return self.layout.size("tp")
 
     def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.layout.global_rank_of(0, self.layout.rank("pp"), self.layout.rank("dp"))
+        return self.layout.global_rank_of(0, self.layout.rank("pp"), self.layout.rank("dp"), self.layout.rank("cp"))
 
     def get_pipeline_model_parallel_group(self):
         return self.layout.group("pp")
@@ -117,7 +118,7 @@ def initialize_engine(module: nn.Module, optimizer: Optional[torch.optim.Optimiz
     # pipeline stage's directory holds tp files, not tp x pp (the grad norm reads the mpu, not this number).
     engine.mp_world_size = layout.size("tp")
     _keep_zero0_grad_norm(engine)
-    if layout.size("dp") == 1 and zero_stage(engine) == 0:
+    if layout.size("dp_cp") == 1 and zero_stage(engine) == 0:
         engine.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
     return engine, ds_optimizer
 

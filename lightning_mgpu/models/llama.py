@@ -168,9 +168,39 @@ def document_inputs(positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     return cos[rows].unsqueeze(1), sin[rows].unsqueeze(1), bias.unsqueeze(1)
 
 
+def expand_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: repeat each key/value head for the query heads that share it."""
+    if k.shape[1] != n_heads:
+        rep = n_heads // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return k, v
+
+
+#: What an attention kernel gets: q ``[b, heads, s, head_dim]``, k and v ``[b, kv_heads, s, head_dim]`` (before rotary
+#: embeddings), the rotary tables (``[positions, head_dim // 2]``, row p for position p; or per token with documents)
+#: and the documents' bias (or None); it returns ``[b, heads, s, head_dim]``.
+AttentionKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            Optional[torch.Tensor]], torch.Tensor]
+
+
+def attention_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotary embeddings and causal attention over a whole sequence held here (positions 0, 1, ...); with ``bias``
+    (and per-token ``cos``/``sin``, see :func:`document_inputs`) within documents. The part of attention that sees
+    the whole sequence, so the part a context-parallel plan replaces (``Attention.kernel``)."""
+    if bias is None:
+        cos, sin = cos[: q.shape[2]], sin[: q.shape[2]]  # tables may be longer than this sequence
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    k, v = expand_kv(k, v, q.shape[1])
+    if bias is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))  # no copy if equal
+
+
 class Attention(nn.Module):
     """Grouped-query causal self-attention. Head counts are read from the projections, so a
-    tensor-parallel plan that shards them leaves this code unchanged."""
+    tensor-parallel plan that shards them leaves this code unchanged; ``kernel`` (an :data:`AttentionKernel`, by
+    default :func:`attention_kernel`) is what a context-parallel plan swaps."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -179,6 +209,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.kernel: AttentionKernel = attention_kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -188,16 +219,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        if bias is None:
-            cos, sin = cos[: q.shape[2]], sin[: q.shape[2]]  # tables may be longer than this sequence
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.shape[1] != q.shape[1]:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if bias is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))  # no copy if equal
+        out = self.kernel(q, k, v, cos, sin, bias)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 

@@ -1,7 +1,7 @@
 """One function over the layout that turns a LightningModule into what this rank trains, in a fixed order:
 
-tensor-parallel plan -> pipeline stage split -> activation checkpointing of this rank's blocks -> materialise this
-rank's share.
+tensor-parallel plan -> context-parallel attention -> pipeline stage split -> activation checkpointing of this rank's
+blocks -> materialise this rank's share.
 
 The engine (DeepSpeed, :mod:`lightning_mgpu.engine`) wraps the result; the strategy calls this between the two. Tests call
 it without a Trainer. A module built on the meta device (``MGPUStrategy`` builds ``configure_model`` there when the
@@ -19,6 +19,7 @@ from torch import nn
 from lightning_mgpu.checkpoint.universal import canonical_name
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
+from lightning_mgpu.parallel.context import apply_context_parallel
 from lightning_mgpu.parallel.materialize import materialize, meta_parameters
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
 
@@ -49,6 +50,15 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
                              f"tensor_parallel_plan() on {type(module).__name__} returning {{module name pattern: "
                              "style}, or pass MGPUStrategy(tensor_parallel_plan=...)")
         notes += apply_tensor_parallel(module, plan, layout.group("tp"), layout.sequence_parallel)
+    if layout.size("cp") > 1:
+        C = layout.size("cp")
+        changed = apply_context_parallel(module, layout.group("cp"), layout.rank("cp"), C)
+        if not changed or not callable(getattr(module, "context_parallel_batch", None)):
+            raise ValueError(f"context_parallel_size={C} needs a module whose attention exposes a replaceable "
+                             f"`kernel` and that defines context_parallel_batch() to give each rank its chunks of a "
+                             f"sequence (LLMModule does); {type(module).__name__} has {changed} such attention "
+                             "layers. Use context_parallel_size=1 for this module")
+        notes.append(f"context parallelism: {changed} attention layers exchange keys/values over {C} ranks")
     kept = module
     if layout.size("pp") > 1:
         ids = layout.stage_ids(layout.rank("pp"))

@@ -111,7 +111,8 @@ class Pipeline:
         self.eval_schedule = self.schedule if name in SINGLE_STAGE_SCHEDULES else \
             ForwardOnlySchedule(self.stages, layout, n_microbatches, self._microbatch_loss)
         self.has_first, self.has_last = 0 in ids, total - 1 in ids
-        self.last_rank = layout.global_rank_of(layout.rank("tp"), layout.stage_owner(total - 1), layout.rank("dp"))
+        self.last_rank = layout.global_rank_of(layout.rank("tp"), layout.stage_owner(total - 1), layout.rank("dp"),
+                                               layout.rank("cp"))
 
     def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) / self.n_microbatches

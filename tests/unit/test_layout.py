@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_mgpu.layout import ModelShape, ParallelLayout
+from lightning_mgpu.layout import ModelShape, ParallelLayout, sequence_problems
 
 LLAMA_8B = ModelShape(n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=128256)
 
@@ -10,12 +10,45 @@ LLAMA_8B = ModelShape(n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, v
 def test_tp_is_innermost_then_pp_then_dp():
     layout = ParallelLayout(world_size=16, tensor_parallel_size=2, pipeline_parallel_size=2)
     assert layout.size("dp") == 4
-    assert layout.coords(0) == {"tp": 0, "pp": 0, "dp": 0}
-    assert layout.coords(1) == {"tp": 1, "pp": 0, "dp": 0}
-    assert layout.coords(2) == {"tp": 0, "pp": 1, "dp": 0}
-    assert layout.coords(7) == {"tp": 1, "pp": 1, "dp": 1}
+    assert layout.coords(0) == {"tp": 0, "cp": 0, "pp": 0, "dp": 0}
+    assert layout.coords(1) == {"tp": 1, "cp": 0, "pp": 0, "dp": 0}
+    assert layout.coords(2) == {"tp": 0, "cp": 0, "pp": 1, "dp": 0}
+    assert layout.coords(7) == {"tp": 1, "cp": 0, "pp": 1, "dp": 1}
     for r in range(16):
         assert layout.global_rank_of(**layout.coords(r)) == r
+
+
+def test_context_parallel_sits_between_tp_and_pp_and_shares_zero_with_dp():
+    layout = ParallelLayout(world_size=16, tensor_parallel_size=2, context_parallel_size=2, pipeline_parallel_size=2)
+    assert (layout.size("dp"), layout.size("cp"), layout.size("dp_cp")) == (2, 2, 4)
+    assert layout.coords(2) == {"tp": 0, "cp": 1, "pp": 0, "dp": 0}
+    assert layout.coords(13) == {"tp": 1, "cp": 0, "pp": 1, "dp": 1}
+    for r in range(16):
+        assert layout.global_rank_of(**layout.coords(r)) == r
+    assert layout.group_ranks("cp")[0] == [0, 2]
+    assert layout.group_ranks("pp")[0] == [0, 4]
+    assert layout.group_ranks("dp")[0] == [0, 8]
+    assert layout.group_ranks("dp_cp")[0] == [0, 2, 8, 10]  # ranks with the same weights: ZeRO's group
+    assert layout.group_ranks("mp")[0] == [0, 1, 4, 5]  # one replica's sequence part: the whole model once
+    for axis in ("tp", "cp", "pp", "dp", "dp_cp", "mp"):
+        flat = sorted(r for g in layout.group_ranks(axis) for r in g)
+        assert flat == list(range(16)), axis
+    # 8-GPU nodes: tp x cp = 2 x 4 fits in a node, so both exchanges stay inside it
+    node = ParallelLayout(world_size=16, tensor_parallel_size=2, context_parallel_size=4, devices_per_node=8)
+    for axis in ("tp", "cp"):
+        assert all(len({r // 8 for r in g}) == 1 for g in node.group_ranks(axis))
+
+
+@pytest.mark.parametrize("seq_len, C, T, sp, fragment", [
+    (20, 4, 1, False, "seq_len=20 is not a multiple of 8 (context_parallel_size=4 gives each rank 2 of 8 equal "
+                      "chunks); use 16 or 24"),
+    (20, 2, 4, True, "multiple of 8"),
+    (6, 1, 4, True, "seq_len=6 is not a multiple of 4"),
+])
+def test_sequence_split_rule_names_the_nearest_valid_lengths(seq_len, C, T, sp, fragment):
+    problems = sequence_problems(seq_len, C, T, sp)
+    assert len(problems) == 1 and fragment in problems[0], problems
+    assert sequence_problems(32, C, T, sp) == []
 
 
 def test_groups_partition_the_world():

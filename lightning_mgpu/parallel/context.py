@@ -1,0 +1,118 @@
+"""Context parallelism: each sequence of a micro-batch is split over the ``C`` ranks of a context-parallel group.
+
+**Chunks.** A sequence of ``S`` tokens is cut into ``2C`` equal chunks and context rank ``r`` holds chunks ``r`` and
+``2C - 1 - r`` (an early and a late one). Under a causal mask a query chunk ``g`` attends to ``g + 1`` key chunks, so
+rank ``r`` does ``(r + 1) + (2C - r) = 2C + 1`` chunk-pairs of work whatever ``r`` is: no rank idles on masked blocks.
+With ``balanced=False`` (kept for the benchmark) rank ``r`` holds the single contiguous chunk ``r`` of ``C`` and does
+``r + 1`` chunk-pairs of work: the last rank does ``C`` times the first one's.
+
+**Keys and values are all-gathered**, not passed around a ring. Under grouped-query attention a rank's keys and
+values are ``2 * kv_heads / heads`` of its queries' size (1/4 for Llama-3 8B and 70B), so gathering them all costs
+one collective per layer and ``(C - 1) / C`` of the sequence's K/V in memory, and it runs on every backend (gloo
+included) and every attention kernel (PyTorch's experimental context-parallel API needs CUDA kernels). A ring
+exchange would overlap the transfer with compute and hold two blocks at a time, which matters at C >= 8 or with
+full multi-head attention; it needs the kernels' log-sum-exp, which CPU ``scaled_dot_product_attention`` does not
+return. The backward of the gather is a reduce-scatter: each rank gets the sum, over all query chunks, of the
+gradients of its own keys and values.
+
+This module is written by hand because it must run over this project's process groups on CPU/gloo as well as
+CUDA/NCCL, inside DeepSpeed engines and ``torch.distributed.pipelining`` stages, which hold plain tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_mgpu.models.llama import apply_rope, expand_kv
+from lightning_mgpu.parallel.regions import GatherSequence
+
+
+def chunk_ids(rank: int, size: int, balanced: bool = True) -> list[int]:
+    """The chunks context rank ``rank`` of ``size`` holds, in the order it holds them (see the module docstring)."""
+    return [rank, 2 * size - 1 - rank] if balanced and size > 1 else [rank]
+
+
+def _chunks(size: int, balanced: bool) -> int:
+    return 2 * size if balanced and size > 1 else size
+
+
+def chunk_positions(seq_len: int, rank: int, size: int, balanced: bool = True,
+                    device: Optional[torch.device] = None) -> torch.Tensor:
+    """Positions in the whole sequence of the ``seq_len / size`` tokens context rank ``rank`` holds, in order."""
+    n = _chunks(size, balanced)
+    if seq_len % n:
+        raise ValueError(f"sequence length {seq_len} does not split into {n} equal chunks for context_parallel_size="
+                         f"{size}; use a multiple of {n}")
+    length = seq_len // n
+    return torch.cat([torch.arange(g * length, (g + 1) * length, device=device) for g in chunk_ids(rank, size,
+                                                                                                   balanced)])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, size: int, dim: int = 1, balanced: bool = True) -> torch.Tensor:
+    """This context rank's tokens of ``x`` (whole sequences along ``dim``), in :func:`chunk_positions` order."""
+    if size == 1:
+        return x
+    return x.index_select(dim, chunk_positions(x.shape[dim], rank, size, balanced, device=x.device))
+
+
+class ContextParallelAttention:
+    """An attention kernel (``lightning_mgpu.models.llama.AttentionKernel``) for a sequence split over a context
+    group: rotary embeddings at the tokens' positions in the whole sequence, keys and values all-gathered from the
+    group, and causal attention of each local query chunk over the key chunks up to its own."""
+
+    def __init__(self, group: Any, rank: int, size: int, balanced: bool = True) -> None:
+        self.group, self.rank, self.size, self.balanced = group, rank, size, balanced
+        self._cache: dict = {}
+
+    def _layout(self, local_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """(this rank's positions, the index putting the gathered sequence in order, per local chunk: its slice, key
+        length and mask), cached per local length and device."""
+        key = (local_len, device)
+        if key not in self._cache:
+            C, seq = self.size, local_len * self.size
+            positions = chunk_positions(seq, self.rank, C, self.balanced, device=device)
+            per_rank = len(chunk_ids(0, C, self.balanced))
+            length = local_len // per_rank
+            where = {g: (r * per_rank + i) * length for r in range(C)
+                     for i, g in enumerate(chunk_ids(r, C, self.balanced))}
+            order = torch.cat([torch.arange(where[g], where[g] + length, device=device)
+                               for g in range(_chunks(C, self.balanced))])
+            queries = []
+            for i, g in enumerate(chunk_ids(self.rank, C, self.balanced)):
+                keys = (g + 1) * length
+                q_pos = torch.arange(g * length, keys, device=device)
+                mask = torch.arange(keys, device=device) <= q_pos.unsqueeze(-1)  # [length, keys]: causal
+                queries.append((slice(i * length, (i + 1) * length), keys, mask))
+            self._cache[key] = (positions, order, queries)
+        return self._cache[key]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if bias is not None:
+            raise NotImplementedError("context parallelism does not support document masking yet: train without "
+                                      "eod_token_id, or with context_parallel_size=1")
+        positions, order, queries = self._layout(q.shape[2], q.device)
+        cos, sin = cos[positions], sin[positions]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        head_dim = k.shape[-1]
+        kv = torch.cat([k, v], dim=-1).transpose(1, 2)  # [b, s/C, kv_heads, 2 head_dim]: one gather for both
+        whole = GatherSequence.apply(kv, self.group).index_select(1, order).transpose(1, 2)
+        k_all, v_all = expand_kv(*whole.split(head_dim, dim=-1), q.shape[1])
+        out = [F.scaled_dot_product_attention(q[:, :, rows], k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask)
+               for rows, keys, mask in queries]
+        return torch.cat(out, dim=2)
+
+
+def apply_context_parallel(module: nn.Module, group: Any, rank: int, size: int, balanced: bool = True) -> int:
+    """Give every attention of ``module`` that exposes a replaceable ``kernel`` the context-parallel kernel; return
+    how many were changed (0 means the module cannot be context-parallel)."""
+    changed = 0
+    for m in module.modules():
+        if callable(getattr(m, "kernel", None)) and not isinstance(m.kernel, ContextParallelAttention):
+            m.kernel = ContextParallelAttention(group, rank, size, balanced)
+            changed += 1
+    return changed
