@@ -69,6 +69,23 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         return [pickle.loads(Path(out_dir, f"{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
+def saved_tensor_bytes(modules: "list[torch.nn.Module]", run: Callable[[], Any]) -> int:
+    """Bytes autograd saves for backward while ``run()`` runs a forward, each storage once, leaving out the given
+    modules' parameters and buffers (what activation memory means)."""
+    owned = {t.untyped_storage().data_ptr() for m in modules for t in [*m.parameters(), *m.buffers()]}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in owned:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())
+
+
 def live_tensor_bytes(*modules: "torch.nn.Module") -> int:
     """Bytes of every tensor storage alive in this process, each storage counted once.
 

@@ -26,8 +26,9 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
-from lightning_mgpu.models.llama import apply_rope, expand_kv
+from lightning_mgpu.models.llama import apply_rope
 from lightning_mgpu.parallel.regions import GatherSequence
 
 
@@ -84,10 +85,22 @@ class ContextParallelAttention:
             queries = []
             for i, g in enumerate(chunk_ids(self.rank, C, self.balanced)):
                 keys = (g + 1) * length
-                q_pos = torch.arange(g * length, keys, device=device)
-                mask = torch.arange(keys, device=device) <= q_pos.unsqueeze(-1)  # [length, keys]: causal
-                queries.append((slice(i * length, (i + 1) * length), keys, mask))
+                queries.append((slice(i * length, (i + 1) * length), keys))
             self._cache[key] = (positions, order, queries)
+        return self._cache[key]
+
+    def _causal(self, length: int, keys: int, dtype: torch.dtype, device: torch.device):
+        """The mask of a query chunk over its keys: causal, aligned to the last key (query ``j`` sees keys up to
+        ``keys - length + j``). On CUDA, torch's ``causal_lower_right``, which its fused kernels apply without
+        building it; elsewhere an additive bias in the activations' dtype, built once and shared by every block (a
+        boolean mask would be converted into a new bias, saved for backward, in each block)."""
+        if device.type == "cuda":
+            return causal_lower_right(length, keys)
+        key = ("bias", length, keys, dtype, device)
+        if key not in self._cache:
+            allowed = torch.arange(keys, device=device) <= torch.arange(keys - length, keys, device=device)[:, None]
+            bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+            self._cache[key] = bias[None, None]  # [1, 1, length, keys]: 4-d, which the kernel saves without a copy
         return self._cache[key]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -101,18 +114,23 @@ class ContextParallelAttention:
         head_dim = k.shape[-1]
         kv = torch.cat([k, v], dim=-1).transpose(1, 2)  # [b, s/C, kv_heads, 2 head_dim]: one gather for both
         whole = GatherSequence.apply(kv, self.group).index_select(1, order).transpose(1, 2)
-        k_all, v_all = expand_kv(*whole.split(head_dim, dim=-1), q.shape[1])
-        out = [F.scaled_dot_product_attention(q[:, :, rows], k_all[:, :, :keys], v_all[:, :, :keys], attn_mask=mask)
-               for rows, keys, mask in queries]
+        k_all, v_all = whole.split(head_dim, dim=-1)
+        # enable_gqa: the kernel reads each key/value head for its query heads, so what it saves for backward is the
+        # gathered kv_heads, not a copy expanded to every query head (identical results, checked on CPU)
+        out = [F.scaled_dot_product_attention(q[:, :, rows], k_all[:, :, :keys], v_all[:, :, :keys],
+                                              attn_mask=self._causal(rows.stop - rows.start, keys, q.dtype, q.device),
+                                              enable_gqa=k_all.shape[1] != q.shape[1])
+               for rows, keys in queries]
         return torch.cat(out, dim=2)
 
 
 def apply_context_parallel(module: nn.Module, group: Any, rank: int, size: int, balanced: bool = True) -> int:
-    """Give every attention of ``module`` that exposes a replaceable ``kernel`` the context-parallel kernel; return
-    how many were changed (0 means the module cannot be context-parallel)."""
-    changed = 0
+    """Give every attention of ``module`` that exposes a replaceable ``kernel`` the context-parallel kernel (one
+    instance for all of them, so they share its masks and index tables); return how many were changed (0 means the
+    module cannot be context-parallel)."""
+    kernel, changed = ContextParallelAttention(group, rank, size, balanced), 0
     for m in module.modules():
         if callable(getattr(m, "kernel", None)) and not isinstance(m.kernel, ContextParallelAttention):
-            m.kernel = ContextParallelAttention(group, rank, size, balanced)
+            m.kernel = kernel
             changed += 1
     return changed

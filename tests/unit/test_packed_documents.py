@@ -12,6 +12,7 @@ from lightning_mgpu.models import Llama, LlamaConfig
 from lightning_mgpu.models.llama import document_positions
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.planner.memory import activation_bytes, document_mask_bytes
+from lightning_mgpu.testing import saved_tensor_bytes
 
 EOD = 0
 CFG = LlamaConfig(vocab_size=64, n_layers=3, eod_token_id=EOD)
@@ -94,18 +95,7 @@ def test_bad_end_of_document_id_is_refused():
 def _saved_bytes(cfg: LlamaConfig, tokens: torch.Tensor) -> int:
     """Bytes autograd saves for backward in one forward, each storage once, leaving out parameters and buffers."""
     model = Llama(cfg)
-    owned = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in owned:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens)
-    return sum(saved.values())
+    return saved_tensor_bytes([model], lambda: model(tokens))
 
 
 @pytest.mark.parametrize("n_layers", [2, 4])
