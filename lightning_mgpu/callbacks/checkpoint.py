@@ -60,7 +60,7 @@ class PeriodicCheckpoint(L.Callback):
             self.directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier attempt
         trainer.strategy.barrier()
-        trainer.save_checkpoint(str(partial))
+        trainer.save_checkpoint(str(partial), weights_only=False)  # the full training state (says so: no info line)
         trainer.strategy.barrier()  # every rank's files are written
         kill_job_at("saving", step, trainer.global_rank)
         if trainer.is_global_zero:

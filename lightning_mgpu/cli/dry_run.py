@@ -62,7 +62,7 @@ def rank_shares(cfg: DictConfig) -> tuple[ParallelLayout, list[RankShare]]:
             count = sum(p.numel() for p in kept.parameters())
             planned = rank_parameters(model_config, T, P, len(ids), pp_rank, stage_ids=ids,
                                       boundaries=strategy.pipeline_boundaries)
-            states = model_state_bytes(count, layout.zero_stage, layout.size("dp"), str(cfg.trainer.precision), P > 1,
+            states = model_state_bytes(count, layout.zero_stage, layout.size("dp_cp"), str(cfg.trainer.precision), P > 1,
                                        overlap=cfg.trainer.accelerator != "cpu")
             shares.append(RankShare(tp_rank, pp_rank, ids, count, planned, states))
     shares.sort(key=lambda share: (share.pp_rank, share.tp_rank))
@@ -73,8 +73,10 @@ def dry_run_report(cfg: DictConfig) -> str:
     """The per-rank table; raises ``RuntimeError`` when a built count differs from the planner's."""
     layout, shares = rank_shares(cfg)
     whole = build_model_config(cfg).num_parameters()
-    lines = [f"dry run: {layout.world_size} processes = tp {layout.size('tp')} x pp {layout.size('pp')} x dp "
-             f"{layout.size('dp')}, ZeRO-{layout.zero_stage}, {cfg.trainer.precision}; the whole model has {whole:,} "
+    context = f" x cp {layout.size('cp')}" if layout.size("cp") > 1 else ""
+    zero_ranks = f" (over dp x cp = {layout.size('dp_cp')} ranks)" if context else ""
+    lines = [f"dry run: {layout.world_size} processes = tp {layout.size('tp')}{context} x pp {layout.size('pp')} x dp "
+             f"{layout.size('dp')}, ZeRO-{layout.zero_stage}{zero_ranks}, {cfg.trainer.precision}; the whole model has {whole:,} "
              f"parameters ({whole * 4 / GB:.1f} GB in fp32)",
              "| tp rank | pp rank | stages | parameters | planner | weights GB | gradients GB | optimizer GB |",
              "|---|---|---|---|---|---|---|---|"]

@@ -43,16 +43,18 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
              f"({batch * seq:,} tokens); {precision}; compute at {cfg.plan.achievable:.0%} of peak",
              f"{len(rows)} layouts, {len(fitting)} fit in {gpu.memory_bytes / GB:.0f} GB",
              "",
-             f"{'tp':>3} {'pp':>3} {'V':>2} {'dp':>4} {'zero':>4} {'mb':>3} {'ckpt':>4} | "
+             f"{'tp':>3} {'cp':>3} {'pp':>3} {'V':>2} {'dp':>4} {'zero':>4} {'mb':>3} {'ckpt':>4} | "
              f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} {'total':>6} {'fits':>4} | "
-             f"{'compute':>8} {'tp':>6} {'bubble':>7} {'p2p':>6} {'dp':>6} {'step':>7} | {'tok/s/GPU':>9} {'MFU':>5}"]
+             f"{'compute':>8} {'tp':>6} {'cp':>6} {'bubble':>7} {'p2p':>6} {'dp':>6} {'step':>7} | {'tok/s/GPU':>9} "
+             f"{'MFU':>5}"]
     for r in rows[: cfg.plan.top]:
         c, m, t = r.candidate, r.memory, r.time
         lines.append(
-            f"{c.tp:>3} {c.pp:>3} {c.virtual:>2} {c.dp:>4} {c.zero_stage:>4} {c.micro_batch:>3} "
+            f"{c.tp:>3} {c.cp:>3} {c.pp:>3} {c.virtual:>2} {c.dp:>4} {c.zero_stage:>4} {c.micro_batch:>3} "
             f"{'full' if c.recompute else 'none':>4} | {m.parameters / GB:7.1f} {m.gradients / GB:6.1f} "
             f"{m.optimizer / GB:6.1f} {m.activations / GB:6.1f} {m.buffers / GB:5.1f} {m.total / GB:6.1f} "
-            f"{'yes' if r.fits else 'no':>4} | {t.compute:8.2f} {t.tensor_parallel:6.2f} {t.pipeline_bubble:7.2f} "
+            f"{'yes' if r.fits else 'no':>4} | {t.compute:8.2f} {t.tensor_parallel:6.2f} {t.context_parallel:6.2f} "
+            f"{t.pipeline_bubble:7.2f} "
             f"{t.pipeline_p2p:6.2f} {t.data_parallel:6.2f} {t.total:7.2f} | {t.tokens_per_second_per_gpu:9.0f} "
             f"{t.mfu:5.1%}")
     lines += ["", "memory in GB per GPU; time in seconds per optimizer step; dp: the data-parallel communication left "
@@ -75,20 +77,20 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
     parallelism), evaluated like the table's rows: whether it fits, and where it ranks among the fitting ones."""
     p = cfg.parallel
     world = cluster.world_size
-    if world % (p.tensor_parallel_size * p.pipeline_parallel_size):
-        return ["", f"this configuration: tp {p.tensor_parallel_size} x pp {p.pipeline_parallel_size} does not divide "
-                    f"{world} GPUs"]
-    mine = Candidate(p.tensor_parallel_size, p.pipeline_parallel_size,
-                     world // (p.tensor_parallel_size * p.pipeline_parallel_size), p.zero_stage,
-                     cfg.data.micro_batch_size, p.virtual_pipeline_size, cfg.model.activation_checkpointing == "full",
-                     p.pipeline_schedule, p.sequence_parallel)
+    T, C, P = p.tensor_parallel_size, p.context_parallel_size, p.pipeline_parallel_size
+    if world % (T * C * P):
+        return ["", f"this configuration: tp {T} x cp {C} x pp {P} does not divide {world} GPUs"]
+    mine = Candidate(T, P, world // (T * C * P), p.zero_stage, cfg.data.micro_batch_size, p.virtual_pipeline_size,
+                     cfg.model.activation_checkpointing == "full", p.pipeline_schedule, p.sequence_parallel, cp=C)
     row = evaluate(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, mine, precision, cfg.plan.achievable)
     m, t = row.memory, row.time
     fitting = [r for r in rows if r.fits]
     faster = sum(1 for r in fitting if r.time.total < t.total)
     verdict = (f"fits; {faster} of the {len(fitting)} fitting layouts above are faster" if row.fits else
                f"does not fit in {USABLE_MEMORY:.0%} of {cluster.gpu.memory_bytes / GB:.0f} GB")
-    return ["", f"this configuration: tp {mine.tp} x pp {mine.pp} (V {mine.virtual}, {mine.schedule}) x dp {mine.dp}, "
+    context = f" x cp {mine.cp}" if mine.cp > 1 else ""
+    return ["", f"this configuration: tp {mine.tp}{context} x pp {mine.pp} (V {mine.virtual}, {mine.schedule}) x dp "
+                f"{mine.dp}, "
                 f"ZeRO-{mine.zero_stage}, micro-batch {mine.micro_batch}, "
                 f"{'full recompute' if mine.recompute else 'no recompute'}"
                 f"{', sequence parallel' if mine.sequence_parallel and mine.tp > 1 else ''}: "

@@ -179,9 +179,11 @@ def _fit(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, strategy, module, d
     if cfg.parallel.pipeline_timeline and strategy.pipeline is not None:
         report_timeline(strategy, trainer.global_step - 1, run_dir)
     lost = lost_tokenizer(cfg) if cfg.data.source == "tokens" else None
-    if cfg.parallel.pipeline_parallel_size > 1:
+    if cfg.parallel.pipeline_parallel_size > 1 or cfg.parallel.context_parallel_size > 1:
         if trainer.is_global_zero:
-            print("(no sample: generation needs the whole model on each rank, and it is split into pipeline stages)")
+            split = "pipeline stages" if cfg.parallel.pipeline_parallel_size > 1 else "context-parallel sequence chunks"
+            print(f"(no sample: generation needs the whole model and whole sequences on each rank, and this run splits "
+                  f"them into {split})")
     elif lost is not None:
         if trainer.is_global_zero:
             print(f"(no sample: the tokens were prepared with the tokenizer {lost}, which is missing or changed; set "

@@ -572,13 +572,13 @@ def run_memory(cfg: DictConfig, model: LlamaConfig, on_gpu: bool) -> ProcessMemo
     """Peak memory of one process of ``cfg`` (its fullest rank), as
     :func:`lightning_mgpu.planner.process.process_memory` estimates it: on its GPU, or in host memory on CPU."""
     p, t, d = cfg.parallel, cfg.trainer, cfg.data
-    tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
-    return process_memory(model, d.seq_len, d.micro_batch_size, tp, pp, t.devices * t.num_nodes // (tp * pp),
+    tp, pp, cp = p.tensor_parallel_size, p.pipeline_parallel_size, p.context_parallel_size
+    return process_memory(model, d.seq_len, d.micro_batch_size, tp, pp, t.devices * t.num_nodes // (tp * pp * cp),
                           p.zero_stage, 2 if p.pipeline_schedule in V_SCHEDULES else p.virtual_pipeline_size,
                           p.sequence_parallel, model.activation_checkpointing == "full", str(t.precision),
                           host=not on_gpu, builds_whole_model=builds_whole_model(),
                           offload_optimizer=p.offload_optimizer is not None,
-                          offload_params=p.offload_params is not None)
+                          offload_params=p.offload_params is not None, context=cp)
 
 
 def memory_problems(cfg: DictConfig) -> list[str]:
@@ -608,7 +608,7 @@ def _memory_refusal(cfg: DictConfig, model: LlamaConfig, need: ProcessMemory, bu
         lines = [f"memory: trainer.devices={n} process{'es' if n > 1 else ''} on this machine x an estimated peak "
                  f"of {need.total / GB:.1f} GB each = {n * need.total / GB:.1f} GB is more than {limit}"]
     tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
-    dp = t.devices * t.num_nodes // (tp * pp)
+    dp = t.devices * t.num_nodes // (tp * pp)  # the ranks ZeRO partitions over: data x context
     stages = 2 if p.pipeline_schedule in V_SCHEDULES else p.virtual_pipeline_size
     held = max_rank_parameters(model, tp, pp, stages)
     parts = [f"{need.baseline / GB:.1f} GB libraries"] if need.baseline else []
@@ -698,7 +698,9 @@ def _fix_kinds(cfg: DictConfig, budget: MemoryBudget) -> list[list[dict]]:
              [{"data.micro_batch_size": m} for m in reversed(divisors(d.micro_batch_size)) if m < d.micro_batch_size],
              [{"parallel.tensor_parallel_size": n} for n in divisors(t.devices) if n > p.tensor_parallel_size],
              [{"parallel.pipeline_parallel_size": n} for n in divisors(world // p.tensor_parallel_size)
-              if n > p.pipeline_parallel_size]]
+              if n > p.pipeline_parallel_size],
+             [{"parallel.context_parallel_size": n} for n in divisors(t.devices // p.tensor_parallel_size)
+              if n > p.context_parallel_size]]  # a split the sequence does not allow is dropped by _need_with
     fewer = [n for n in reversed(divisors(t.devices)) if n < t.devices]
     if budget.on_gpu:
         if p.offload_optimizer is None:

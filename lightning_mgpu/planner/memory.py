@@ -30,6 +30,12 @@ query's dtype as it is. Measured with saved-tensor hooks on this Llama (fp32, CP
 unmasked saved bytes are exactly ``4 b s^2 + 4 b s d_head`` at 2 and 4 blocks alike
 (tests/unit/test_packed_documents.py). Neither is split by tensor or sequence parallelism: attention sees whole
 sequences.
+
+Context parallelism over ``C`` ranks (``context``) gives each rank ``s / C`` tokens of every sequence: the per-block
+terms and the logits above are taken at ``s / C``. Each block also keeps the keys and values of the whole sequence
+gathered from the other ranks, ``2 s b (kv heads x head dim) / t`` elements (``t``: their tensor-parallel shard), of
+which its own ``s / C`` are already in the formula. Model states partition over the ``dp x C`` ranks that hold the
+same weights.
 """
 
 from __future__ import annotations
@@ -88,9 +94,9 @@ def model_state_bytes(n_params: int, zero_stage: int, dp: int, precision: str = 
 
 
 def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, virtual: int,
-                     sequence_parallel: bool, recompute: bool) -> float:
+                     sequence_parallel: bool, recompute: bool, context: int = 1) -> float:
     """Activation memory of the fullest pipeline rank (the first), including the head's logits."""
-    s, b, h = seq_len, micro_batch, cfg.dim
+    s, b, h = seq_len / context, micro_batch, cfg.dim
     if recompute:
         per_block = 2 * s * b * h / (tp if sequence_parallel else 1)
         working = s * b * h * (34 / tp if sequence_parallel else (10 + 24 / tp))  # one block being recomputed
@@ -101,8 +107,10 @@ def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, 
     in_flight = 1.0 if pp == 1 else pp * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else float(pp)
     logits = 6 * s * b * cfg.vocab_size / tp
     # in_flight counts whole ranks' activations; a rank holds `virtual` chunks, each with its own document bias
-    documents = document_mask_bytes(cfg, s, b) * in_flight * virtual
-    return per_block * blocks_per_rank * in_flight + working + logits + documents
+    documents = document_mask_bytes(cfg, seq_len, b) * in_flight * virtual
+    # context parallelism: the rest of the sequence's keys and values, gathered (2 bytes: bf16 activations)
+    gathered = 0.0 if recompute else 2 * 2 * (seq_len - s) * b * cfg.n_kv_heads * cfg.head_dim / tp
+    return (per_block + gathered) * blocks_per_rank * in_flight + working + logits + documents
 
 
 def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, element_bytes: int = 2) -> float:
@@ -117,9 +125,10 @@ def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, elemen
 
 def estimate_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, dp: int, zero_stage: int,
                     virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
-                    precision: str = "bf16-mixed", overlap: bool = False) -> MemoryEstimate:
+                    precision: str = "bf16-mixed", overlap: bool = False, context: int = 1) -> MemoryEstimate:
     """Peak memory per GPU of the fullest rank (``overlap``: as the engine runs on CUDA, see
-    :func:`model_state_bytes`)."""
-    states = model_state_bytes(max_rank_parameters(cfg, tp, pp, virtual), zero_stage, dp, precision, pp > 1, overlap)
-    acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, virtual, sequence_parallel, recompute)
+    :func:`model_state_bytes`; ``dp`` replicas of ``context`` ranks each)."""
+    states = model_state_bytes(max_rank_parameters(cfg, tp, pp, virtual), zero_stage, dp * context, precision, pp > 1,
+                               overlap)
+    acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, virtual, sequence_parallel, recompute, context)
     return MemoryEstimate(activations=acts, **states)

@@ -66,7 +66,7 @@ class ProcessMemory:
 def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, dp: int, zero_stage: int,
                    stages_per_rank: int = 1, sequence_parallel: bool = False, recompute: bool = False,
                    precision: str = "32-true", host: bool = True, builds_whole_model: bool = True,
-                   offload_optimizer: bool = False, offload_params: bool = False) -> ProcessMemory:
+                   offload_optimizer: bool = False, offload_params: bool = False, context: int = 1) -> ProcessMemory:
     """Peak memory of the fullest rank: in host memory (``host=True``, a CPU process) or on its GPU.
 
     ``builds_whole_model``: every rank first builds the whole model on its device (fp32; bf16 under ``bf16-true``)
@@ -75,7 +75,8 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
     optimizer state (``offload_optimizer``) and ZeRO-3's parameter partitions (``offload_params``) to host memory.
     """
     planned = estimate_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, stages_per_rank, sequence_parallel,
-                              recompute, precision, overlap=not host)  # the engine overlaps on GPUs only
+                              recompute, precision, overlap=not host,  # the engine overlaps on GPUs only
+                              context=context)
     w = 2 if precision == "bf16-true" else 4
     whole = (cfg.num_parameters() if builds_whole_model else max_rank_parameters(cfg, tp, pp, stages_per_rank)) * w
     if host:

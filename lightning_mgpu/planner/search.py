@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from lightning_mgpu.layout import ModelShape, divisors, layout_problems
+from lightning_mgpu.layout import ModelShape, divisors, layout_problems, sequence_problems
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.hardware import ClusterSpec
 from lightning_mgpu.planner.memory import MemoryEstimate, estimate_memory
@@ -29,6 +29,7 @@ class Candidate:
     #: The schedule and sequence parallelism of a configured layout; the search leaves them to its defaults.
     pipeline_schedule: Optional[str] = None
     sequence_parallel_on: Optional[bool] = None
+    cp: int = 1  #: context-parallel ranks per replica (``dp`` counts replicas)
 
     @property
     def schedule(self) -> str:
@@ -46,6 +47,8 @@ class Candidate:
                f"parallel.zero_stage={self.zero_stage}", f"data.micro_batch_size={self.micro_batch}",
                f"model.activation_checkpointing={'full' if self.recompute else 'none'}",
                f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"]
+        if self.cp > 1:
+            out.append(f"parallel.context_parallel_size={self.cp}")
         if self.pp > 1:
             out += [f"parallel.pipeline_schedule={self.schedule}", f"parallel.virtual_pipeline_size={self.virtual}"]
         return out
@@ -59,13 +62,18 @@ class PlanRow:
     fits: bool
 
 
-def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int) -> Iterator[Candidate]:
-    """Every layout the rules allow: tp within a node dividing the heads, pp dividing the remaining world,
-    interleaving where blocks divide evenly, ZeRO 0-3, micro-batches dividing each replica's share."""
+def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int,
+               seq_len: Optional[int] = None) -> Iterator[Candidate]:
+    """Every layout the rules allow: tp within a node dividing the heads, context parallelism within the rest of the
+    node where ``seq_len`` splits (only with ``seq_len`` given), pp dividing the remaining world, interleaving where
+    blocks divide evenly, ZeRO 0-3, micro-batches dividing each replica's share."""
     world, shape = cluster.world_size, ModelShape.of(cfg)
-    for tp in divisors(cluster.gpus_per_node):
-        for pp in (p for p in divisors(world // tp) if p <= cfg.n_layers):
-            dp = world // (tp * pp)
+    for tp, cp in ((t, c) for t in divisors(cluster.gpus_per_node)
+                   for c in (divisors(cluster.gpus_per_node // t) if seq_len else [1])):
+        if seq_len and sequence_problems(seq_len, cp, tp, tp > 1):
+            continue
+        for pp in (p for p in divisors(world // (tp * cp)) if p <= cfg.n_layers):
+            dp = world // (tp * cp * pp)
             for virtual in (1, 2, 4) if pp > 1 else (1,):
                 for micro in (1, 2, 4, 8):
                     if global_batch % (micro * dp):
@@ -75,18 +83,20 @@ def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int) -> Ite
                     for zero in (0, 1, 2, 3):
                         if layout_problems(world_size=world, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                            zero_stage=zero, pipeline_schedule=schedule, virtual_pipeline_size=virtual,
-                                           num_microbatches=m, sequence_parallel=tp > 1, model=shape):
+                                           num_microbatches=m, sequence_parallel=tp > 1, model=shape,
+                                           context_parallel_size=cp):
                             continue
                         for recompute in (False, True):
-                            yield Candidate(tp, pp, dp, zero, micro, virtual, recompute)
+                            yield Candidate(tp, pp, dp, zero, micro, virtual, recompute, cp=cp)
 
 
 def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, c: Candidate,
              precision: str = "bf16-mixed", achievable: float = ACHIEVABLE_FRACTION) -> PlanRow:
     memory = estimate_memory(cfg, seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
-                             c.sequence_parallel, c.recompute, precision, overlap=True)  # a plan is for GPUs
+                             c.sequence_parallel, c.recompute, precision, overlap=True,  # a plan is for GPUs
+                             context=c.cp)
     time = estimate_step_time(cfg, cluster, seq_len, global_batch, c.micro_batch, c.tp, c.pp, c.zero_stage,
-                              c.virtual, c.schedule, c.recompute, achievable)
+                              c.virtual, c.schedule, c.recompute, achievable, context=c.cp)
     return PlanRow(c, memory, time, memory.total <= USABLE_MEMORY * cluster.gpu.memory_bytes)
 
 
@@ -94,5 +104,5 @@ def plan_layouts(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_ba
                  precision: str = "bf16-mixed", achievable: float = ACHIEVABLE_FRACTION) -> list[PlanRow]:
     """Every candidate, those that fit first, each group fastest first."""
     rows = [evaluate(cfg, cluster, seq_len, global_batch, c, precision, achievable)
-            for c in candidates(cfg, cluster, global_batch)]
+            for c in candidates(cfg, cluster, global_batch, seq_len)]
     return sorted(rows, key=lambda r: (not r.fits, r.time.total, r.memory.total))

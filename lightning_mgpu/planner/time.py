@@ -15,7 +15,13 @@
   and 3, see ``lightning_mgpu.engine.zero_config``) the gradient reduction runs behind the backward pass of the
   last micro-batch (two thirds of its compute) when there is no pipeline (a pipeline schedule reduces once, after
   its last backward), and ZeRO-3's parameter gathers run behind the compute of the whole step (prefetch); only what
-  exceeds that is counted. ``data_parallel_hidden`` says how much was hidden. ZeRO 0 and 1 do not overlap.
+  exceeds that is counted. ``data_parallel_hidden`` says how much was hidden. ZeRO 0 and 1 do not overlap. The
+  gradients are reduced over the ``dp x C`` ranks holding the same weights (``C``: context parallelism);
+* context parallelism: per block and micro-batch, one all-gather of the sequence's keys and values in the forward
+  (another with recomputation) and one reduce-scatter of their gradients in the backward, each moving ``(C-1)/C``
+  of ``2 s b (kv heads x head dim) / t`` bf16 values, over NVLink when ``t x C`` fits a node; not overlapped
+  (``lightning_mgpu.parallel.context`` gathers before it computes). Compute, tensor-parallel and pipeline terms
+  see ``s / C`` tokens per rank.
 """
 
 from __future__ import annotations
@@ -44,10 +50,12 @@ class StepTimeEstimate:
     model_flops_per_step: float
     peak_flops: float
     data_parallel_hidden: float = 0.0  #: data-parallel communication run behind compute (not in ``total``)
+    context_parallel: float = 0.0  #: key/value exchange of context parallelism
 
     @property
     def total(self) -> float:
-        return self.compute + self.tensor_parallel + self.pipeline_bubble + self.pipeline_p2p + self.data_parallel
+        return (self.compute + self.tensor_parallel + self.pipeline_bubble + self.pipeline_p2p + self.data_parallel
+                + self.context_parallel)
 
     @property
     def tokens_per_second_per_gpu(self) -> float:
@@ -67,15 +75,15 @@ def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool = True) -> f
 def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, micro_batch: int,
                        tp: int, pp: int, zero_stage: int, virtual: int = 1, schedule: str = "1f1b",
                        recompute: bool = False, achievable: float = ACHIEVABLE_FRACTION,
-                       overlap: bool = True) -> StepTimeEstimate:
+                       overlap: bool = True, context: int = 1) -> StepTimeEstimate:
     gpu, world = cluster.gpu, cluster.world_size
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * context)
     tokens = global_batch * seq_len
     model_flops = model_flops_per_token(cfg, seq_len) * tokens
     hardware_flops = model_flops * (8 / 6 if recompute else 1.0)
     compute = hardware_flops / world / (gpu.bf16_peak_flops * achievable)
     microbatches = global_batch // (micro_batch * dp)
-    act_bytes = 2.0 * seq_len * micro_batch * cfg.dim
+    act_bytes = 2.0 * seq_len / context * micro_batch * cfg.dim
     tp_bw = gpu.intra_node_bandwidth if tp <= cluster.gpus_per_node else gpu.inter_node_bandwidth
     collectives = (6 if recompute else 4) * (cfg.n_layers / pp) * microbatches
     tensor_parallel = collectives * _ring(act_bytes, tp, tp_bw)
@@ -85,11 +93,15 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     p2p = 0.0 if pp == 1 else 2 * microbatches * virtual * act_bytes / tp / pp_bw
     dp_bw = gpu.inter_node_bandwidth if cluster.nodes > 1 else gpu.intra_node_bandwidth
     grad_bytes = 2.0 * max_rank_parameters(cfg, tp, pp, virtual)
-    reduction = _ring(grad_bytes, dp, dp_bw)
+    reduction = _ring(grad_bytes, dp * context, dp_bw)
     gathers = 0.5 * reduction if zero_stage == 3 else 0.0
     exposed = reduction + gathers
     if overlap and zero_stage >= 2:
         last_backward = (2 / 3) * compute / max(1, microbatches) if pp == 1 else 0.0
         exposed = max(0.0, reduction - last_backward) + max(0.0, gathers - compute)
+    cp_bw = gpu.intra_node_bandwidth if tp * context <= cluster.gpus_per_node else gpu.inter_node_bandwidth
+    kv_bytes = 2.0 * 2 * seq_len * micro_batch * cfg.n_kv_heads * cfg.head_dim / tp
+    cp_collectives = (3 if recompute else 2) * (cfg.n_layers / pp) * microbatches
+    context_parallel = cp_collectives * _ring(kv_bytes, context, cp_bw, all_reduce=False)
     return StepTimeEstimate(compute, tensor_parallel, bubble, p2p, exposed, tokens, world, model_flops,
-                            gpu.bf16_peak_flops, reduction + gathers - exposed)
+                            gpu.bf16_peak_flops, reduction + gathers - exposed, context_parallel)

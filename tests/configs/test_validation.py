@@ -38,7 +38,16 @@ BAD_INPUTS = [
     (["model.vocab_size=64"], "model.vocab_size=64 is smaller than the 256 byte tokens"),
     (["parallel.sequence_parallel=true"], "sequence_parallel=True needs tensor_parallel_size > 1"),
     (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "data.seq_len=127"],
-     "data.seq_len=127 is not divisible by parallel.tensor_parallel_size=2"),
+     "data.seq_len=127 is not a multiple of 2 (sequence parallelism splits each rank's tokens over "
+     "tensor_parallel_size=2); use 126 or 128"),
+    (["trainer.devices=4", "parallel.context_parallel_size=4", "data.seq_len=100"],
+     "data.seq_len=100 is not a multiple of 8 (context_parallel_size=4 gives each rank 2 of 8 equal chunks); use 96 "
+     "or 104"),
+    (["trainer.devices=6", "parallel.context_parallel_size=4"],
+     "world_size=6 is not divisible by tensor*context*pipeline_parallel_size=1*4*1=4"),
+    (["parallel.context_parallel_size=0"], "parallel.context_parallel_size=0 must be a positive integer"),
+    (["parallel.context_parallel_size=2", "data.document_mask=true"],
+     "parallel.context_parallel_size=2 does not support data.document_mask=true yet"),
     (["parallel.offload_params=cpu"], "parallel.offload_params='cpu' needs ZeRO stage 3"),
     (["parallel.offload_optimizer=disk"], "parallel.offload_optimizer='disk' is not an offload device"),
     ([*PP2, "parallel.virtual_pipeline_size=2"], "virtual_pipeline_size=2 needs a multi-stage schedule"),

@@ -5,7 +5,8 @@ counters (global step, ``tokens_seen``, the learning rate of each step) continue
 
 A chain needs one launch per layout where independent save/resume pairs need two per target layout. Every segment
 after the first is a resume target: pp2 1F1B -> pp2 interleaved (V=2) ZeRO-3 with one replica -> dp2 -> tp2 ZeRO-3
-with one replica -> tp2 x dp2 ZeRO-2 -> one process -> pp2 x tp2 + SP -> dp4 ZeRO-3."""
+with one replica -> tp2 x dp2 ZeRO-2 -> one process -> cp2 ZeRO-3 (context parallel) -> pp2 x tp2 + SP -> dp4
+ZeRO-3."""
 
 from dataclasses import replace
 
@@ -27,6 +28,7 @@ CHAIN = [
     dict(devices=2, tensor_parallel_size=2, zero_stage=3),  # ZeRO-3 with one data-parallel replica, tp > 1
     dict(devices=4, tensor_parallel_size=2, zero_stage=2),
     dict(devices=1),
+    dict(devices=2, context_parallel_size=2, zero_stage=3),  # sequences split: ZeRO over the context ranks
     dict(devices=4, pipeline_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, zero_stage=1),
     dict(devices=4, zero_stage=3),
 ]
