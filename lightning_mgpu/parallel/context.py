@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from lightning_mgpu.models.llama import apply_rope
+from lightning_mgpu.models.llama import apply_rope, expand_kv
 from lightning_mgpu.parallel.regions import GatherSequence
 
 
@@ -89,19 +89,33 @@ class ContextParallelAttention:
             self._cache[key] = (positions, order, queries)
         return self._cache[key]
 
-    def _causal(self, length: int, keys: int, dtype: torch.dtype, device: torch.device):
-        """The mask of a query chunk over its keys: causal, aligned to the last key (query ``j`` sees keys up to
-        ``keys - length + j``). On CUDA, torch's ``causal_lower_right``, which its fused kernels apply without
-        building it; elsewhere an additive bias in the activations' dtype, built once and shared by every block (a
-        boolean mask would be converted into a new bias, saved for backward, in each block)."""
-        if device.type == "cuda":
-            return causal_lower_right(length, keys)
+    def _bias(self, length: int, keys: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The additive mask of a query chunk over its keys, ``[1, 1, length, keys]`` in the activations' dtype: causal,
+        aligned to the last key (query ``j`` sees keys up to ``keys - length + j``). Built once and shared by every
+        block: a boolean mask would be converted into a new bias, saved for backward, in each block."""
         key = ("bias", length, keys, dtype, device)
         if key not in self._cache:
             allowed = torch.arange(keys, device=device) <= torch.arange(keys - length, keys, device=device)[:, None]
             bias = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-            self._cache[key] = bias[None, None]  # [1, 1, length, keys]: 4-d, which the kernel saves without a copy
+            self._cache[key] = bias[None, None]  # 4-d: the kernel saves it without a copy
         return self._cache[key]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a query chunk over keys that end where it ends (``k`` may be longer than ``q``).
+
+        On CUDA, torch's ``causal_lower_right`` mask, which its fused kernels apply without building the
+        ``length x keys`` mask (for 131,072 tokens over 4 ranks that mask would be 4 GB per chunk); the key/value heads
+        are expanded to the query heads first, the form every one of those kernels takes. Elsewhere a shared additive
+        mask, with ``enable_gqa`` so that what is saved for backward is the gathered key/value heads, not a copy
+        expanded to every query head (identical results, checked on CPU)."""
+        length, keys = q.shape[2], k.shape[2]
+        if length == keys:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+        if q.device.type == "cuda":
+            k, v = expand_kv(k, v, q.shape[1])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(length, keys))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._bias(length, keys, q.dtype, q.device),
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -115,12 +129,7 @@ class ContextParallelAttention:
         kv = torch.cat([k, v], dim=-1).transpose(1, 2)  # [b, s/C, kv_heads, 2 head_dim]: one gather for both
         whole = GatherSequence.apply(kv, self.group).index_select(1, order).transpose(1, 2)
         k_all, v_all = whole.split(head_dim, dim=-1)
-        # enable_gqa: the kernel reads each key/value head for its query heads, so what it saves for backward is the
-        # gathered kv_heads, not a copy expanded to every query head (identical results, checked on CPU)
-        out = [F.scaled_dot_product_attention(q[:, :, rows], k_all[:, :, :keys], v_all[:, :, :keys],
-                                              attn_mask=self._causal(rows.stop - rows.start, keys, q.dtype, q.device),
-                                              enable_gqa=k_all.shape[1] != q.shape[1])
-               for rows, keys in queries]
+        out = [self.attend(q[:, :, rows], k_all[:, :, :keys], v_all[:, :, :keys]) for rows, keys in queries]
         return torch.cat(out, dim=2)
 
 

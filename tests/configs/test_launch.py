@@ -43,8 +43,9 @@ def test_multirun_gives_one_directory_and_config_per_job(token_file, tmp_path):
 def test_submitit_runs_the_job_with_the_config_resolved_at_submission(token_file, tmp_path):
     sweep = tmp_path / "sweep"
     run([str(BIN / "mgpu-train"), "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
-         "trainer.devices=2", "cluster.fork_on_cpu=false",  # the worker command, as GPU jobs start their ranks "data=tokens", f"data.path={token_file}", "trainer.max_steps=2", *TINY_ARGS,
-         f"hydra.sweep.dir={sweep}"], tmp_path)
+         # cluster.fork_on_cpu=false: ranks start from the worker command, as GPU jobs start theirs
+         "trainer.devices=2", "cluster.fork_on_cpu=false", "data=tokens", f"data.path={token_file}",
+         "trainer.max_steps=2", *TINY_ARGS, f"hydra.sweep.dir={sweep}"], tmp_path)
     assert (sweep / "0" / "config.yaml").is_file()
     assert len(read_losses(sweep / "0" / "metrics.csv")) == 2
     assert list((sweep / ".submitit").iterdir())  # it really went through submitit

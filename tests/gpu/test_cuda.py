@@ -20,3 +20,21 @@ def test_bf16_training_on_one_gpu_with_nccl(token_file, zero_stage):
     assert next(trainer.strategy.model.parameters()).is_cuda
     assert trainer.strategy.model.zero_overlap_comm() is (zero_stage >= 2)  # overlap is on by default on CUDA
     assert trainer.global_step == 5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_parallel_attention_of_a_late_chunk_matches_whole_causal_attention_on_cuda(dtype):
+    """The CUDA branch of the context-parallel kernel (torch's lower-right causal mask, key/value heads expanded):
+    the last query chunk attending to all keys equals the last rows of causal attention over the whole sequence."""
+    import torch.nn.functional as F
+
+    from lightning_mgpu.parallel.context import ContextParallelAttention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 256, 64, generator=g) for heads in (8, 2, 2))
+    whole = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
+    kernel = ContextParallelAttention(group=None, rank=0, size=2)
+    late = kernel.attend(*(t.to("cuda", dtype) for t in (q[:, :, 192:], k, v)))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(late.float().cpu(), whole[:, :, 192:], atol=tol, rtol=tol)
