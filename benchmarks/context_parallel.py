@@ -39,11 +39,13 @@ def _rank(rank: int, size: int, balanced: bool) -> dict:
     tokens = torch.randint(0, MODEL.vocab_size, (1, SEQ + 1), generator=torch.Generator().manual_seed(0))
     inputs, targets = (shard_sequence(t, rank, size, balanced=balanced) for t in (tokens[:, :-1], tokens[:, 1:]))
     moved = [0]
-    for name in ("all_gather_single", "reduce_scatter_single"):
+    # What this rank sends in a ring: all of its input to each of the C - 1 others for an all-gather, (C - 1) / C of
+    # its (whole-sequence) input for a reduce-scatter.
+    for name, share in (("all_gather_single", size - 1), ("reduce_scatter_single", (size - 1) / size)):
         original = getattr(dist, name)
 
-        def counted(out, inp, *a, _original=original, **kw):
-            moved[0] += inp.numel() * inp.element_size() * (size - 1)  # what this rank sends in a ring
+        def counted(out, inp, *a, _original=original, _share=share, **kw):
+            moved[0] += inp.numel() * inp.element_size() * _share
             return _original(out, inp, *a, **kw)
 
         setattr(dist, name, counted)
