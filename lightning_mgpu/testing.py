@@ -86,6 +86,20 @@ def saved_tensor_bytes(modules: "list[torch.nn.Module]", run: Callable[[], Any])
     return sum(saved.values())
 
 
+def kept_forward_bytes(run: Callable[[], "torch.Tensor"]) -> int:
+    """Bytes ``run()`` (a forward) leaves allocated, less its output's: what it keeps for backward, whatever keeps it
+    (autograd's saved tensors, or selective checkpointing's own store, which saved-tensor hooks do not see). Measured
+    from the CPU allocator's events by torch's profiler; in a process group it also counts buffers a collective
+    allocates and keeps, so warm the collectives up first."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with record_function("kept_forward"):
+            out = run()
+    event = next(e for e in prof.events() if e.name == "kept_forward")
+    return event.cpu_memory_usage - out.untyped_storage().nbytes()
+
+
 def live_tensor_bytes(*modules: "torch.nn.Module") -> int:
     """Bytes of every tensor storage alive in this process, each storage counted once.
 

@@ -578,7 +578,8 @@ def run_memory(cfg: DictConfig, model: LlamaConfig, on_gpu: bool) -> ProcessMemo
                           p.sequence_parallel, model.activation_checkpointing == "full", str(t.precision),
                           host=not on_gpu, builds_whole_model=builds_whole_model(),
                           offload_optimizer=p.offload_optimizer is not None,
-                          offload_params=p.offload_params is not None, context=cp)
+                          offload_params=p.offload_params is not None, context=cp,
+                          mode=model.activation_checkpointing)
 
 
 def memory_problems(cfg: DictConfig) -> list[str]:

@@ -1,4 +1,4 @@
-"""Memory per GPU of a layout: model states as DeepSpeed allocates them, activations as Megatron's formulas say.
+"""Memory per GPU of a layout: model states as DeepSpeed allocates them, activations as this Llama keeps them.
 
 Model states, per parameter held by the rank (``w`` = 2 bytes in bf16-mixed, 4 in fp32; ``N`` = data-parallel
 size), measured on this project's engine (tests/distributed/test_planner_memory.py checks them to 5%):
@@ -14,14 +14,13 @@ ZeRO      parameters  gradients    fp32 master                Adam        buffer
 
 DeepSpeed keeps a separate fp32 master partition even in fp32 training (FIELD-NOTES), hence the 4 / N.
 
-Activations per transformer block and micro-batch, in bytes, with ``s`` sequence, ``b`` micro-batch,
-``h`` hidden size, ``t`` tensor-parallel size (Korthikanti et al. 2022, "Reducing Activation Recomputation
-in Large Transformer Models", with the attention-score term ``5as/h`` dropped because
-``scaled_dot_product_attention`` does not store the scores): ``34 s b h`` without tensor parallelism,
-``s b h (10 + 24 / t)`` with it, ``34 s b h / t`` with sequence parallelism, and ``2 s b h`` (``/ t`` with
-sequence parallelism) for a block whose forward is recomputed (only its input is kept). With pipeline
-parallelism the first stage holds ``P`` micro-batches in flight under 1F1B (``P (1 + (P - 1) / (P V))`` with
-``V`` interleaved stages per rank). The head's fp32 logits and their bf16 copy add ``6 s b V / t``.
+Activations are this Llama's, derived tensor by tensor for the run's precision, tensor and sequence parallelism and
+activation-checkpointing mode (:func:`block_activation_bytes`, :func:`head_activation_bytes`); they match what the
+model keeps for backward to 1% (tests/unit/test_activation_memory.py, tests/distributed/test_activation_memory.py).
+Grouped-query attention does not shrink them: the keys and values are expanded to every query head before attention,
+which keeps the expanded copies. With pipeline parallelism the first stage holds ``P`` micro-batches in flight under
+1F1B (``P (1 + (P - 1) / (P V))`` with ``V`` interleaved stages per rank); with recomputation one block's full
+activations exist again while it is recomputed.
 
 Packed documents (``LlamaConfig.eod_token_id``) add, per micro-batch and stage chunk in flight (not per block), the
 ``[b, 1, s, s]`` attention bias in the activations' dtype and the per-token rotary tables (cos and sin, fp32,
@@ -33,9 +32,9 @@ sequences.
 
 Context parallelism over ``C`` ranks (``context``) gives each rank ``s / C`` tokens of every sequence: the per-block
 terms and the logits above are taken at ``s / C``. Each block also keeps the keys and values of the whole sequence
-gathered from the other ranks, ``2 s b (kv heads x head dim) / t`` elements (``t``: their tensor-parallel shard), of
-which its own ``s / C`` are already in the formula. Model states partition over the ``dp x C`` ranks that hold the
-same weights.
+gathered from the other ranks, ``2 s b (kv heads x head dim) / t`` elements (``t``: their tensor-parallel shard, not
+expanded to the query heads), of which its own ``s / C`` are already in the formula. Model states partition over the
+``dp x C`` ranks that hold the same weights.
 """
 
 from __future__ import annotations
@@ -93,24 +92,85 @@ def model_state_bytes(n_params: int, zero_stage: int, dp: int, precision: str = 
     }
 
 
+#: What ``torch.utils.checkpoint`` keeps per checkpointed call besides tensors: the CPU random generator's state
+#: (5,056 bytes, measured; on CUDA also the device generator's), to replay dropout identically.
+CHECKPOINT_STATE_BYTES = 5056
+
+
+def _norm_bytes(h: int, w: int, t: int, sequence_parallel: bool) -> float:
+    """Per token, what an ``RMSNorm`` whose output feeds projections keeps: its input in fp32 (``x.float()``, the input
+    itself in fp32), the normalised value and the output in the activations' dtype, and the fp32 ``rsqrt``. Under
+    sequence parallelism the input and ``rsqrt`` are on the rank's sequence shard, and the normalised value is
+    all-gathered before the weight multiplies it (``lightning_mgpu.parallel.regions.ScaledGather``), so it and the
+    output are kept whole."""
+    if sequence_parallel:
+        return (4 * h + 4) / t + 2 * w * h
+    return 4 * h + 2 * w * h + 4
+
+
+def block_activation_bytes(cfg: LlamaConfig, tokens: float, tp: int = 1, sequence_parallel: bool = False,
+                           mode: str = "none", element_bytes: int = 2) -> float:
+    """Bytes one :class:`~lightning_mgpu.models.llama.Block` keeps for backward on one rank for ``tokens`` tokens
+    (sequence x micro-batch), activations of ``element_bytes`` (2: bf16, 4: fp32).
+
+    Derived from what this Llama's forward saves, tensor by tensor (and checked against measurement within 10%,
+    ``tests/distributed/test_activation_memory.py``). Per token, with ``h`` = dim, ``f`` = ffn_hidden, ``w`` =
+    element bytes, ``t`` = tensor-parallel size:
+
+    * ``none``: two norms (:func:`_norm_bytes`); attention keeps the rotated queries, the keys and values expanded to
+      every query head (grouped-query attention does not shrink them here), the kernel's output and the contiguous
+      copy the output projection reads, ``5 w h / t``, and its fp32 log-sum-exp, ``4 n_heads / t``; SwiGLU keeps
+      ``w1 x``, ``silu(w1 x)``, ``w3 x`` and their product, ``4 w f / t``. The projections' inputs are the norms'
+      outputs (counted there) and the rotary tables are buffers.
+    * ``selective``: the block's input (``w h``, a sequence shard under sequence parallelism) and the outputs of its
+      seven projections: ``w (h + 2 kv + 2 f) / t`` for the column-parallel ones (``kv`` = n_kv_heads x head_dim) and
+      ``2 w h`` for the two row-parallel ones, whose output is the whole partial sum before its reduction.
+    * ``full``: the block's input only.
+
+    Checkpointed modes also keep :data:`CHECKPOINT_STATE_BYTES` per block.
+    """
+    h, f, w, t = cfg.dim, cfg.ffn_hidden, element_bytes, tp
+    shard = t if sequence_parallel else 1
+    if mode == "full":
+        return tokens * w * h / shard + CHECKPOINT_STATE_BYTES
+    if mode == "selective":
+        kv = cfg.n_kv_heads * cfg.head_dim
+        return tokens * (w * h / shard + w * (h + 2 * kv + 2 * f) / t + 2 * w * h) + CHECKPOINT_STATE_BYTES
+    return tokens * (2 * _norm_bytes(h, w, t, sequence_parallel) + (5 * w * h + 4 * cfg.n_heads + 4 * w * f) / t)
+
+
+def head_activation_bytes(cfg: LlamaConfig, tokens: float, tp: int = 1, sequence_parallel: bool = False,
+                          element_bytes: int = 2) -> float:
+    """Bytes kept outside the blocks, on the ranks that hold them: the token ids the embedding reads (int64), the
+    final norm, and the loss over the vocabulary: fp32 log-probabilities (``F.cross_entropy`` of the fp32 logits)
+    and the targets, or under tensor parallelism the vocabulary shard's fp32 exponentials, the targets and two
+    boolean masks (``lightning_mgpu.parallel.cross_entropy``)."""
+    ids = 8.0 if tp == 1 else 8.0 + 1.0  # the embedding's ids (and, split by vocabulary, its out-of-shard mask)
+    loss = 4 * cfg.vocab_size + 8 if tp == 1 else 4 * cfg.vocab_size / tp + 8 + 2
+    return tokens * (ids + _norm_bytes(cfg.dim, element_bytes, tp, sequence_parallel) + loss)
+
+
 def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, virtual: int,
-                     sequence_parallel: bool, recompute: bool, context: int = 1) -> float:
-    """Activation memory of the fullest pipeline rank (the first), including the head's logits."""
-    s, b, h = seq_len / context, micro_batch, cfg.dim
-    if recompute:
-        per_block = 2 * s * b * h / (tp if sequence_parallel else 1)
-        working = s * b * h * (34 / tp if sequence_parallel else (10 + 24 / tp))  # one block being recomputed
-    else:
-        per_block = s * b * h * (34 / tp if sequence_parallel else (10 + 24 / tp if tp > 1 else 34))
-        working = 0.0
+                     sequence_parallel: bool, recompute: bool, context: int = 1, precision: str = "bf16-mixed",
+                     mode: str | None = None) -> float:
+    """Activation memory of the fullest pipeline rank (the first), including the head's logits and loss (all of them
+    on the first rank only without pipeline parallelism, as an upper bound with it). ``mode`` (``none``,
+    ``selective``, ``full``) overrides ``recompute`` (``full`` when true)."""
+    mode = mode or ("full" if recompute else "none")
+    w = 4 if precision == "32-true" else 2
+    s, b = seq_len / context, micro_batch
+    tokens = s * b
+    per_block = block_activation_bytes(cfg, tokens, tp, sequence_parallel, mode, w)
+    # one block's full activations while it is recomputed in backward
+    working = block_activation_bytes(cfg, tokens, tp, sequence_parallel, "none", w) if mode != "none" else 0.0
     blocks_per_rank = -(-cfg.n_layers // pp)
     in_flight = 1.0 if pp == 1 else pp * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else float(pp)
-    logits = 6 * s * b * cfg.vocab_size / tp
+    outside = head_activation_bytes(cfg, tokens, tp, sequence_parallel, w)
     # in_flight counts whole ranks' activations; a rank holds `virtual` chunks, each with its own document bias
     documents = document_mask_bytes(cfg, seq_len, b) * in_flight * virtual
-    # context parallelism: the rest of the sequence's keys and values, gathered (2 bytes: bf16 activations)
-    gathered = 0.0 if recompute else 2 * 2 * (seq_len - s) * b * cfg.n_kv_heads * cfg.head_dim / tp
-    return (per_block + gathered) * blocks_per_rank * in_flight + working + logits + documents
+    # context parallelism: the rest of the sequence's keys and values, gathered (not expanded to the query heads)
+    gathered = 0.0 if mode != "none" else w * 2 * (seq_len - s) * b * cfg.n_kv_heads * cfg.head_dim / tp
+    return (per_block + gathered) * blocks_per_rank * in_flight + working + outside + documents
 
 
 def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, element_bytes: int = 2) -> float:
@@ -125,10 +185,12 @@ def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, elemen
 
 def estimate_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, dp: int, zero_stage: int,
                     virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
-                    precision: str = "bf16-mixed", overlap: bool = False, context: int = 1) -> MemoryEstimate:
+                    precision: str = "bf16-mixed", overlap: bool = False, context: int = 1,
+                    mode: str | None = None) -> MemoryEstimate:
     """Peak memory per GPU of the fullest rank (``overlap``: as the engine runs on CUDA, see
     :func:`model_state_bytes`; ``dp`` replicas of ``context`` ranks each)."""
     states = model_state_bytes(max_rank_parameters(cfg, tp, pp, virtual), zero_stage, dp * context, precision, pp > 1,
                                overlap)
-    acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, virtual, sequence_parallel, recompute, context)
+    acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, virtual, sequence_parallel, recompute, context,
+                            precision, mode)
     return MemoryEstimate(activations=acts, **states)
