@@ -217,7 +217,8 @@ class PlanConfig:
     """``mgpu-plan``: the GPU kind (cluster size is trainer.num_nodes x trainer.devices) and what to print."""
 
     gpu: str = "h100_80gb"  #: a100_80gb | h100_80gb | h200_141gb
-    achievable: float = 0.5  #: fraction of the bf16 peak that compute reaches
+    #: fraction of the bf16 peak that compute reaches; null: the GPU's, fitted to published runs (README, Planning)
+    achievable: Optional[float] = None
     top: int = 15  #: rows of the table
     commands: int = 3  #: best layouts printed as mgpu-train command lines
 

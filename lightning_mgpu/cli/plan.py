@@ -40,7 +40,9 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     lines = [f"{cfg.model.name}: {model.num_parameters() / 1e9:.2f}B parameters; {cluster.nodes} x "
              f"{cluster.gpus_per_node} {gpu.name} ({gpu.memory_bytes / GB:.0f} GB, "
              f"{gpu.bf16_peak_flops / 1e12:.0f} TFLOP/s bf16); sequence {seq}, global batch {batch} "
-             f"({batch * seq:,} tokens); {precision}; compute at {cfg.plan.achievable:.0%} of peak",
+             f"({batch * seq:,} tokens); {precision}; compute at "
+             f"{gpu.achievable if cfg.plan.achievable is None else cfg.plan.achievable:.0%} of peak"
+             f"{' (calibrated for this GPU)' if cfg.plan.achievable is None else ''}",
              f"{len(rows)} layouts, {len(fitting)} fit in {gpu.memory_bytes / GB:.0f} GB",
              "",
              f"{'tp':>3} {'cp':>3} {'pp':>3} {'V':>2} {'dp':>4} {'zero':>4} {'mb':>3} {'ckpt':>4} | "

@@ -450,7 +450,7 @@ def plan_problems(cfg: DictConfig) -> list[str]:
     if plan.gpu not in GPUS:
         out.append(f"plan.gpu={plan.gpu!r} is unknown; choose one of {', '.join(GPUS)}"
                    + did_you_mean(str(plan.gpu), GPUS))
-    if not 0.0 < plan.achievable <= 1.0:
+    if plan.achievable is not None and not 0.0 < plan.achievable <= 1.0:
         out.append(f"plan.achievable={plan.achievable} must be a fraction of the peak in (0, 1], e.g. 0.5")
     return out + _positive("plan.top", plan.top) + _positive("plan.commands", plan.commands, allow_zero=True)
 

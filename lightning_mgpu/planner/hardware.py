@@ -8,20 +8,25 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class GPUSpec:
-    """One GPU kind: memory, dense bf16 peak, and per-GPU bandwidths inside a node (NVLink) and across nodes."""
+    """One GPU kind: memory, dense bf16 peak, per-GPU bandwidths inside a node (NVLink) and across nodes, and the
+    fraction of the peak that training compute reaches on it (fitted to published runs of comparable stacks:
+    :mod:`lightning_mgpu.planner.calibration`)."""
 
     name: str
     memory_bytes: float
     bf16_peak_flops: float
     intra_node_bandwidth: float  #: bytes/s per GPU per direction (NVLink)
     inter_node_bandwidth: float  #: bytes/s per GPU per direction (InfiniBand / RoCE)
+    achievable: float = 0.5  #: fraction of ``bf16_peak_flops`` that the model's matmuls and attention reach
 
 
-#: Published dense bf16 peaks (no sparsity) and typical HGX interconnects (one 200/400 Gb/s NIC per GPU).
+#: Published dense bf16 peaks (no sparsity) and typical HGX interconnects (one 200/400 Gb/s NIC per GPU). The
+#: achievable fractions are fitted to the published runs in ``lightning_mgpu.planner.calibration`` (A100: 2 runs,
+#: H100: 7); the H200 has the H100's compute and no published run here, so it takes the H100's.
 GPUS: dict[str, GPUSpec] = {
-    "a100_80gb": GPUSpec("A100-SXM4-80GB", 80e9, 312e12, 300e9, 25e9),
-    "h100_80gb": GPUSpec("H100-SXM5-80GB", 80e9, 989e12, 450e9, 50e9),
-    "h200_141gb": GPUSpec("H200-SXM-141GB", 141e9, 989e12, 450e9, 50e9),
+    "a100_80gb": GPUSpec("A100-SXM4-80GB", 80e9, 312e12, 300e9, 25e9, achievable=0.55),
+    "h100_80gb": GPUSpec("H100-SXM5-80GB", 80e9, 989e12, 450e9, 50e9, achievable=0.48),
+    "h200_141gb": GPUSpec("H200-SXM-141GB", 141e9, 989e12, 450e9, 50e9, achievable=0.48),
 }
 
 

@@ -9,7 +9,7 @@ from lightning_mgpu.layout import ModelShape, divisors, layout_problems, sequenc
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.hardware import ClusterSpec
 from lightning_mgpu.planner.memory import MemoryEstimate, estimate_memory
-from lightning_mgpu.planner.time import ACHIEVABLE_FRACTION, StepTimeEstimate, estimate_step_time
+from lightning_mgpu.planner.time import StepTimeEstimate, estimate_step_time
 
 #: Share of GPU memory a plan may fill (the rest: allocator fragmentation, NCCL and CUDA context).
 USABLE_MEMORY = 0.9
@@ -91,7 +91,7 @@ def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int,
 
 
 def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, c: Candidate,
-             precision: str = "bf16-mixed", achievable: float = ACHIEVABLE_FRACTION) -> PlanRow:
+             precision: str = "bf16-mixed", achievable: Optional[float] = None) -> PlanRow:
     memory = estimate_memory(cfg, seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                              c.sequence_parallel, c.recompute, precision, overlap=True,  # a plan is for GPUs
                              context=c.cp)
@@ -101,7 +101,7 @@ def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch:
 
 
 def plan_layouts(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int,
-                 precision: str = "bf16-mixed", achievable: float = ACHIEVABLE_FRACTION) -> list[PlanRow]:
+                 precision: str = "bf16-mixed", achievable: Optional[float] = None) -> list[PlanRow]:
     """Every candidate, those that fit first, each group fastest first."""
     rows = [evaluate(cfg, cluster, seq_len, global_batch, c, precision, achievable)
             for c in candidates(cfg, cluster, global_batch, seq_len)]

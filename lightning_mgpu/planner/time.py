@@ -1,7 +1,8 @@
 """Step time of a layout: compute at a stated fraction of peak, plus the communication it cannot hide.
 
 * compute: ``flops_per_token * tokens`` per GPU (``8/6`` of it with full recomputation: the forward runs
-  twice) at ``achievable`` x the bf16 peak (default 0.5, a typical fraction for well-tuned bf16 training);
+  twice) at ``achievable`` x the bf16 peak (default: the GPU's fraction, fitted to published runs of comparable
+  stacks in :mod:`lightning_mgpu.planner.calibration`);
 * tensor parallelism: per block and micro-batch, 4 all-reduces (2 with the forward, 2 with the backward; 6
   with recomputation) of ``s b h`` bf16 activations, as ring all-reduces ``2 (t-1)/t * bytes / bandwidth``
   over NVLink when the group fits a node (all-gather + reduce-scatter under sequence parallelism move the
@@ -27,13 +28,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.parallel.timeline import theoretical_bubble
 from lightning_mgpu.planner.hardware import ClusterSpec
 from lightning_mgpu.planner.model_stats import max_rank_parameters, model_flops_per_token
-
-ACHIEVABLE_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -74,9 +74,10 @@ def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool = True) -> f
 
 def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, micro_batch: int,
                        tp: int, pp: int, zero_stage: int, virtual: int = 1, schedule: str = "1f1b",
-                       recompute: bool = False, achievable: float = ACHIEVABLE_FRACTION,
+                       recompute: bool = False, achievable: Optional[float] = None,
                        overlap: bool = True, context: int = 1) -> StepTimeEstimate:
     gpu, world = cluster.gpu, cluster.world_size
+    achievable = gpu.achievable if achievable is None else achievable
     dp = world // (tp * pp * context)
     tokens = global_batch * seq_len
     model_flops = model_flops_per_token(cfg, seq_len) * tokens
