@@ -113,11 +113,15 @@ class ParallelLayout:
             valid = [d for d in divisors(W) if W % (d * C * P) == 0]
             what = f"tensor_parallel_size*pipeline_parallel_size={T}*{P}={T * P}" if C == 1 else \
                 f"tensor*context*pipeline_parallel_size={T}*{C}*{P}={T * C * P}"
-            out.append(
-                f"world_size={W} is not divisible by {what}; the world must hold whole model replicas: with "
-                f"pipeline_parallel_size={P}{'' if C == 1 else f' and context_parallel_size={C}'} choose "
-                f"tensor_parallel_size from {_fmt(valid)}, or change the number of devices"
-            )
+            if valid or C == 1:
+                fix = (f"with pipeline_parallel_size={P}{'' if C == 1 else f' and context_parallel_size={C}'} choose "
+                       f"tensor_parallel_size from {_fmt(valid)}")
+            else:
+                contexts = [c for c in divisors(W) if W % (T * c * P) == 0]
+                fix = (f"with tensor_parallel_size={T} and pipeline_parallel_size={P} choose context_parallel_size "
+                       f"from {_fmt(contexts)}")
+            out.append(f"world_size={W} is not divisible by {what}; the world must hold whole model replicas: {fix}, "
+                       "or change the number of devices")
         if self.zero_stage not in (0, 1, 2, 3):
             out.append(f"zero_stage={self.zero_stage!r} is not a ZeRO stage; choose 0, 1, 2 or 3")
         for name, value in (("offload_optimizer", self.offload_optimizer), ("offload_params", self.offload_params)):

@@ -6,13 +6,14 @@ rank ``r`` does ``(r + 1) + (2C - r) = 2C + 1`` chunk-pairs of work whatever ``r
 With ``balanced=False`` (kept for the benchmark) rank ``r`` holds the single contiguous chunk ``r`` of ``C`` and does
 ``r + 1`` chunk-pairs of work: the last rank does ``C`` times the first one's.
 
-**Keys and values are all-gathered**, not passed around a ring. Under grouped-query attention a rank's keys and
-values are ``2 * kv_heads / heads`` of its queries' size (1/4 for Llama-3 8B and 70B), so gathering them all costs
-one collective per layer and ``(C - 1) / C`` of the sequence's K/V in memory, and it runs on every backend (gloo
-included) and every attention kernel (PyTorch's experimental context-parallel API needs CUDA kernels). A ring
-exchange would overlap the transfer with compute and hold two blocks at a time, which matters at C >= 8 or with
-full multi-head attention; it needs the kernels' log-sum-exp, which CPU ``scaled_dot_product_attention`` does not
-return. The backward of the gather is a reduce-scatter: each rank gets the sum, over all query chunks, of the
+**Keys and values are all-gathered**, not passed around a ring. Both move the same bytes per rank, ``(C - 1) / C`` of
+the sequence's keys and values, and under grouped-query attention those are small next to the queries
+(``2 kv_heads / heads`` of their size: 1/2 for Llama-3 8B, 1/4 for 70B). The gather is one collective per layer, runs
+on every backend (gloo included) and with every attention kernel, because it needs nothing from the kernel: a ring
+merges partial results by their log-sum-exp, which CPU ``scaled_dot_product_attention`` does not return (PyTorch's
+experimental context-parallel API needs CUDA kernels for the same reason). What the ring would add is overlap of the
+transfer with compute and holding two key/value blocks at a time instead of the whole sequence's; that matters at
+large ``C`` or with full multi-head attention, and is not done here. The backward of the gather is a reduce-scatter: each rank gets the sum, over all query chunks, of the
 gradients of its own keys and values.
 
 This module is written by hand because it must run over this project's process groups on CPU/gloo as well as
@@ -28,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from lightning_mgpu.layout import sequence_problems
 from lightning_mgpu.models.llama import apply_rope, expand_kv
 from lightning_mgpu.parallel.regions import GatherSequence
 
@@ -46,8 +48,9 @@ def chunk_positions(seq_len: int, rank: int, size: int, balanced: bool = True,
     """Positions in the whole sequence of the ``seq_len / size`` tokens context rank ``rank`` holds, in order."""
     n = _chunks(size, balanced)
     if seq_len % n:
-        raise ValueError(f"sequence length {seq_len} does not split into {n} equal chunks for context_parallel_size="
-                         f"{size}; use a multiple of {n}")
+        problems = sequence_problems(seq_len, size, key="sequence length") if balanced else \
+            [f"sequence length {seq_len} does not split into {n} equal contiguous chunks; use a multiple of {n}"]
+        raise ValueError("; ".join(problems))
     length = seq_len // n
     return torch.cat([torch.arange(g * length, (g + 1) * length, device=device) for g in chunk_ids(rank, size,
                                                                                                    balanced)])

@@ -52,6 +52,11 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
         notes += apply_tensor_parallel(module, plan, layout.group("tp"), layout.sequence_parallel)
     if layout.size("cp") > 1:
         C = layout.size("cp")
+        eod = getattr(getattr(module, "config", None), "eod_token_id", None)
+        if eod is not None:
+            raise ValueError(f"context_parallel_size={C} does not support document masking yet (the model's "
+                             f"eod_token_id={eod}): each rank would need the document boundaries of the chunks it "
+                             "does not hold; use eod_token_id=None or context_parallel_size=1")
         changed = apply_context_parallel(module, layout.group("cp"), layout.rank("cp"), C)
         if not changed or not callable(getattr(module, "context_parallel_batch", None)):
             raise ValueError(f"context_parallel_size={C} needs a module whose attention exposes a replaceable "

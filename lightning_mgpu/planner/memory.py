@@ -31,10 +31,10 @@ unmasked saved bytes are exactly ``4 b s^2 + 4 b s d_head`` at 2 and 4 blocks al
 sequences.
 
 Context parallelism over ``C`` ranks (``context``) gives each rank ``s / C`` tokens of every sequence: the per-block
-terms and the logits above are taken at ``s / C``. Each block also keeps the keys and values of the whole sequence
-gathered from the other ranks, ``2 s b (kv heads x head dim) / t`` elements (``t``: their tensor-parallel shard, not
-expanded to the query heads), of which its own ``s / C`` are already in the formula. Model states partition over the
-``dp x C`` ranks that hold the same weights.
+terms and the logits above are taken at ``s / C``. Each block also keeps the keys and values of the rest of the
+sequence gathered from the other ranks, ``2 (s - s / C) b (heads x head dim) / t`` elements: expanded to every query
+head, as the CUDA kernel keeps them (on CPU the kernel keeps the key/value heads only, which this over-counts). Model
+states partition over the ``dp x C`` ranks that hold the same weights.
 """
 
 from __future__ import annotations
@@ -161,16 +161,21 @@ def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, 
     s, b = seq_len / context, micro_batch
     tokens = s * b
     per_block = block_activation_bytes(cfg, tokens, tp, sequence_parallel, mode, w)
+    # context parallelism: the rest of the sequence's keys and values, gathered, as the CUDA kernel keeps them
+    # (expanded to every query head: lightning_mgpu.parallel.context.ContextParallelAttention.attend; the CPU kernel
+    # keeps the key/value heads only, so this is an upper bound there). Kept per block, or with recomputation
+    # recomputed with the block.
+    gathered = w * 2 * (seq_len - s) * b * cfg.n_heads * cfg.head_dim / tp
     # one block's full activations while it is recomputed in backward
-    working = block_activation_bytes(cfg, tokens, tp, sequence_parallel, "none", w) if mode != "none" else 0.0
+    working = block_activation_bytes(cfg, tokens, tp, sequence_parallel, "none", w) + gathered \
+        if mode != "none" else 0.0
     blocks_per_rank = -(-cfg.n_layers // pp)
     in_flight = 1.0 if pp == 1 else pp * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else float(pp)
     outside = head_activation_bytes(cfg, tokens, tp, sequence_parallel, w)
     # in_flight counts whole ranks' activations; a rank holds `virtual` chunks, each with its own document bias
     documents = document_mask_bytes(cfg, seq_len, b) * in_flight * virtual
-    # context parallelism: the rest of the sequence's keys and values, gathered (not expanded to the query heads)
-    gathered = 0.0 if mode != "none" else w * 2 * (seq_len - s) * b * cfg.n_kv_heads * cfg.head_dim / tp
-    return (per_block + gathered) * blocks_per_rank * in_flight + working + outside + documents
+    kept = per_block + (gathered if mode == "none" else 0.0)
+    return kept * blocks_per_rank * in_flight + working + outside + documents
 
 
 def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, element_bytes: int = 2) -> float:

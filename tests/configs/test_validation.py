@@ -44,7 +44,9 @@ BAD_INPUTS = [
      "data.seq_len=100 is not a multiple of 8 (context_parallel_size=4 gives each rank 2 of 8 equal chunks); use 96 "
      "or 104"),
     (["trainer.devices=6", "parallel.context_parallel_size=4"],
-     "world_size=6 is not divisible by tensor*context*pipeline_parallel_size=1*4*1=4"),
+     "world_size=6 is not divisible by tensor*context*pipeline_parallel_size=1*4*1=4; the world must hold whole model "
+     "replicas: with tensor_parallel_size=1 and pipeline_parallel_size=1 choose context_parallel_size from 1, 2, 3 or "
+     "6"),
     (["parallel.context_parallel_size=0"], "parallel.context_parallel_size=0 must be a positive integer"),
     (["parallel.context_parallel_size=2", "data.document_mask=true"],
      "parallel.context_parallel_size=2 does not support data.document_mask=true yet"),

@@ -1,5 +1,5 @@
 """Context parallelism: sequences split over ranks, alone and with tensor, pipeline and ZeRO data parallelism, against
-one process (loss and gradient norm, 1e-5 fp32, 10 steps)."""
+one process (loss and gradient norm, 1e-5 fp32, 10 steps, then the validation loss)."""
 
 import pytest
 from helpers import assert_parity, fit, reference
@@ -9,7 +9,7 @@ from lightning_mgpu.testing import run_distributed
 
 @pytest.fixture(scope="module")
 def ref(token_file):
-    return reference(token_file, steps=10, clip=0.3)
+    return reference(token_file, steps=10, clip=0.3, val_batches=1)
 
 
 LAYOUTS = {
@@ -25,8 +25,12 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_context_parallel_matches_single_process(token_file, ref, name):
+    """Loss and gradient norm of 10 steps, then the validation loss (a forward of whole sequences split the same way)."""
     devices, kw = LAYOUTS[name]
-    assert_parity(run_distributed(fit, devices, token_file, devices, **kw), ref)
+    results = run_distributed(fit, devices, token_file, devices, validate=True, **kw)
+    assert_parity(results, ref)
+    for r in results:
+        assert abs(r["val_loss"] - ref["val_loss"]) < 1e-5, (r["rank"], r["val_loss"], ref["val_loss"])
 
 
 def _saved_bytes_whole_and_split(rank: int, size: int) -> tuple[int, int]:

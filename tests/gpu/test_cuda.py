@@ -35,6 +35,15 @@ def test_context_parallel_attention_of_a_late_chunk_matches_whole_causal_attenti
     q, k, v = (torch.randn(2, heads, 256, 64, generator=g) for heads in (8, 2, 2))
     whole = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), is_causal=True)
     kernel = ContextParallelAttention(group=None, rank=0, size=2)
-    late = kernel.attend(*(t.to("cuda", dtype) for t in (q[:, :, 192:], k, v)))
+    inputs = [t.to("cuda", dtype).requires_grad_() for t in (q[:, :, 192:], k, v)]
+    late = kernel.attend(*inputs)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(late.float().cpu(), whole[:, :, 192:], atol=tol, rtol=tol)
+    # and the gradients: of the late queries, and of every key and value they see
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(leaves[0], *(t.repeat_interleave(4, 1) for t in leaves[1:]),
+                                               is_causal=True)[:, :, 192:]
+    reference.sum().backward()
+    late.sum().backward()
+    for got, want in zip(inputs, (leaves[0].grad[:, :, 192:], leaves[1].grad, leaves[2].grad)):
+        torch.testing.assert_close(got.grad.float().cpu(), want, atol=tol, rtol=tol)
