@@ -16,7 +16,7 @@ DeepSpeed keeps a separate fp32 master partition even in fp32 training (FIELD-NO
 
 Activations are this Llama's, derived tensor by tensor for the run's precision, tensor and sequence parallelism and
 activation-checkpointing mode (:func:`block_activation_bytes`, :func:`head_activation_bytes`); they match what the
-model keeps for backward to 1% (tests/unit/test_activation_memory.py, tests/distributed/test_activation_memory.py).
+model keeps for backward to 1% (tests/unit/test_activation_formulas.py, tests/distributed/test_activation_memory.py).
 Grouped-query attention does not shrink them: the keys and values are expanded to every query head before attention,
 which keeps the expanded copies. With pipeline parallelism the first stage holds ``P`` micro-batches in flight under
 1F1B (``P (1 + (P - 1) / (P V))`` with ``V`` interleaved stages per rank); with recomputation one block's full

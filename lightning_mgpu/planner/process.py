@@ -38,7 +38,7 @@ PROCESS_BASELINE_BYTES = 0.6e9
 CPU_STATE_FACTOR = 2.4
 #: Host memory for activations over the planner's figure. The planner's activation bytes are what this Llama keeps for
 #: backward, derived per tensor for the run's precision and checked to 10% (measured 0.99-1.00 at tp 1 and 2, with and
-#: without sequence parallelism, every checkpointing mode; tests/unit and tests/distributed test_activation_memory.py);
+#: without sequence parallelism, every checkpointing mode; tests/unit/test_activation_formulas.py, tests/distributed/test_activation_memory.py);
 #: the 10% above it is for the CPU allocator's rounding and what it keeps cached between the step's phases.
 CPU_ACTIVATION_FACTOR = 1.1
 

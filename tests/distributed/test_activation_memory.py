@@ -8,7 +8,7 @@ import torch
 
 from lightning_mgpu.testing import run_distributed
 
-#: (shape, sequence), as in tests/unit/test_activation_memory.py
+#: (shape, sequence), as in tests/unit/test_activation_formulas.py
 SHAPES = [(dict(dim=96, n_heads=6, n_kv_heads=2, ffn_hidden=160, vocab_size=50, max_seq_len=128), 40),
           (dict(dim=128, n_heads=4, n_kv_heads=4, ffn_hidden=352, vocab_size=300, max_seq_len=128), 64),
           (dict(dim=64, n_heads=8, n_kv_heads=2, ffn_hidden=256, vocab_size=64, max_seq_len=128), 96)]
