@@ -91,11 +91,18 @@ def kept_forward_bytes(run: Callable[[], "torch.Tensor"]) -> int:
     (autograd's saved tensors, or selective checkpointing's own store, which saved-tensor hooks do not see). Measured
     from the CPU allocator's events by torch's profiler; in a process group it also counts buffers a collective
     allocates and keeps, so warm the collectives up first."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        with record_function("kept_forward"):
-            out = run()
+    gc.collect()  # earlier garbage (a previous model and its graph) must not be freed inside the measured region
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            with record_function("kept_forward"):
+                out = run()
+    finally:
+        gc.enable()
     event = next(e for e in prof.events() if e.name == "kept_forward")
     return event.cpu_memory_usage - out.untyped_storage().nbytes()
 
