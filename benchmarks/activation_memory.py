@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 from lightning_mgpu import LLMModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.planner.memory import block_activation_bytes, head_activation_bytes  # noqa: E402
-from lightning_mgpu.testing import kept_forward_bytes, run_distributed, saved_tensor_bytes  # noqa: E402
+from lightning_mgpu.testing import kept_forward_bytes, parallel_saved_bytes, run_distributed  # noqa: E402
 
 SHAPES = [(LlamaConfig(dim=96, n_heads=6, n_kv_heads=2, ffn_hidden=160, vocab_size=50, max_seq_len=128), 40),
           (LlamaConfig(dim=128, n_heads=4, n_kv_heads=4, ffn_hidden=352, vocab_size=300, max_seq_len=128), 64),
@@ -55,7 +55,6 @@ def _two_process_rows(rank: int) -> list[str]:
     import torch.distributed as dist
 
     from lightning_mgpu.layout import ParallelLayout
-    from lightning_mgpu.parallel.parallelize import parallelize
 
     dist.init_process_group("gloo")
     rows, batch_size = [], 4
@@ -65,14 +64,7 @@ def _two_process_rows(rank: int) -> list[str]:
         for cfg, seq in SHAPES:
             batch = torch.randint(0, cfg.vocab_size, (batch_size, seq + 1), generator=torch.Generator().manual_seed(0))
             for dtype in DTYPES:
-                saved = []
-                for n_layers in (1, 2):
-                    module = LLMModule(replace(cfg, n_layers=n_layers))
-                    with torch.device("meta"):
-                        module.configure_model()
-                    parallelize(module, layout, torch.device("cpu"))
-                    module.model.to(dtype).train()
-                    saved.append(saved_tensor_bytes([module.model], lambda: module.loss(batch)))
+                saved = parallel_saved_bytes(cfg, layout, dtype, batch)
                 w, tokens = dtype.itemsize, batch_size * seq
                 block = block_activation_bytes(cfg, tokens, 2, sp, "none", w)
                 whole = 2 * block + head_activation_bytes(cfg, tokens, 2, sp, w)

@@ -15,6 +15,7 @@ from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
+from lightning_mgpu.parallel.compile import compile_blocks
 from lightning_mgpu.parallel.context import shard_sequence
 from lightning_mgpu.parallel.cross_entropy import cross_entropy, gather_logits
 from lightning_mgpu.parallel.pipeline import stage_container
@@ -99,11 +100,20 @@ class LLMModule(L.LightningModule):
                     load_into(self.model, state)
                 mode, blocks = self.checkpointed_blocks()
                 checkpoint_blocks(blocks, mode)
+                backend, blocks = self.compiled_blocks()
+                if backend is not None:
+                    compile_blocks(blocks, backend)
 
     def checkpointed_blocks(self) -> tuple[str, list[torch.nn.Module]]:
         """(``config.activation_checkpointing``, this rank's transformer blocks): applied by ``parallelize`` under
         MGPUStrategy, by :meth:`configure_model` otherwise."""
         return self.config.activation_checkpointing, [m for m in self.model.modules() if isinstance(m, Block)]
+
+    def compiled_blocks(self) -> tuple[Optional[str], list[torch.nn.Module]]:
+        """(the ``torch.compile`` backend of ``config.compile``, or None; this rank's transformer blocks): applied after
+        activation checkpointing, by ``parallelize`` under MGPUStrategy and by :meth:`configure_model` otherwise."""
+        backend = self.config.compile_backend if self.config.compile else None
+        return backend, [m for m in self.model.modules() if isinstance(m, Block)]
 
     def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of parameter ``name``'s initial value (``model.layers.0.attention.wq.weight``, whole shape

@@ -107,6 +107,27 @@ def kept_forward_bytes(run: Callable[[], "torch.Tensor"]) -> int:
     return event.cpu_memory_usage - out.untyped_storage().nbytes()
 
 
+def parallel_saved_bytes(config: Any, layout: Any, dtype: "torch.dtype", batch: "torch.Tensor",
+                         depths: tuple[int, ...] = (1, 2)) -> list[int]:
+    """Bytes one forward of ``LLMModule``'s loss saves for backward on this rank (:func:`saved_tensor_bytes`), for the
+    model ``config`` at each depth of ``depths``, built on the meta device and split by ``parallelize`` over ``layout``
+    (its groups initialised) as MGPUStrategy does, with weights and activations in ``dtype``."""
+    from dataclasses import replace
+
+    from lightning_mgpu.module import LLMModule
+    from lightning_mgpu.parallel.parallelize import parallelize
+
+    out = []
+    for n_layers in depths:
+        module = LLMModule(replace(config, n_layers=n_layers))
+        with torch.device("meta"):
+            module.configure_model()
+        parallelize(module, layout, torch.device("cpu"))
+        module.model.to(dtype).train()
+        out.append(saved_tensor_bytes([module.model], lambda: module.loss(batch)))
+    return out
+
+
 def live_tensor_bytes(*modules: "torch.nn.Module") -> int:
     """Bytes of every tensor storage alive in this process, each storage counted once.
 

@@ -14,6 +14,7 @@ from lightning_mgpu import LLMModule, MGPUStrategy
 from lightning_mgpu.data import TokenFileDataModule
 from lightning_mgpu.data.tokens import sample_starts
 from lightning_mgpu.models import LlamaConfig
+from lightning_mgpu.parallel.compile import MARK as COMPILED
 from lightning_mgpu.parallel.context import ContextParallelAttention
 
 TINY = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64)
@@ -69,12 +70,16 @@ class DtypeProbe(L.Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         module = trainer.strategy.model.module
         self.param_dtype = str(next(module.parameters()).dtype)
-        linear = next(m for m in module.modules() if "Linear" in type(m).__name__)  # nn.Linear or a parallel one
+        # nn.Linear or a parallel one; not inside a compiled block, where a hook that records would break its graph
+        compiled = [name for name, m in module.named_modules() if getattr(m, COMPILED, None)]
+        linear = next((m for name, m in module.named_modules() if "Linear" in type(m).__name__
+                       and not any(name.startswith(c + ".") for c in compiled)), None)
 
         def record(_module, _inputs, output) -> None:
             self.activation_dtype = str(output.dtype)
 
-        linear.register_forward_hook(record)
+        if linear is not None:
+            linear.register_forward_hook(record)
 
 
 def datamodule(token_file: Path, **kw: Any) -> TokenFileDataModule:

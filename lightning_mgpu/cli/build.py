@@ -31,10 +31,12 @@ def build_model_config(cfg: DictConfig) -> LlamaConfig:
         from lightning_mgpu.checkpoint.hf import from_hf_config, hf_path
 
         hf = json.loads((hf_path(cfg.model.init_from) / "config.json").read_text())
-        model = replace(from_hf_config(hf), activation_checkpointing=cfg.model.activation_checkpointing)
+        model = replace(from_hf_config(hf), activation_checkpointing=cfg.model.activation_checkpointing,
+                        compile=cfg.model.compile, compile_backend=cfg.model.compile_backend)
     else:
         overrides = {k: cfg.model[k] for k in _MODEL_OVERRIDES if cfg.model[k] is not None}
         model = LlamaConfig.from_name(cfg.model.name, activation_checkpointing=cfg.model.activation_checkpointing,
+                                      compile=cfg.model.compile, compile_backend=cfg.model.compile_backend,
                                       **overrides)
     if cfg.data.get("document_mask"):  # .get: a schema without the key reads as false
         eod = run_eod_token_id(cfg)[0]

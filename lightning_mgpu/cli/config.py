@@ -21,6 +21,8 @@ class ModelConfig:
 
     name: str = "tiny"  #: tiny | llama3_1b | llama3_8b | llama3_70b | llama3_405b
     activation_checkpointing: str = "none"  #: none | selective (recompute all but matmuls) | full
+    compile: bool = False  #: torch.compile each transformer block
+    compile_backend: str = "inductor"  #: inductor (fused kernels) | aot_eager (traces, generates no code)
     init_seed: int = 0  #: initial weights depend only on this
     dim: Optional[int] = None
     n_layers: Optional[int] = None

@@ -87,6 +87,10 @@ def model_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
         if m[key] is not None:
             out += _positive(f"model.{key}", m[key])
     out += activation_checkpointing_problems(m.activation_checkpointing, "model.activation_checkpointing")
+    if m.compile:
+        from lightning_mgpu.parallel.compile import compile_backend_problems
+
+        out += compile_backend_problems(m.compile_backend, "model.compile_backend")
     if out:
         return None, out
     from lightning_mgpu.cli.build import build_model_config
@@ -339,6 +343,10 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
     out = [_as_key(line, world, t) for line in raw] + batch
     if isinstance(T, int) and isinstance(C, int) and T > 0 and C > 0 and isinstance(d.seq_len, int):
         out += sequence_problems(d.seq_len, C, T, bool(p.sequence_parallel), key="data.seq_len")
+    if cfg.model.compile and isinstance(p.zero_stage, int):
+        from lightning_mgpu.parallel.compile import compile_layout_problems
+
+        out += compile_layout_problems(p.zero_stage, key="model.compile")
     if isinstance(C, int) and C > 1 and d.get("document_mask"):
         out.append(f"parallel.context_parallel_size={C} does not support data.document_mask=true yet (each rank would "
                    "need the document boundaries of the chunks it does not hold); set one of them off")

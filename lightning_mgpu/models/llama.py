@@ -46,6 +46,9 @@ class LlamaConfig:
     tie_embeddings: bool = False
     #: Applied to the blocks from outside (``lightning_mgpu.parallel.checkpointing``), not by this file.
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    #: ``torch.compile`` each block with ``compile_backend``; applied from outside (``lightning_mgpu.parallel.compile``).
+    compile: bool = False
+    compile_backend: str = "inductor"
     init_std: float = 0.02
     #: The token that ends a document in packed samples, or None. When set, attention stays within each document of
     #: a sample and rotary positions restart at 0 after every such token (a document ends *after* it). The model

@@ -1,7 +1,7 @@
 """One function over the layout that turns a LightningModule into what this rank trains, in a fixed order:
 
 tensor-parallel plan -> context-parallel attention -> pipeline stage split -> activation checkpointing of this rank's
-blocks -> materialise this rank's share.
+blocks -> torch.compile of those blocks -> materialise this rank's share.
 
 The engine (DeepSpeed, :mod:`lightning_mgpu.engine`) wraps the result; the strategy calls this between the two. Tests call
 it without a Trainer. A module built on the meta device (``MGPUStrategy`` builds ``configure_model`` there when the
@@ -19,6 +19,7 @@ from torch import nn
 from lightning_mgpu.checkpoint.universal import canonical_name
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
+from lightning_mgpu.parallel.compile import compile_blocks, compile_layout_problems
 from lightning_mgpu.parallel.context import apply_context_parallel
 from lightning_mgpu.parallel.materialize import materialize, meta_parameters
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
@@ -72,6 +73,13 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
         mode, blocks = module.checkpointed_blocks()
         if checkpoint_blocks(blocks, mode):
             notes.append(f"activation checkpointing: {mode} on {len(blocks)} blocks of this rank")
+    if callable(getattr(module, "compiled_blocks", None)):
+        backend, blocks = module.compiled_blocks()
+        problems = compile_layout_problems(layout.zero_stage) if backend is not None else []
+        if problems:
+            raise ValueError(problems[0])
+        if backend is not None and compile_blocks(blocks, backend):
+            notes.append(f"torch.compile ({backend}) of {len(blocks)} blocks of this rank")
     buffers = [name for name, b in kept.named_buffers() if b.is_meta]
     if buffers:
         raise ValueError(f"{type(module).__name__} built buffers on the meta device ({', '.join(buffers[:3])}), which "

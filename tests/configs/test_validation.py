@@ -47,6 +47,9 @@ BAD_INPUTS = [
      "world_size=6 is not divisible by tensor*context*pipeline_parallel_size=1*4*1=4; the world must hold whole model "
      "replicas: with tensor_parallel_size=1 and pipeline_parallel_size=1 choose context_parallel_size from 1, 2, 3 or "
      "6"),
+    (["model.compile=true", "parallel.zero_stage=3"], "model.compile=true cannot compile blocks under ZeRO-3"),
+    (["model.compile=true", "model.compile_backend=fastest"],
+     "model.compile_backend='fastest' is not a torch.compile backend; choose inductor (fused kernels) or aot_eager"),
     (["parallel.context_parallel_size=0"], "parallel.context_parallel_size=0 must be a positive integer"),
     (["parallel.context_parallel_size=2", "data.document_mask=true"],
      "parallel.context_parallel_size=2 does not support data.document_mask=true yet"),

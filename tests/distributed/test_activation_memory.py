@@ -2,8 +2,6 @@
 forward saves for backward (saved-tensor hooks, each storage once): three shapes, fp32 and bf16, per block and for the
 whole model with its vocabulary-parallel logits and loss, on one 2-process launch."""
 
-from dataclasses import replace
-
 import torch
 
 from lightning_mgpu.testing import run_distributed
@@ -19,12 +17,10 @@ def _measure(rank: int) -> list[tuple]:
     """(sequence parallel, shape, dtype bytes, measured block, planned block, measured whole, planned whole)."""
     import torch.distributed as dist
 
-    from lightning_mgpu import LLMModule
     from lightning_mgpu.layout import ParallelLayout
     from lightning_mgpu.models import LlamaConfig
-    from lightning_mgpu.parallel.parallelize import parallelize
     from lightning_mgpu.planner.memory import block_activation_bytes, head_activation_bytes
-    from lightning_mgpu.testing import saved_tensor_bytes
+    from lightning_mgpu.testing import parallel_saved_bytes
 
     dist.init_process_group("gloo")
     rows = []
@@ -35,14 +31,7 @@ def _measure(rank: int) -> list[tuple]:
             cfg = LlamaConfig(**shape)
             batch = torch.randint(0, cfg.vocab_size, (BATCH, seq + 1), generator=torch.Generator().manual_seed(0))
             for dtype in (torch.float32, torch.bfloat16):
-                saved = []
-                for n_layers in (1, 2):
-                    module = LLMModule(replace(cfg, n_layers=n_layers))
-                    with torch.device("meta"):
-                        module.configure_model()
-                    parallelize(module, layout, torch.device("cpu"))
-                    module.model.to(dtype).train()
-                    saved.append(saved_tensor_bytes([module.model], lambda: module.loss(batch)))
+                saved = parallel_saved_bytes(cfg, layout, dtype, batch)
                 w, tokens = dtype.itemsize, BATCH * seq
                 block = block_activation_bytes(cfg, tokens, 2, sp, "none", w)
                 rows.append((sp, index, w, saved[1] - saved[0], block, saved[1],
