@@ -78,7 +78,8 @@ def _row(shape: str, dtype: torch.dtype, mode: str, split: str, block: float, pl
          planned_whole: float) -> str:
     precision = "fp32" if dtype == torch.float32 else "bf16"
     return (f"| {shape} | {precision} | {mode} | {split} | {block / 1e3:.1f} | {planned_block / 1e3:.1f} | "
-            f"{block / planned_block:.3f} | {whole / 1e3:.1f} | {planned_whole / 1e3:.1f} | {whole / planned_whole:.3f} |")
+            f"{block / planned_block:.3f} | {whole / 1e3:.1f} | {planned_whole / 1e3:.1f} | "
+            f"{whole / planned_whole:.3f} |")
 
 
 def main() -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import logging
+import math
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Mapping, Optional, Union
@@ -50,8 +50,9 @@ class MGPUStrategy(ParallelStrategy):
     """Tensor, pipeline and ZeRO data parallelism for ``lightning.Trainer``.
 
     Every process holds one DeepSpeed engine whose ZeRO stage partitions over the ranks holding the same model shard:
-    the data-parallel group, times the context-parallel group when sequences are split. One Lightning batch is this rank's share of one global batch: ``training_step`` runs its
-    micro-batches (forward and backward through the engine) and the optimizer step is one
+    the data-parallel group, times the context-parallel group when sequences are split. One Lightning batch is this
+    rank's share of one global batch: ``training_step`` runs its micro-batches (forward and backward through the
+    engine) and the optimizer step is one
     ``engine.step()`` — gradient clipping (``Trainer(gradient_clip_val=...)``) by the global norm included.
 
     Args:

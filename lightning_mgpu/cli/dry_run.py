@@ -62,7 +62,8 @@ def rank_shares(cfg: DictConfig) -> tuple[ParallelLayout, list[RankShare]]:
             count = sum(p.numel() for p in kept.parameters())
             planned = rank_parameters(model_config, T, P, len(ids), pp_rank, stage_ids=ids,
                                       boundaries=strategy.pipeline_boundaries)
-            states = model_state_bytes(count, layout.zero_stage, layout.size("dp_cp"), str(cfg.trainer.precision), P > 1,
+            zero_ranks = layout.size("dp_cp")  # ZeRO partitions over data x context ranks
+            states = model_state_bytes(count, layout.zero_stage, zero_ranks, str(cfg.trainer.precision), P > 1,
                                        overlap=cfg.trainer.accelerator != "cpu")
             shares.append(RankShare(tp_rank, pp_rank, ids, count, planned, states))
     shares.sort(key=lambda share: (share.pp_rank, share.tp_rank))

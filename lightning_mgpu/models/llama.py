@@ -46,7 +46,7 @@ class LlamaConfig:
     tie_embeddings: bool = False
     #: Applied to the blocks from outside (``lightning_mgpu.parallel.checkpointing``), not by this file.
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    #: ``torch.compile`` each block with ``compile_backend``; applied from outside (``lightning_mgpu.parallel.compile``).
+    #: ``torch.compile`` each block with ``compile_backend``; applied from outside (lightning_mgpu.parallel.compile).
     compile: bool = False
     compile_backend: str = "inductor"
     init_std: float = 0.02

@@ -73,8 +73,8 @@ class ContextParallelAttention:
         self._cache: dict = {}
 
     def _layout(self, local_len: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """(this rank's positions, the index putting the gathered sequence in order, per local chunk: its slice, key
-        length and mask), cached per local length and device."""
+        """(this rank's positions, the index putting the gathered sequence in order, per local chunk: its slice of the
+        local queries and how many keys it sees), cached per local length and device."""
         key = (local_len, device)
         if key not in self._cache:
             C, seq = self.size, local_len * self.size
