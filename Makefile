@@ -28,6 +28,10 @@ benchmarks: install
 	$(PY) benchmarks/tp_vs_dtensor.py
 	$(PY) benchmarks/pipeline_bubble.py
 	$(PY) benchmarks/checkpoint_io.py
+	$(PY) benchmarks/context_parallel.py
+	$(PY) benchmarks/activation_memory.py
+	$(PY) benchmarks/planner_calibration.py
+	$(PY) benchmarks/compile_blocks.py
 
 clean:
 	rm -rf $(VENV) outputs multirun build *.egg-info
