@@ -222,6 +222,7 @@ class PlanConfig:
     #: fraction of the bf16 peak that compute reaches; null: the GPU's, fitted to published runs (README, Planning)
     achievable: Optional[float] = None
     top: int = 15  #: rows of the table
+    per_stage: bool = False  #: also print every pipeline rank's memory for the configured layout
     commands: int = 3  #: best layouts printed as mgpu-train command lines
 
 

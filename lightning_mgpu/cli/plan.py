@@ -19,6 +19,8 @@ from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal, plan_problems
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
+from lightning_mgpu.layout import V_SCHEDULES
+from lightning_mgpu.planner.memory import stage_ids, stage_memory
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
 
 GB = 1e9
@@ -82,8 +84,11 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
     T, C, P = p.tensor_parallel_size, p.context_parallel_size, p.pipeline_parallel_size
     if world % (T * C * P):
         return ["", f"this configuration: tp {T} x cp {C} x pp {P} does not divide {world} GPUs"]
-    mine = Candidate(T, P, world // (T * C * P), p.zero_stage, cfg.data.micro_batch_size, p.virtual_pipeline_size,
-                     cfg.model.activation_checkpointing == "full", p.pipeline_schedule, p.sequence_parallel, cp=C)
+    bounds = None if p.pipeline_boundaries is None else tuple(p.pipeline_boundaries)
+    virtual = 2 if p.pipeline_schedule in V_SCHEDULES and P > 1 else p.virtual_pipeline_size
+    mine = Candidate(T, P, world // (T * C * P), p.zero_stage, cfg.data.micro_batch_size, virtual,
+                     cfg.model.activation_checkpointing == "full", p.pipeline_schedule, p.sequence_parallel, cp=C,
+                     boundaries=bounds)
     row = evaluate(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, mine, precision, cfg.plan.achievable)
     m, t = row.memory, row.time
     fitting = [r for r in rows if r.fits]
@@ -91,13 +96,29 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
     verdict = (f"fits; {faster} of the {len(fitting)} fitting layouts above are faster" if row.fits else
                f"does not fit in {USABLE_MEMORY:.0%} of {cluster.gpu.memory_bytes / GB:.0f} GB")
     context = f" x cp {mine.cp}" if mine.cp > 1 else ""
-    return ["", f"this configuration: tp {mine.tp}{context} x pp {mine.pp} (V {mine.virtual}, {mine.schedule}) x dp "
-                f"{mine.dp}, "
-                f"ZeRO-{mine.zero_stage}, micro-batch {mine.micro_batch}, "
-                f"{'full recompute' if mine.recompute else 'no recompute'}"
-                f"{', sequence parallel' if mine.sequence_parallel and mine.tp > 1 else ''}: "
-                f"{m.total / GB:.1f} GB per GPU ({m.activations / GB:.1f} activations), step {t.total:.2f} s, "
-                f"MFU {t.mfu:.1%}; {verdict}"]
+    lines = ["", f"this configuration: tp {mine.tp}{context} x pp {mine.pp} (V {mine.virtual}, {mine.schedule}) x dp "
+                 f"{mine.dp}, ZeRO-{mine.zero_stage}, micro-batch {mine.micro_batch}, "
+                 f"{'full recompute' if mine.recompute else 'no recompute'}"
+                 f"{', sequence parallel' if mine.sequence_parallel and mine.tp > 1 else ''}: "
+                 f"{m.total / GB:.1f} GB per GPU on its most loaded pipeline rank ({m.activations / GB:.1f} "
+                 f"activations), step {t.total:.2f} s, MFU {t.mfu:.1%}; {verdict}"]
+    if cfg.plan.per_stage:
+        lines += stage_lines(cfg, model, mine, precision)
+    return lines
+
+
+def stage_lines(cfg: DictConfig, model, c: Candidate, precision: str) -> list[str]:
+    """Every pipeline rank of a layout: the stages it holds, its model states and activations (GB per GPU)."""
+    stages = stage_memory(model, cfg.data.seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
+                          c.sequence_parallel, c.recompute, precision, overlap=True, context=c.cp,
+                          schedule=c.schedule, boundaries=c.boundaries)
+    lines = ["", "per pipeline rank (GB per GPU):", f"{'pp rank':>7} {'stages':>14} {'params':>7} {'grads':>6} "
+             f"{'optim':>6} {'activ':>6} {'buf':>5} {'total':>6}"]
+    for r, m in enumerate(stages):
+        ids = ",".join(str(i) for i in stage_ids(c.pp, c.virtual, c.schedule, r))
+        lines.append(f"{r:>7} {ids:>14} {m.parameters / GB:7.1f} {m.gradients / GB:6.1f} {m.optimizer / GB:6.1f} "
+                     f"{m.activations / GB:6.1f} {m.buffers / GB:5.1f} {m.total / GB:6.1f}")
+    return lines
 
 
 def compose_plan_config(overrides: Sequence[str]) -> DictConfig:

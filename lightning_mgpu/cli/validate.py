@@ -587,7 +587,8 @@ def run_memory(cfg: DictConfig, model: LlamaConfig, on_gpu: bool) -> ProcessMemo
                           host=not on_gpu, builds_whole_model=builds_whole_model(),
                           offload_optimizer=p.offload_optimizer is not None,
                           offload_params=p.offload_params is not None, context=cp,
-                          mode=model.activation_checkpointing)
+                          mode=model.activation_checkpointing, schedule=p.pipeline_schedule,
+                          boundaries=p.pipeline_boundaries)
 
 
 def memory_problems(cfg: DictConfig) -> list[str]:

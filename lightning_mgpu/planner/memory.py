@@ -41,9 +41,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional, Sequence
+
 from lightning_mgpu.engine.config import bucket_elements_for
+from lightning_mgpu.layout import V_SCHEDULES
 from lightning_mgpu.models.llama import LlamaConfig
-from lightning_mgpu.planner.model_stats import max_rank_parameters
+from lightning_mgpu.models.llama_plan import balanced_boundaries
+from lightning_mgpu.planner.model_stats import rank_parameters
 
 
 
@@ -150,12 +154,26 @@ def head_activation_bytes(cfg: LlamaConfig, tokens: float, tp: int = 1, sequence
     return tokens * (ids + _norm_bytes(cfg.dim, element_bytes, tp, sequence_parallel) + loss)
 
 
+def stage_ids(pp: int, virtual: int, schedule: str, pp_rank: int) -> list[int]:
+    """The pipeline stages rank ``pp_rank`` holds, as ``ParallelLayout.stage_ids`` places them (V shapes: ``r`` and
+    ``2P-1-r``; otherwise looped ``r, r+P, ...``)."""
+    if schedule in V_SCHEDULES and pp > 1:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(virtual)]
+
+
 def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, virtual: int,
                      sequence_parallel: bool, recompute: bool, context: int = 1, precision: str = "bf16-mixed",
-                     mode: str | None = None) -> float:
-    """Activation memory of the fullest pipeline rank (the first), including the head's logits and loss (all of them
-    on the first rank only without pipeline parallelism, as an upper bound with it). ``mode`` (``none``,
-    ``selective``, ``full``) overrides ``recompute`` (``full`` when true)."""
+                     mode: str | None = None, pp_rank: Optional[int] = None, schedule: str = "1f1b",
+                     boundaries: Optional[Sequence[int]] = None) -> float:
+    """Activation memory of pipeline rank ``pp_rank``: its blocks (stage ``boundaries``, default balanced) times the
+    micro-batches it holds in flight, and the head's logits and loss if it holds the last stage. Without ``pp_rank``,
+    an upper bound for any rank: the first rank's in-flight micro-batches over ``ceil(n_layers / pp)`` blocks, and the
+    head. ``mode`` (``none``, ``selective``, ``full``) overrides ``recompute`` (``full`` when true).
+
+    In flight: under 1F1B rank ``r`` holds ``P - r`` micro-batches; interleaving multiplies that by
+    ``1 + (P - 1) / (P V)``, the published count for the first rank, applied to every rank in proportion (not
+    measured here)."""
     mode = mode or ("full" if recompute else "none")
     w = 4 if precision == "32-true" else 2
     s, b = seq_len / context, micro_batch
@@ -169,9 +187,17 @@ def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, 
     # one block's full activations while it is recomputed in backward
     working = block_activation_bytes(cfg, tokens, tp, sequence_parallel, "none", w) + gathered \
         if mode != "none" else 0.0
-    blocks_per_rank = -(-cfg.n_layers // pp)
     in_flight = 1.0 if pp == 1 else pp * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else float(pp)
     outside = head_activation_bytes(cfg, tokens, tp, sequence_parallel, w)
+    if pp_rank is None or pp == 1:
+        blocks_per_rank = -(-cfg.n_layers // pp)
+    else:
+        ids = stage_ids(pp, virtual, schedule, pp_rank)
+        stages = pp * len(ids)
+        bounds = list(boundaries) if boundaries is not None else balanced_boundaries(cfg.n_layers, stages)
+        blocks_per_rank = sum(bounds[i + 1] - bounds[i] for i in ids)
+        in_flight *= (pp - pp_rank) / pp
+        outside = outside if stages - 1 in ids else 0.0
     # in_flight counts whole ranks' activations; a rank holds `virtual` chunks, each with its own document bias
     documents = document_mask_bytes(cfg, seq_len, b) * in_flight * virtual
     kept = per_block + (gathered if mode == "none" else 0.0)
@@ -188,14 +214,29 @@ def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, elemen
     return element_bytes * b * s * s + 4 * b * s * cfg.head_dim
 
 
+def stage_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, dp: int, zero_stage: int,
+                 virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
+                 precision: str = "bf16-mixed", overlap: bool = False, context: int = 1, mode: str | None = None,
+                 schedule: str = "1f1b", boundaries: Optional[Sequence[int]] = None) -> list[MemoryEstimate]:
+    """Peak memory per GPU of each pipeline rank: its own parameters' model states and its activations."""
+    out = []
+    for r in range(pp):
+        ids = stage_ids(pp, virtual, schedule, r)
+        held = rank_parameters(cfg, tp, pp, len(ids), r, stage_ids=ids, boundaries=boundaries)
+        states = model_state_bytes(held, zero_stage, dp * context, precision, pp > 1, overlap)
+        acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, len(ids), sequence_parallel, recompute, context,
+                                precision, mode, pp_rank=r, schedule=schedule, boundaries=boundaries)
+        out.append(MemoryEstimate(activations=acts, **states))
+    return out
+
+
 def estimate_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, dp: int, zero_stage: int,
                     virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
                     precision: str = "bf16-mixed", overlap: bool = False, context: int = 1,
-                    mode: str | None = None) -> MemoryEstimate:
-    """Peak memory per GPU of the fullest rank (``overlap``: as the engine runs on CUDA, see
-    :func:`model_state_bytes`; ``dp`` replicas of ``context`` ranks each)."""
-    states = model_state_bytes(max_rank_parameters(cfg, tp, pp, virtual), zero_stage, dp * context, precision, pp > 1,
-                               overlap)
-    acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, virtual, sequence_parallel, recompute, context,
-                            precision, mode)
-    return MemoryEstimate(activations=acts, **states)
+                    mode: str | None = None, schedule: str = "1f1b",
+                    boundaries: Optional[Sequence[int]] = None) -> MemoryEstimate:
+    """Peak memory per GPU of the most loaded pipeline rank (:func:`stage_memory`; ``overlap``: as the engine runs on
+    CUDA, see :func:`model_state_bytes`; ``dp`` replicas of ``context`` ranks each)."""
+    stages = stage_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, virtual, sequence_parallel, recompute,
+                          precision, overlap, context, mode, schedule, boundaries)
+    return max(stages, key=lambda m: m.total)

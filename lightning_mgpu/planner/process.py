@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.model_stats import max_rank_parameters
@@ -69,7 +69,8 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
                    stages_per_rank: int = 1, sequence_parallel: bool = False, recompute: bool = False,
                    precision: str = "32-true", host: bool = True, builds_whole_model: bool = True,
                    offload_optimizer: bool = False, offload_params: bool = False, context: int = 1,
-                   mode: str | None = None) -> ProcessMemory:
+                   mode: str | None = None, schedule: str = "1f1b",
+                   boundaries: Optional[Sequence[int]] = None) -> ProcessMemory:
     """Peak memory of the fullest rank: in host memory (``host=True``, a CPU process) or on its GPU.
 
     ``builds_whole_model``: every rank first builds the whole model on its device (fp32; bf16 under ``bf16-true``)
@@ -79,7 +80,7 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
     """
     planned = estimate_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, stages_per_rank, sequence_parallel,
                               recompute, precision, overlap=not host,  # the engine overlaps on GPUs only
-                              context=context, mode=mode)
+                              context=context, mode=mode, schedule=schedule, boundaries=boundaries)
     w = 2 if precision == "bf16-true" else 4
     whole = (cfg.num_parameters() if builds_whole_model else max_rank_parameters(cfg, tp, pp, stages_per_rank)) * w
     if host:

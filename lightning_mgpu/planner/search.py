@@ -30,6 +30,7 @@ class Candidate:
     pipeline_schedule: Optional[str] = None
     sequence_parallel_on: Optional[bool] = None
     cp: int = 1  #: context-parallel ranks per replica (``dp`` counts replicas)
+    boundaries: Optional[tuple[int, ...]] = None  #: a configured layout's stage boundaries (default balanced)
 
     @property
     def schedule(self) -> str:
@@ -94,7 +95,7 @@ def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch:
              precision: str = "bf16-mixed", achievable: Optional[float] = None) -> PlanRow:
     memory = estimate_memory(cfg, seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                              c.sequence_parallel, c.recompute, precision, overlap=True,  # a plan is for GPUs
-                             context=c.cp)
+                             context=c.cp, schedule=c.schedule, boundaries=c.boundaries)
     time = estimate_step_time(cfg, cluster, seq_len, global_batch, c.micro_batch, c.tp, c.pp, c.zero_stage,
                               c.virtual, c.schedule, c.recompute, achievable, context=c.cp)
     return PlanRow(c, memory, time, memory.total <= USABLE_MEMORY * cluster.gpu.memory_bytes)

@@ -174,3 +174,25 @@ def test_step_time_is_within_25_percent_of_every_fitted_published_run():
     assert ASSUMPTIONS in calibration_table().splitlines()[0]
     # one fraction for every GPU would not do: at the A100's the H100 runs come out fast, and the other way round
     assert max(abs(r.error) for r in calibration_rows(achievable=0.65) if r.run.fitted) > 0.25
+
+
+def test_memory_is_that_of_the_most_loaded_pipeline_rank_and_every_rank_can_be_printed():
+    """Per pipeline rank: its own parameters (all ranks together hold the model once), its blocks' activations times
+    the micro-batches it holds in flight (P - r under 1F1B), and the head only where the last stage is; the plan's
+    figure is the most loaded rank's."""
+    from lightning_mgpu.planner.memory import activation_bytes, head_activation_bytes, stage_memory
+
+    cfg = LlamaConfig.from_name("llama3_8b")
+    kw = dict(tp=2, pp=4, dp=1, zero_stage=1, sequence_parallel=True)
+    stages = stage_memory(cfg, 8192, 1, **kw)
+    acts = [m.activations for m in stages]
+    # 8 blocks a rank; in flight 4, 3, 2, 1 micro-batches; the head (logits and loss of one) on the last rank only
+    assert acts[0] / 4 == acts[1] / 3 == acts[2] / 2
+    assert acts[3] - acts[2] / 2 == pytest.approx(head_activation_bytes(cfg, 8192, 2, True, 2))
+    assert estimate_memory(cfg, 8192, 1, **kw) == max(stages, key=lambda m: m.total)
+    assert estimate_memory(cfg, 8192, 1, **kw).activations < activation_bytes(cfg, 8192, 1, 2, 4, 1, True, False)
+    held = [rank_parameters(cfg, 2, 4, 1, r) for r in range(4)]
+    assert sum(held) == rank_parameters(cfg, 2, 1, 1, 0)  # each tp rank's share of the model, once
+    report = plan_report(compose_plan_config(["recipe=llama3_70b_8node", "plan.per_stage=true", "plan.top=1"]))
+    rows = report.split("per pipeline rank (GB per GPU):")[1].splitlines()[2:6]
+    assert [int(r.split()[0]) for r in rows] == [0, 1, 2, 3] and "0,4,8,12,16" in rows[0]
