@@ -55,7 +55,7 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
         c, m, t = r.candidate, r.memory, r.time
         lines.append(
             f"{c.tp:>3} {c.cp:>3} {c.pp:>3} {c.virtual:>2} {c.dp:>4} {c.zero_stage:>4} {c.micro_batch:>3} "
-            f"{'full' if c.recompute else 'none':>4} | {m.parameters / GB:7.1f} {m.gradients / GB:6.1f} "
+            f"{c.checkpointing[:4]:>4} | {m.parameters / GB:7.1f} {m.gradients / GB:6.1f} "
             f"{m.optimizer / GB:6.1f} {m.activations / GB:6.1f} {m.buffers / GB:5.1f} {m.total / GB:6.1f} "
             f"{'yes' if r.fits else 'no':>4} | {t.compute:8.2f} {t.tensor_parallel:6.2f} {t.context_parallel:6.2f} "
             f"{t.pipeline_bubble:7.2f} "
@@ -88,7 +88,7 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
     virtual = 2 if p.pipeline_schedule in V_SCHEDULES and P > 1 else p.virtual_pipeline_size
     mine = Candidate(T, P, world // (T * C * P), p.zero_stage, cfg.data.micro_batch_size, virtual,
                      cfg.model.activation_checkpointing == "full", p.pipeline_schedule, p.sequence_parallel, cp=C,
-                     boundaries=bounds)
+                     boundaries=bounds, selective=cfg.model.activation_checkpointing == "selective")
     row = evaluate(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, mine, precision, cfg.plan.achievable)
     m, t = row.memory, row.time
     fitting = [r for r in rows if r.fits]
@@ -98,7 +98,7 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
     context = f" x cp {mine.cp}" if mine.cp > 1 else ""
     lines = ["", f"this configuration: tp {mine.tp}{context} x pp {mine.pp} (V {mine.virtual}, {mine.schedule}) x dp "
                  f"{mine.dp}, ZeRO-{mine.zero_stage}, micro-batch {mine.micro_batch}, "
-                 f"{'full recompute' if mine.recompute else 'no recompute'}"
+                 f"{ {'full': 'full recompute', 'selective': 'selective recompute'}.get(mine.checkpointing, 'no recompute')}"
                  f"{', sequence parallel' if mine.sequence_parallel and mine.tp > 1 else ''}: "
                  f"{m.total / GB:.1f} GB per GPU on its most loaded pipeline rank ({m.activations / GB:.1f} "
                  f"activations), step {t.total:.2f} s, MFU {t.mfu:.1%}; {verdict}"]
@@ -110,7 +110,7 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
 def stage_lines(cfg: DictConfig, model, c: Candidate, precision: str) -> list[str]:
     """Every pipeline rank of a layout: the stages it holds, its model states and activations (GB per GPU)."""
     stages = stage_memory(model, cfg.data.seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
-                          c.sequence_parallel, c.recompute, precision, overlap=True, context=c.cp,
+                          c.sequence_parallel, c.recompute, precision, overlap=True, context=c.cp, mode=c.checkpointing,
                           schedule=c.schedule, boundaries=c.boundaries)
     lines = ["", "per pipeline rank (GB per GPU):", f"{'pp rank':>7} {'stages':>14} {'params':>7} {'grads':>6} "
              f"{'optim':>6} {'activ':>6} {'buf':>5} {'total':>6}"]

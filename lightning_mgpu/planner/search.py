@@ -30,6 +30,7 @@ class Candidate:
     pipeline_schedule: Optional[str] = None
     sequence_parallel_on: Optional[bool] = None
     cp: int = 1  #: context-parallel ranks per replica (``dp`` counts replicas)
+    selective: bool = False  #: selective recomputation (``recompute`` stays False): keeps the projections' outputs
     boundaries: Optional[tuple[int, ...]] = None  #: a configured layout's stage boundaries (default balanced)
 
     @property
@@ -39,6 +40,11 @@ class Candidate:
         return "interleaved_1f1b" if self.virtual > 1 else "1f1b"
 
     @property
+    def checkpointing(self) -> str:
+        """The ``model.activation_checkpointing`` mode of this layout."""
+        return "full" if self.recompute else "selective" if self.selective else "none"
+
+    @property
     def sequence_parallel(self) -> bool:
         return self.tp > 1 if self.sequence_parallel_on is None else self.sequence_parallel_on
 
@@ -46,7 +52,7 @@ class Candidate:
         """The ``mgpu-train`` overrides that select this layout."""
         out = [f"parallel.tensor_parallel_size={self.tp}", f"parallel.pipeline_parallel_size={self.pp}",
                f"parallel.zero_stage={self.zero_stage}", f"data.micro_batch_size={self.micro_batch}",
-               f"model.activation_checkpointing={'full' if self.recompute else 'none'}",
+               f"model.activation_checkpointing={self.checkpointing}",
                f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"]
         if self.cp > 1:
             out.append(f"parallel.context_parallel_size={self.cp}")
@@ -87,17 +93,18 @@ def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int,
                                            num_microbatches=m, sequence_parallel=tp > 1, model=shape,
                                            context_parallel_size=cp):
                             continue
-                        for recompute in (False, True):
-                            yield Candidate(tp, pp, dp, zero, micro, virtual, recompute, cp=cp)
+                        for mode in ("none", "selective", "full"):
+                            yield Candidate(tp, pp, dp, zero, micro, virtual, mode == "full", cp=cp,
+                                            selective=mode == "selective")
 
 
 def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, c: Candidate,
              precision: str = "bf16-mixed", achievable: Optional[float] = None) -> PlanRow:
     memory = estimate_memory(cfg, seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                              c.sequence_parallel, c.recompute, precision, overlap=True,  # a plan is for GPUs
-                             context=c.cp, schedule=c.schedule, boundaries=c.boundaries)
+                             context=c.cp, mode=c.checkpointing, schedule=c.schedule, boundaries=c.boundaries)
     time = estimate_step_time(cfg, cluster, seq_len, global_batch, c.micro_batch, c.tp, c.pp, c.zero_stage,
-                              c.virtual, c.schedule, c.recompute, achievable, context=c.cp)
+                              c.virtual, c.schedule, c.recompute, achievable, context=c.cp, selective=c.selective)
     return PlanRow(c, memory, time, memory.total <= USABLE_MEMORY * cluster.gpu.memory_bytes)
 
 

@@ -1,7 +1,8 @@
 """Step time of a layout: compute at a stated fraction of peak, plus the communication it cannot hide.
 
 * compute: ``flops_per_token * tokens`` per GPU (``8/6`` of it with full recomputation: the forward runs
-  twice) at ``achievable`` x the bf16 peak (default: the GPU's fraction, fitted to published runs of comparable
+  twice; selective recomputation adds the attention scores' forward, ``2 L s h`` per token, and like full
+  recomputation repeats the tensor-parallel and context-parallel collectives of the forward) at ``achievable`` x the bf16 peak (default: the GPU's fraction, fitted to published runs of comparable
   stacks in :mod:`lightning_mgpu.planner.calibration`);
 * tensor parallelism: per block and micro-batch, 4 all-reduces (2 with the forward, 2 with the backward; 6
   with recomputation) of ``s b h`` bf16 activations, as ring all-reduces ``2 (t-1)/t * bytes / bandwidth``
@@ -75,18 +76,20 @@ def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool = True) -> f
 def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, micro_batch: int,
                        tp: int, pp: int, zero_stage: int, virtual: int = 1, schedule: str = "1f1b",
                        recompute: bool = False, achievable: Optional[float] = None,
-                       overlap: bool = True, context: int = 1) -> StepTimeEstimate:
+                       overlap: bool = True, context: int = 1, selective: bool = False) -> StepTimeEstimate:
     gpu, world = cluster.gpu, cluster.world_size
     achievable = gpu.achievable if achievable is None else achievable
     dp = world // (tp * pp * context)
     tokens = global_batch * seq_len
     model_flops = model_flops_per_token(cfg, seq_len) * tokens
     hardware_flops = model_flops * (8 / 6 if recompute else 1.0)
+    if selective and not recompute:  # the attention scores' forward again (a third of their 6 L s h per token)
+        hardware_flops += 2.0 * cfg.n_layers * seq_len * cfg.dim * tokens
     compute = hardware_flops / world / (gpu.bf16_peak_flops * achievable)
     microbatches = global_batch // (micro_batch * dp)
     act_bytes = 2.0 * seq_len / context * micro_batch * cfg.dim
     tp_bw = gpu.intra_node_bandwidth if tp <= cluster.gpus_per_node else gpu.inter_node_bandwidth
-    collectives = (6 if recompute else 4) * (cfg.n_layers / pp) * microbatches
+    collectives = (6 if recompute or selective else 4) * (cfg.n_layers / pp) * microbatches
     tensor_parallel = collectives * _ring(act_bytes, tp, tp_bw)
     bubble_fraction = theoretical_bubble(schedule, pp, microbatches, virtual) if pp > 1 else 0.0
     bubble = (compute + tensor_parallel) * bubble_fraction / (1 - bubble_fraction)
@@ -102,7 +105,7 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
         exposed = max(0.0, reduction - last_backward) + max(0.0, gathers - compute)
     cp_bw = gpu.intra_node_bandwidth if tp * context <= cluster.gpus_per_node else gpu.inter_node_bandwidth
     kv_bytes = 2.0 * 2 * seq_len * micro_batch * cfg.n_kv_heads * cfg.head_dim / tp
-    cp_collectives = (3 if recompute else 2) * (cfg.n_layers / pp) * microbatches
+    cp_collectives = (3 if recompute or selective else 2) * (cfg.n_layers / pp) * microbatches
     context_parallel = cp_collectives * _ring(kv_bytes, context, cp_bw, all_reduce=False)
     return StepTimeEstimate(compute, tensor_parallel, bubble, p2p, exposed, tokens, world, model_flops,
                             gpu.bf16_peak_flops, reduction + gathers - exposed, context_parallel)

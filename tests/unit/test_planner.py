@@ -196,3 +196,19 @@ def test_memory_is_that_of_the_most_loaded_pipeline_rank_and_every_rank_can_be_p
     report = plan_report(compose_plan_config(["recipe=llama3_70b_8node", "plan.per_stage=true", "plan.top=1"]))
     rows = report.split("per pipeline rank (GB per GPU):")[1].splitlines()[2:6]
     assert [int(r.split()[0]) for r in rows] == [0, 1, 2, 3] and "0,4,8,12,16" in rows[0]
+
+
+def test_selective_recomputation_is_planned_between_none_and_full():
+    """Memory: the projections' outputs kept (less than none, more than full). Time: the attention scores' forward
+    again and the forward's collectives again (more than none, less than full's whole second forward)."""
+    cfg = LlamaConfig.from_name("llama3_8b")
+    cluster = ClusterSpec(1, 8, GPUS["h100_80gb"])
+    rows = {c: evaluate(cfg, cluster, 8192, 64, Candidate(2, 1, 4, 2, 1, recompute=c == "full",
+                                                          selective=c == "selective"))
+            for c in ("none", "selective", "full")}
+    mem = {c: r.memory.activations for c, r in rows.items()}
+    time = {c: r.time.total for c, r in rows.items()}
+    assert mem["full"] < mem["selective"] < mem["none"]
+    assert time["none"] < time["selective"] < time["full"]
+    assert "model.activation_checkpointing=selective" in rows["selective"].candidate.overrides()
+    assert any(r.candidate.selective for r in plan_layouts(cfg, cluster, 8192, 64))  # the search proposes it
