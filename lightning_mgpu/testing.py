@@ -95,8 +95,7 @@ def kept_forward_bytes(run: Callable[[], "torch.Tensor"]) -> int:
 
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    gc.collect()  # earlier garbage (a previous model and its graph) must not be freed inside the measured region
-    gc.disable()
+    gc.disable()  # earlier cyclic garbage (a previous model and its graph) must not be freed inside the measured region
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             with record_function("kept_forward"):

@@ -8,6 +8,8 @@ blocks; the first stage also holds the embedding, the last the final norm and th
 
 from __future__ import annotations
 
+import functools
+import itertools
 from typing import Optional, Sequence, Union
 
 import torch
@@ -76,10 +78,16 @@ def balanced_boundaries(n_layers: int, num_stages: int) -> list[int]:
 
     Block counts differ by at most one; extra blocks go to middle stages first, since the first and last
     stages also carry the embedding and the head."""
+    return list(_balanced_boundaries(n_layers, num_stages))
+
+
+@functools.lru_cache(maxsize=None)
+def _balanced_boundaries(n_layers: int, num_stages: int) -> tuple[int, ...]:
+    """Cached: the planner asks for the same few splits once per candidate layout and pipeline rank."""
     base, extra = divmod(n_layers, num_stages)
     order = sorted(range(num_stages), key=lambda i: (i in (0, num_stages - 1), i))
-    sizes = [base + (1 if i in order[:extra] else 0) for i in range(num_stages)]
-    return [sum(sizes[:i]) for i in range(num_stages + 1)]
+    more = set(order[:extra])
+    return tuple(itertools.accumulate((base + (i in more) for i in range(num_stages)), initial=0))
 
 
 def boundary_problems(boundaries: Sequence[int], n_layers: int, num_stages: int) -> list[str]:
