@@ -219,11 +219,8 @@ class ParallelLayout:
         return self.pipeline_parallel_size * per_rank
 
     def stage_ids(self, pp_rank: int) -> list[int]:
-        """The stages pipeline rank ``pp_rank`` runs: looped (``r, r+P, ...``), or V-shaped (``r, 2P-1-r``)."""
-        P = self.pipeline_parallel_size
-        if self.pipeline_schedule in V_SCHEDULES:
-            return [pp_rank, 2 * P - 1 - pp_rank]
-        return [pp_rank + k * P for k in range(self.num_stages // P)]
+        """The stages pipeline rank ``pp_rank`` runs (:func:`stage_ids`)."""
+        return stage_ids(self.pipeline_parallel_size, self.virtual_pipeline_size, self.pipeline_schedule, pp_rank)
 
     def stage_owner(self, stage_id: int) -> int:
         """The pipeline rank that runs ``stage_id``."""
@@ -317,6 +314,15 @@ def training_loop_problems(pipeline_parallel_size: int, accumulate_grad_batches:
         out.append(f"manual optimization runs one training_step per batch, but {num_microbatches} micro-batches were "
                    "asked for; use num_microbatches=1 (micro-batch = the whole batch) or automatic optimization")
     return out
+
+
+def stage_ids(pipeline_parallel_size: int, virtual_pipeline_size: int, schedule: str, pp_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` runs: V-shaped (``r, 2P-1-r``) for the V schedules, otherwise looped
+    (``r, r+P, ...``, ``virtual_pipeline_size`` of them). The planner places stages with it too."""
+    P = pipeline_parallel_size
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * P - 1 - pp_rank]
+    return [pp_rank + k * P for k in range(virtual_pipeline_size)]
 
 
 def sequence_problems(seq_len: int, context_parallel_size: int = 1, tensor_parallel_size: int = 1,

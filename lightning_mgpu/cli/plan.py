@@ -19,8 +19,8 @@ from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal, plan_problems
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
-from lightning_mgpu.layout import V_SCHEDULES
-from lightning_mgpu.planner.memory import stage_ids, stage_memory
+from lightning_mgpu.layout import V_SCHEDULES, stage_ids
+from lightning_mgpu.planner.memory import stage_memory
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
 
 GB = 1e9

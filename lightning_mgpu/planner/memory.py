@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_mgpu.engine.config import bucket_elements_for
-from lightning_mgpu.layout import V_SCHEDULES
+from lightning_mgpu.layout import stage_ids
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.models.llama_plan import balanced_boundaries
 from lightning_mgpu.planner.model_stats import rank_parameters
@@ -152,14 +152,6 @@ def head_activation_bytes(cfg: LlamaConfig, tokens: float, tp: int = 1, sequence
     ids = 8.0 if tp == 1 else 8.0 + 1.0  # the embedding's ids (and, split by vocabulary, its out-of-shard mask)
     loss = 4 * cfg.vocab_size + 8 if tp == 1 else 4 * cfg.vocab_size / tp + 8 + 2
     return tokens * (ids + _norm_bytes(cfg.dim, element_bytes, tp, sequence_parallel) + loss)
-
-
-def stage_ids(pp: int, virtual: int, schedule: str, pp_rank: int) -> list[int]:
-    """The pipeline stages rank ``pp_rank`` holds, as ``ParallelLayout.stage_ids`` places them (V shapes: ``r`` and
-    ``2P-1-r``; otherwise looped ``r, r+P, ...``)."""
-    if schedule in V_SCHEDULES and pp > 1:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual)]
 
 
 def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, virtual: int,

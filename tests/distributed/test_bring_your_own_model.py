@@ -113,3 +113,12 @@ def test_own_gpt_with_a_plan_trains_at_tp2_at_parity(token_file):
         assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5
         assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5
     assert expected["losses"][-1] < expected["losses"][0] - 0.2
+
+
+def test_own_gpt_is_refused_context_parallelism_by_name(token_file):
+    """Context parallelism needs an attention kernel it can replace and a module that splits its batch; a plain
+    LightningModule has neither and is told so before its first step, not trained wrongly."""
+    import pytest
+
+    with pytest.raises(Exception, match="context_parallel_size=2 needs a module whose attention exposes a replaceable"):
+        run_distributed(fit, 2, token_file, 2, module=GPTModule(), max_steps=1, context_parallel_size=2)
