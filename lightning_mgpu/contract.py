@@ -47,7 +47,9 @@ class ParallelModule(Protocol):
         the strategy build ``configure_model`` on the meta device and give each rank only its share. ``name`` is the
         parameter's name in the LightningModule; with pipeline parallelism the stage container's key is replaced by
         ``model.`` (the container is expected at ``self.model``, as ``LLMModule`` keeps it), so a name does not depend
-        on the layout. Buffers must be created on a real device (they have no initial value to ask for)."""
+        on the layout. Buffers must be created on a real device (they have no initial value to ask for). Under ZeRO-3
+        each module's parameters are partitioned as soon as they are filled, so ``configure_optimizers`` sees them
+        partitioned: read a parameter's shape with :func:`lightning_mgpu.parameter_shape`, not ``param.shape``."""
 
 
 def builds_on_meta(module: object) -> bool:

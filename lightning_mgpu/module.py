@@ -9,6 +9,7 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
+from lightning_mgpu.engine.config import parameter_shape
 from lightning_mgpu.checkpoint.hf import HFWeights, hf_path, load_hf, load_into
 from lightning_mgpu.layout import ModelShape
 from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
@@ -291,11 +292,12 @@ class LLMModule(L.LightningModule):
         self.val_nll.reset()
 
     def configure_optimizers(self):
-        decay = [p for p in self.model.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.dim() < 2]
+        decay = [p for p in self.model.parameters() if len(parameter_shape(p)) >= 2]
+        no_decay = [p for p in self.model.parameters() if len(parameter_shape(p)) < 2]
         groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=self.peak_lr, betas=tuple(self.hparams.betas), eps=self.hparams.eps)
+        optimizer = torch.optim.AdamW(groups, lr=self.peak_lr, betas=tuple(self.hparams.betas), eps=self.hparams.eps,
+                                      fused=True)
         hp = self.hparams
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_multiplier(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))

@@ -32,6 +32,7 @@ from typing_extensions import override
 
 from lightning_mgpu.checkpoint.universal import is_universal, load_universal, save_universal
 from lightning_mgpu import engine as engines
+from lightning_mgpu.allocator import return_freed_memory
 from lightning_mgpu.launcher import WorkerCommandLauncher
 from lightning_mgpu.contract import builds_on_meta
 from lightning_mgpu.layout import ParallelLayout, training_loop_problems
@@ -208,6 +209,8 @@ class MGPUStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         reset_seed()
+        if self.root_device.type == "cpu":  # training memory is host memory: give what a step frees back to the OS
+            return_freed_memory()
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
@@ -248,9 +251,22 @@ class MGPUStrategy(ParallelStrategy):
         self._check_model_shape(micro_batches)
         self._check_lightning_features(trainer, micro_batches)
         accumulate = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
+        fitting = trainer.state.fn == TrainerFn.FITTING
+
+        def engine_config(module: torch.nn.Module) -> dict:
+            config = engines.zero_config(self.layout, module, micro_size, micro_batches * accumulate,
+                                         trainer.gradient_clip_val,
+                                         engines.precision_config(self.precision_plugin.precision), self.nvme_path,
+                                         self.deepspeed_config_overrides, overlap=self.root_device.type == "cuda")
+            return config if fitting else engines.evaluation_config(config)
+
         if self._split_module is not self.lightning_module:  # a later validate/test/predict reuses the split
+            def partitioner(kept: torch.nn.Module) -> Callable[[list[torch.nn.Parameter]], None]:
+                return engines.zero3_partitioner(engine_config(kept), self.layout)
+
+            # ZeRO-3 partitions each module's parameters as soon as they are filled
             done = parallelize(self.lightning_module, self.layout, self.root_device, self.tensor_parallel_plan,
-                               self.pipeline_boundaries)
+                               self.pipeline_boundaries, partitioner if self.layout.zero_stage == 3 else None)
             self.tensor_parallel_notes = done.notes
             self.materialized_elements = done.materialized
             for note in done.notes:
@@ -263,19 +279,14 @@ class MGPUStrategy(ParallelStrategy):
         if self.layout.size("pp") == 1:
             module = self.model
         optimizer = None
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(self.lightning_module)
             if len(self.optimizers) != 1:
                 raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; MGPUStrategy "
                                  "drives one DeepSpeed engine and needs exactly one")
             optimizer = self.optimizers[0]
-        precision = engines.precision_config(self.precision_plugin.precision)
-        config = engines.zero_config(self.layout, module, micro_size, micro_batches * accumulate,
-                                     trainer.gradient_clip_val, precision, self.nvme_path,
-                                     self.deepspeed_config_overrides, overlap=self.root_device.type == "cuda")
-        if optimizer is None:
-            config = engines.evaluation_config(config)
-        elif engines.drifts_from_fp32(config):
+        config = engine_config(module)
+        if optimizer is not None and engines.drifts_from_fp32(config):
             rank_zero_warn(engines.drifts_from_fp32(config))
         self.num_microbatches = micro_batches
         self.deepspeed_config = config

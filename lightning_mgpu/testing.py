@@ -152,6 +152,77 @@ def live_tensor_bytes(*modules: "torch.nn.Module") -> int:
     return total
 
 
+def resident_bytes(field: str = "VmRSS") -> float:
+    """This process's resident memory (``VmRSS``) or its peak since the last :func:`reset_peak_resident` (``VmHWM``),
+    in bytes, from ``/proc/self/status`` (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return float(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} is not in /proc/self/status")
+
+
+def reset_peak_resident() -> None:
+    """Start a new peak: ``VmHWM`` becomes the current resident memory (Linux ``clear_refs``)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def setup_and_first_step_peaks(rank: int, config: Any, token_file: str, devices: int, layout: dict,
+                               seq_len: int = 16, global_batch: int = 4) -> dict:
+    """Train ``LLMModule(config)`` for one step on ``devices`` CPU processes (``run_distributed``) and report this
+    rank's resident memory: its import baseline (after torch, Lightning and DeepSpeed are loaded, before the model
+    exists), its peak during setup (the model built, split, materialised and the engine created) and its peak during the
+    first step, with the setup time and where the rank sits in the layout."""
+    import lightning as L
+
+    from lightning_mgpu import LLMModule, MGPUStrategy
+    from lightning_mgpu.data import TokenFileDataModule
+    from lightning_mgpu.engine import preload
+
+    preload()
+    baseline = resident_bytes()
+    peaks: dict = {}
+
+    class Peaks(L.Callback):
+        def on_train_start(self, trainer, module) -> None:
+            peaks["setup"], peaks["setup_s"] = resident_bytes("VmHWM"), time.perf_counter() - start
+            reset_peak_resident()
+
+        def on_train_batch_end(self, *args) -> None:
+            peaks.setdefault("step", resident_bytes("VmHWM"))
+
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**layout), max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Peaks()])
+    data = TokenFileDataModule(token_file, seq_len=seq_len, global_batch_size=global_batch, micro_batch_size=1, seed=0)
+    module = LLMModule(config, lr=1e-4, warmup_steps=0, max_steps=1)
+    reset_peak_resident()
+    start = time.perf_counter()
+    trainer.fit(module, data)
+    s = trainer.strategy
+    return {"rank": rank, "tp": s.layout.rank("tp"), "pp": s.layout.rank("pp"), "dp": s.layout.rank("dp"),
+            "baseline": baseline, "materialized": s.materialized_elements, **peaks}
+
+
+def rank_memory_bound(config: Any, layout: dict, dp: int, pp_rank: int, baseline: float,
+                      precision: str = "32-true") -> dict[str, float]:
+    """What one rank of an ``LLMModule(config)`` run under ``layout`` (``MGPUStrategy`` keywords) may hold at its peak:
+    1.3 x its steady-state model states (the planner's measured figure) + the model's largest single tensor + the
+    process's import baseline; with the bytes of its shard and of the whole model in fp32, to report beside it."""
+    import torch
+
+    from lightning_mgpu.models import Llama
+    from lightning_mgpu.planner.memory import model_state_bytes
+    from lightning_mgpu.planner.model_stats import rank_parameters
+
+    tp, pp = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
+    shard = rank_parameters(config, tp, pp, 1, pp_rank)
+    steady = sum(model_state_bytes(shard, layout.get("zero_stage", 0), dp, precision, pp > 1).values())
+    with torch.device("meta"):
+        largest = max(p.numel() for p in Llama(config).parameters()) * 4
+    return {"shard": shard * 4.0, "steady": steady, "whole": config.num_parameters() * 4.0, "largest": float(largest),
+            "bound": 1.3 * steady + largest + baseline}
+
+
 #: Fault injection for tests, read by ``mgpu-train`` (see :func:`fault_callbacks`). ``<rank>:<step>``: that rank, as
 #: optimizer step ``step`` begins, SIGKILLs itself (``kill``: its sockets close at once), SIGSTOPs itself (``stop``: it
 #: hangs with its sockets open), or raises :class:`InjectedFault` inside that step's backward pass (``raise``); the

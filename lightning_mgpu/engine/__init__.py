@@ -16,6 +16,9 @@ from lightning_mgpu.engine.config import (
     deep_merge,
     drifts_from_fp32,
     evaluation_config,
+    parameter_dtype,
+    parameter_elements,
+    parameter_shape,
     precision_config,
     zero_config,
 )
@@ -31,6 +34,7 @@ from lightning_mgpu.engine.runtime import (
     initialize_engine,
     preload,
     step,
+    zero3_partitioner,
     zero_stage,
 )
 
@@ -38,5 +42,6 @@ __all__ = [
     "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "backward", "bucket_elements",
     "bucket_elements_for", "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32",
     "evaluation_config", "gathered", "init_engine_comm", "initialize_engine", "load_engine_checkpoint",
-    "precision_config", "preload", "save_engine_checkpoint", "step", "zero_config", "zero_stage",
+    "parameter_dtype", "parameter_elements", "parameter_shape", "precision_config", "preload", "save_engine_checkpoint", "step",
+    "zero3_partitioner", "zero_config", "zero_stage",
 ]

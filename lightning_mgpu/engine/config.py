@@ -24,9 +24,30 @@ def bucket_elements_for(total_parameters: int) -> int:
     return int(min(MAX_BUCKET_ELEMENTS, max(MIN_BUCKET_ELEMENTS, total_parameters // 4)))
 
 
+def parameter_elements(param: nn.Parameter) -> int:
+    """Elements of ``param`` as the model sees it, also once ZeRO-3 has partitioned it (its local data is then empty)."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def parameter_shape(param: nn.Parameter) -> torch.Size:
+    """The shape of ``param`` as the model sees it, also once ZeRO-3 has partitioned it: a module that defines
+    ``initial_value`` has its parameters partitioned as they are filled, before ``configure_optimizers`` runs, so an
+    optimizer that groups parameters by their dimensions (no weight decay on vectors) reads this, not ``param.shape``."""
+    return torch.Size(getattr(param, "ds_shape", param.shape))
+
+
 def bucket_elements(model: nn.Module) -> int:
     """``bucket_elements_for`` the parameters this rank's module holds."""
-    return bucket_elements_for(sum(p.numel() for p in model.parameters()))
+    return bucket_elements_for(sum(parameter_elements(p) for p in model.parameters()))
+
+
+def parameter_dtype(config: dict) -> torch.dtype:
+    """The dtype the engine keeps the model's parameters in under ``config`` (its master weights are fp32)."""
+    if config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return torch.float32
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -77,7 +98,7 @@ def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int,
         "contiguous_gradients": True,
     }
     if layout.zero_stage == 3:
-        largest = max((p.numel() for p in model.parameters()), default=0)
+        largest = max((parameter_elements(p) for p in model.parameters()), default=0)
         zero.update({
             "stage3_prefetch_bucket_size": bucket,
             # Parameters below this stay whole on every rank; DeepSpeed's 1e5 would keep a small model unsharded.

@@ -7,11 +7,15 @@ the part ``index`` of the whole tensor ``name`` of shape ``shape``, so a shard g
 process would have built whole. Written by hand because the shards are plain local tensors tagged the Megatron way
 (see :mod:`lightning_mgpu.parallel.tensor`), not DTensors, so torch's ``to_empty`` + ``reset_parameters`` cannot know
 which slice a shard is.
+
+With ZeRO-3 the engine partitions every parameter over the data-parallel ranks anyway; ``place`` lets it do so as soon
+as one module's parameters are filled, so a rank never holds more than its partitions plus one module's parameters
+whole (instead of its whole tensor/pipeline shard first).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -19,6 +23,8 @@ from torch import nn
 #: ``value(name, shape, index)``: the part ``index`` (one slice per dimension) of parameter ``name``'s initial value,
 #: whose whole tensor has shape ``shape``.
 InitialValue = Callable[[str, torch.Size, tuple[slice, ...]], torch.Tensor]
+#: ``place(params)``: takes over parameters just filled (ZeRO-3: partitions them in place, keeping their identity).
+Place = Callable[[list[nn.Parameter]], None]
 
 
 def meta_parameters(module: nn.Module) -> list[str]:
@@ -27,19 +33,25 @@ def meta_parameters(module: nn.Module) -> list[str]:
 
 
 def materialize(module: nn.Module, device: torch.device, value: InitialValue,
-                name_of: Callable[[str], str] = lambda name: name) -> int:
+                name_of: Callable[[str], str] = lambda name: name, place: Optional[Place] = None) -> int:
     """Replace every meta parameter of ``module`` (in place, ties kept) by one on ``device`` holding this rank's part
-    of its initial value; ``name_of`` maps a name inside ``module`` to the name ``value`` knows. Returns the number
-    of elements materialised."""
+    of its initial value; ``name_of`` maps a name inside ``module`` to the name ``value`` knows. Each module's new
+    parameters go to ``place`` before the next module's are filled. Returns the number of elements materialised."""
     done: dict[int, nn.Parameter] = {}
+    count = 0
     for prefix, owner in module.named_modules(remove_duplicate=False):
+        fresh = []
         for key, param in list(owner._parameters.items()):
             if param is None or not param.is_meta:
                 continue
             if id(param) not in done:
                 done[id(param)] = _filled(param, name_of(f"{prefix}.{key}" if prefix else key), device, value)
+                fresh.append(done[id(param)])
+                count += param.numel()
             owner._parameters[key] = done[id(param)]
-    return sum(p.numel() for p in done.values())
+        if fresh and place is not None:
+            place(fresh)
+    return count
 
 
 def _filled(param: nn.Parameter, name: str, device: torch.device, value: InitialValue) -> nn.Parameter:

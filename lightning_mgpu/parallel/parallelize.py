@@ -5,13 +5,15 @@ blocks -> torch.compile of those blocks -> materialise this rank's share.
 
 The engine (DeepSpeed, :mod:`lightning_mgpu.engine`) wraps the result; the strategy calls this between the two. Tests call
 it without a Trainer. A module built on the meta device (``MGPUStrategy`` builds ``configure_model`` there when the
-module defines ``initial_value``) holds no memory until the last step, which gives each rank only its own shard.
+module defines ``initial_value``) holds no memory until the last step, which gives each rank only its own shard; with
+``partitioner`` (the engine's ZeRO-3 partitioning) each module's parameters are partitioned as soon as they are filled,
+so a rank never holds its whole shard either.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -21,7 +23,7 @@ from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.compile import compile_blocks, compile_layout_problems
 from lightning_mgpu.parallel.context import apply_context_parallel
-from lightning_mgpu.parallel.materialize import materialize, meta_parameters
+from lightning_mgpu.parallel.materialize import Place, materialize, meta_parameters
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
 
 
@@ -36,11 +38,14 @@ class Parallelized:
 
 
 def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
-                plan: Optional[TensorParallelPlan] = None, boundaries: Optional[list[int]] = None) -> Parallelized:
+                plan: Optional[TensorParallelPlan] = None, boundaries: Optional[list[int]] = None,
+                partitioner: Optional[Callable[[nn.Module], Place]] = None) -> Parallelized:
     """Split ``module`` (a LightningModule following :class:`lightning_mgpu.contract.ParallelModule`) for this rank.
 
     ``plan`` defaults to the module's ``tensor_parallel_plan()``; ``boundaries`` are the pipeline stage boundaries
-    (default: balanced). Raises one ``ValueError`` naming what the module lacks for the layout.
+    (default: balanced). ``partitioner(kept)``, given the module this rank keeps while it is still on the meta device,
+    returns what takes each module's parameters as soon as they are materialised (see :func:`materialize`). Raises one
+    ``ValueError`` naming what the module lacks for the layout.
     """
     notes: list[str] = []
     if layout.size("tp") > 1:
@@ -93,5 +98,6 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
         raise ValueError(f"{type(module).__name__} built {len(missing)} parameters on the meta device (e.g. "
                          f"{missing[0]!r}) but defines no initial_value(name, shape, index) to fill them; define it, "
                          "or build the model on a real device")
-    count = materialize(kept, device, value, lambda name: canonical_name(name, layout))
+    place = partitioner(kept) if partitioner is not None else None
+    count = materialize(kept, device, value, lambda name: canonical_name(name, layout), place)
     return Parallelized(kept, notes, count)
