@@ -628,7 +628,8 @@ def _memory_refusal(cfg: DictConfig, model: LlamaConfig, need: ProcessMemory, bu
               f"{need.activations / GB:.1f} GB activations (micro-batch {d.micro_batch_size} x {d.seq_len} tokens)"]
     breakdown = f"per {'GPU' if budget.on_gpu else 'process'}: " + " + ".join(parts)
     if need.whole_model:
-        held = "the whole model" if builds_whole_model() else "its tensor/pipeline shard whole (before ZeRO splits it)"
+        held = ("the whole model" if builds_whole_model() else "its largest tensor whole (ZeRO-3 partitions each as it is "
+                "filled)" if p.zero_stage == 3 else "its tensor/pipeline shard whole")
         breakdown += f"; before that, every rank builds {held}: {need.whole_model / GB:.1f} GB"
     lines.append(breakdown)
     fits, together = _memory_fixes(cfg, budget)
@@ -640,7 +641,7 @@ def _memory_refusal(cfg: DictConfig, model: LlamaConfig, need: ProcessMemory, bu
         lines.append(f"no single change fits; together: {_overrides(together[0])} ({together[1] / GB:.1f} GB {unit})")
     else:
         alone = need.baseline + need.whole_model
-        copy = "whole-model copy" if builds_whole_model() else "unpartitioned shard"
+        copy = "whole-model copy" if builds_whole_model() else "unpartitioned shard" if p.zero_stage != 3 else "largest tensor"
         why = (f"the {copy} alone needs {alone / GB:.1f} GB {'per GPU' if budget.on_gpu else 'per process'}"
                if budget.processes * alone > budget.usable else "")
         lines.append("no change of ZeRO stage, activation checkpointing, micro-batch, tensor/pipeline parallelism or "

@@ -6,7 +6,9 @@ activations on a GPU. A process's peak has more, which this module adds:
 
 * **Setup.** A module that cannot give each rank its share of the initial values is built WHOLE by every rank (fp32,
   or bf16 under ``bf16-true``) on the rank's device, which then keeps only its shard. The copy is freed before the
-  engine starts, so it is a peak of its own: the process needs ``max(whole model, training)``.
+  engine starts, so it is a peak of its own: the process needs ``max(whole model, training)``. Built on the meta
+  device, a rank holds its own tensor/pipeline shard whole before the engine starts, except under ZeRO-3, which
+  partitions each module's parameters as soon as they are filled: then one tensor at a time is whole.
 * **Host memory on CPU.** Every process of a machine shares its memory. Each holds the libraries
   (:data:`PROCESS_BASELINE_BYTES`), and its first optimizer step holds more than the planner's steady state:
   unpartitioned gradients and the flat gradient copies DeepSpeed makes for the step, Adam's temporaries, and the
@@ -32,10 +34,13 @@ from lightning_mgpu.planner.memory import estimate_memory
 #: Resident memory of a training process before its model: Python, torch, Lightning, DeepSpeed, this package, gloo and
 #: the data module. Measured: 0.46 GB after the imports, 0.56 GB peak over a 3-step run of the tiny model.
 PROCESS_BASELINE_BYTES = 0.6e9
-#: Peak host bytes of a CPU process's model states over the planner's steady-state figure. Measured (peak RSS less the
-#: import baseline and the activations): ZeRO-1 dp2 1.33, ZeRO-2 dp2 1.65-1.70, ZeRO-3 dp2 1.90, ZeRO-2 tp2 2.02,
-#: ZeRO-1 tp2 2.20-2.22; with some margin above the largest.
-CPU_STATE_FACTOR = 2.4
+#: Peak host bytes of a CPU process's model states over the planner's steady-state figure, through setup and the first
+#: optimizer step. Measured (peak RSS less the import baseline, sequence 16, 2 processes of a 104M-parameter Llama,
+#: fp32, CPU processes returning freed memory to the OS: :mod:`lightning_mgpu.allocator`, AdamW fused): ZeRO-0 dp2 1.03,
+#: ZeRO-1 dp2 0.97, ZeRO-2 dp2 1.21, ZeRO-3 dp2 1.25, ZeRO-1 and ZeRO-2 tp2 1.20-1.25, ZeRO-1 pp2 1.25; 8 processes of a
+#: 401M-parameter Llama at tp2 x pp2 x dp2 with ZeRO-3 1.36 (``benchmarks/setup_memory.py``); with margin above the
+#: largest. (Before the allocator setting and the fused optimizer: 1.33-2.22.)
+CPU_STATE_FACTOR = 1.5
 #: Host memory for activations over the planner's figure. The planner's activation bytes are what this Llama keeps for
 #: backward, derived per tensor for the run's precision and checked to 10% (measured 0.99-1.00 at tp 1 and 2, with and
 #: without sequence parallelism, every checkpointing mode: tests/unit/test_activation_formulas.py and
@@ -50,8 +55,8 @@ class ProcessMemory:
     """Peak bytes of one training process, by what holds them."""
 
     baseline: float  #: the libraries (counted in host memory only)
-    whole_model: float  #: what a rank builds before the engine partitions it: the whole model, or (built on the
-    #: meta device) its own tensor/pipeline shard, whole on every data-parallel rank until ZeRO-3 splits it
+    whole_model: float  #: what a rank holds whole before the engine starts: the whole model, or (built on the meta
+    #: device) its own tensor/pipeline shard, or under ZeRO-3 (partitioned as it is filled) its largest tensor
     model_states: float  #: this rank's parameters, gradients, optimizer state and buffers, at their peak
     activations: float
 
@@ -74,15 +79,20 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
     """Peak memory of the fullest rank: in host memory (``host=True``, a CPU process) or on its GPU.
 
     ``builds_whole_model``: every rank first builds the whole model on its device (fp32; bf16 under ``bf16-true``)
-    and then keeps its shard, as a module built off the meta device does; otherwise it still holds its whole
-    tensor/pipeline shard before ZeRO (stage 3) partitions it over the data-parallel ranks. On a GPU, ZeRO offload moves the
+    and then keeps its shard, as a module built off the meta device does; otherwise it holds its whole tensor/pipeline
+    shard before the engine starts, or under ZeRO-3 (partitioned as it is filled) its largest tensor. On a GPU, ZeRO offload moves the
     optimizer state (``offload_optimizer``) and ZeRO-3's parameter partitions (``offload_params``) to host memory.
     """
     planned = estimate_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, stages_per_rank, sequence_parallel,
                               recompute, precision, overlap=not host,  # the engine overlaps on GPUs only
                               context=context, mode=mode, schedule=schedule, boundaries=boundaries)
     w = 2 if precision == "bf16-true" else 4
-    whole = (cfg.num_parameters() if builds_whole_model else max_rank_parameters(cfg, tp, pp, stages_per_rank)) * w
+    if builds_whole_model:
+        whole = cfg.num_parameters() * w
+    elif zero_stage == 3:  # partitioned as it is filled: the largest tensor (embedding or MLP weight) is whole once
+        whole = max(cfg.vocab_size, cfg.ffn_hidden) * cfg.dim / tp * w
+    else:
+        whole = max_rank_parameters(cfg, tp, pp, stages_per_rank) * w
     if host:
         return ProcessMemory(PROCESS_BASELINE_BYTES, whole, CPU_STATE_FACTOR * planned.model_states,
                              CPU_ACTIVATION_FACTOR * planned.activations)

@@ -83,6 +83,8 @@ def test_selective_checkpointing_keeps_only_projection_outputs_and_runs_no_proje
     backward (torch's FLOP counter, which on CPU counts the projections' matmuls but not the attention kernel):
     selective keeps exactly each block's input and the outputs of its seven projections, and runs no projection
     again (attention is recomputed); full keeps the inputs alone and runs every projection again."""
+    import gc
+
     from torch.profiler import ProfilerActivity, profile, record_function
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -94,9 +96,14 @@ def test_selective_checkpointing_keeps_only_projection_outputs_and_runs_no_proje
         model = Llama(LlamaConfig(**cfg, activation_checkpointing=mode), init_seed=3).train()
         checkpoint_blocks(model.layers, mode)
         x = model.tok_embeddings(torch.randint(0, 64, (b, s), generator=torch.Generator().manual_seed(1))).detach()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with record_function("forward"):  # nothing else is freed inside it: the bytes it leaves are kept
-                out = run_layers(model.layers, x, model.rope_cos, model.rope_sin)
+        gc.collect()  # earlier tests' garbage, freed by a collection inside the forward, would count against it
+        gc.disable()
+        try:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                with record_function("forward"):  # nothing else is freed inside it: the bytes it leaves are kept
+                    out = run_layers(model.layers, x, model.rope_cos, model.rope_sin)
+        finally:
+            gc.enable()
         kept = next(e for e in prof.events() if e.name == "forward").cpu_memory_usage - out.nbytes
         del out
         with FlopCounterMode(display=False) as counter:
