@@ -19,7 +19,8 @@ torch.set_num_threads(1)
 from lightning_mgpu import LLMModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.planner.memory import block_activation_bytes, head_activation_bytes  # noqa: E402
-from lightning_mgpu.testing import kept_forward_bytes, parallel_saved_bytes, run_distributed  # noqa: E402
+from lightning_mgpu.planner.measure import kept_forward_bytes  # noqa: E402
+from lightning_mgpu.testing import parallel_saved_bytes, run_distributed  # noqa: E402
 
 SHAPES = [(LlamaConfig(dim=96, n_heads=6, n_kv_heads=2, ffn_hidden=160, vocab_size=50, max_seq_len=128), 40),
           (LlamaConfig(dim=128, n_heads=4, n_kv_heads=4, ffn_hidden=352, vocab_size=300, max_seq_len=128), 64),

@@ -86,26 +86,6 @@ def saved_tensor_bytes(modules: "list[torch.nn.Module]", run: Callable[[], Any])
     return sum(saved.values())
 
 
-def kept_forward_bytes(run: Callable[[], "torch.Tensor"]) -> int:
-    """Bytes ``run()`` (a forward) leaves allocated, less its output's: what it keeps for backward, whatever keeps it
-    (autograd's saved tensors, or selective checkpointing's own store, which saved-tensor hooks do not see). Measured
-    from the CPU allocator's events by torch's profiler; in a process group it also counts buffers a collective
-    allocates and keeps, so warm the collectives up first."""
-    import gc
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    gc.disable()  # earlier cyclic garbage (a previous model and its graph) must not be freed inside the measured region
-    try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with record_function("kept_forward"):
-                out = run()
-    finally:
-        gc.enable()
-    event = next(e for e in prof.events() if e.name == "kept_forward")
-    return event.cpu_memory_usage - out.untyped_storage().nbytes()
-
-
 def parallel_saved_bytes(config: Any, layout: Any, dtype: "torch.dtype", batch: "torch.Tensor",
                          depths: tuple[int, ...] = (1, 2)) -> list[int]:
     """Bytes one forward of ``LLMModule``'s loss saves for backward on this rank (:func:`saved_tensor_bytes`), for the

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from lightning_mgpu.engine.config import bucket_elements_for
 from lightning_mgpu.layout import stage_ids
@@ -143,6 +143,22 @@ def block_activation_bytes(cfg: LlamaConfig, tokens: float, tp: int = 1, sequenc
     return tokens * (2 * _norm_bytes(h, w, t, sequence_parallel) + (5 * w * h + 4 * cfg.n_heads + 4 * w * f) / t)
 
 
+#: ``(tokens, tp, sequence_parallel, mode, element_bytes) -> bytes``: what one block keeps for backward on one rank.
+BlockBytes = Callable[[float, int, bool, str, int], float]
+
+
+def block_bytes_for(cfg: LlamaConfig) -> BlockBytes:
+    """The per-block activation figure the planner uses for ``cfg``: the model's own, when its config defines
+    ``block_activation_bytes(tokens, tp, sequence_parallel, mode, element_bytes)`` (a custom model described by a
+    ``LlamaConfig`` subclass for its sizes, with numbers measured for its own block, e.g. by
+    :func:`lightning_mgpu.planner.measure.block_bytes_per_token`), else :func:`block_activation_bytes`, derived for
+    this Llama's block."""
+    own = getattr(cfg, "block_activation_bytes", None)
+    if callable(own):
+        return own
+    return lambda tokens, tp, sp, mode, w: block_activation_bytes(cfg, tokens, tp, sp, mode, w)
+
+
 def head_activation_bytes(cfg: LlamaConfig, tokens: float, tp: int = 1, sequence_parallel: bool = False,
                           element_bytes: int = 2) -> float:
     """Bytes kept outside the blocks, on the ranks that hold them: the token ids the embedding reads (int64), the
@@ -170,14 +186,15 @@ def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, 
     w = 4 if precision == "32-true" else 2
     s, b = seq_len / context, micro_batch
     tokens = s * b
-    per_block = block_activation_bytes(cfg, tokens, tp, sequence_parallel, mode, w)
+    block_bytes = block_bytes_for(cfg)
+    per_block = block_bytes(tokens, tp, sequence_parallel, mode, w)
     # context parallelism: the rest of the sequence's keys and values, gathered, as the CUDA kernel keeps them
     # (expanded to every query head: lightning_mgpu.parallel.context.ContextParallelAttention.attend; the CPU kernel
     # keeps the key/value heads only, so this is an upper bound there). Kept per block, or with recomputation
     # recomputed with the block.
     gathered = w * 2 * (seq_len - s) * b * cfg.n_heads * cfg.head_dim / tp
     # one block's full activations while it is recomputed in backward
-    working = block_activation_bytes(cfg, tokens, tp, sequence_parallel, "none", w) + gathered \
+    working = block_bytes(tokens, tp, sequence_parallel, "none", w) + gathered \
         if mode != "none" else 0.0
     in_flight = 1.0 if pp == 1 else pp * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else float(pp)
     outside = head_activation_bytes(cfg, tokens, tp, sequence_parallel, w)
