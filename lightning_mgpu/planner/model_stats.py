@@ -44,6 +44,24 @@ def max_rank_parameters(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: int
     return max(rank_parameters(cfg, tp, pp, stages_per_rank, r) for r in range(pp))
 
 
+def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int, mode: str) -> float:
+    """FLOPs per token that activation checkpointing adds in backward by running forward parts of the blocks again:
+    ``selective`` keeps the projections' outputs and recomputes attention, whose scores' forward is ``2 L s h`` for a
+    causal kernel (``4 L s h`` for one that computes the masked half too, as torch's math kernel does); ``full``
+    recomputes each block's forward, ``2 x`` its matmul weights plus the same scores, except the MLP's down
+    projection: torch's non-reentrant checkpoint stops recomputing once it has every tensor backward needs, and the
+    block's last matmul produces none (measured). ``none`` adds nothing. The element-wise work recomputed with them is
+    not counted (it is memory-bound, not FLOPs)."""
+    scores = 2.0 * cfg.n_layers * seq_len * cfg.dim
+    if mode == "selective":
+        return scores
+    if mode == "full":
+        kv = cfg.n_kv_heads * cfg.head_dim
+        recomputed_weights = cfg.dim * (2 * cfg.dim + 2 * kv) + 2 * cfg.dim * cfg.ffn_hidden  # all but w2
+        return 2.0 * cfg.n_layers * recomputed_weights + scores
+    return 0.0
+
+
 def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward, no recomputation): ``6 N`` for the matmul weights plus
     ``6 * n_layers * seq_len * dim`` for causal attention scores (half of the full ``12 L s h``)."""

@@ -1,8 +1,9 @@
 """Step time of a layout: compute at a stated fraction of peak, plus the communication it cannot hide.
 
-* compute: ``flops_per_token * tokens`` per GPU (``8/6`` of it with full recomputation: the forward runs
-  twice; selective recomputation adds the attention scores' forward, ``2 L s h`` per token, and like full
-  recomputation repeats the tensor-parallel and context-parallel collectives of the forward) at ``achievable`` x the bf16 peak (default: the GPU's fraction, fitted to published runs of comparable
+* compute: ``flops_per_token * tokens`` per GPU plus what recomputation runs again
+  (:func:`~lightning_mgpu.planner.model_stats.recompute_flops_per_token`, measured: full recomputation runs the blocks'
+  forward again but their last matmul, selective the attention scores' forward, ``2 L s h`` per token; both repeat
+  the tensor-parallel and context-parallel collectives of the forward) at ``achievable`` x the bf16 peak (default: the GPU's fraction, fitted to published runs of comparable
   stacks in :mod:`lightning_mgpu.planner.calibration`);
 * tensor parallelism: per block and micro-batch, 4 all-reduces (2 with the forward, 2 with the backward; 6
   with recomputation) of ``s b h`` bf16 activations, as ring all-reduces ``2 (t-1)/t * bytes / bandwidth``
@@ -34,7 +35,7 @@ from typing import Optional
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.parallel.timeline import theoretical_bubble
 from lightning_mgpu.planner.hardware import ClusterSpec
-from lightning_mgpu.planner.model_stats import max_rank_parameters, model_flops_per_token
+from lightning_mgpu.planner.model_stats import max_rank_parameters, model_flops_per_token, recompute_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -82,9 +83,8 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     dp = world // (tp * pp * context)
     tokens = global_batch * seq_len
     model_flops = model_flops_per_token(cfg, seq_len) * tokens
-    hardware_flops = model_flops * (8 / 6 if recompute else 1.0)
-    if selective and not recompute:  # the attention scores' forward again (a third of their 6 L s h per token)
-        hardware_flops += 2.0 * cfg.n_layers * seq_len * cfg.dim * tokens
+    mode = "full" if recompute else "selective" if selective else "none"
+    hardware_flops = model_flops + recompute_flops_per_token(cfg, seq_len, mode) * tokens  # measured per mode
     compute = hardware_flops / world / (gpu.bf16_peak_flops * achievable)
     microbatches = global_batch // (micro_batch * dp)
     act_bytes = 2.0 * seq_len / context * micro_batch * cfg.dim
