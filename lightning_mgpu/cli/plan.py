@@ -111,7 +111,8 @@ def stage_lines(cfg: DictConfig, model, c: Candidate, precision: str) -> list[st
     """Every pipeline rank of a layout: the stages it holds, its model states and activations (GB per GPU)."""
     stages = stage_memory(model, cfg.data.seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                           c.sequence_parallel, c.recompute, precision, overlap=True, context=c.cp, mode=c.checkpointing,
-                          schedule=c.schedule, boundaries=c.boundaries)
+                          schedule=c.schedule, boundaries=c.boundaries,
+                          microbatches=max(1, cfg.data.global_batch_size // (c.micro_batch * c.dp)))
     lines = ["", "per pipeline rank (GB per GPU):", f"{'pp rank':>7} {'stages':>14} {'params':>7} {'grads':>6} "
              f"{'optim':>6} {'activ':>6} {'buf':>5} {'total':>6}"]
     for r, m in enumerate(stages):

@@ -581,14 +581,16 @@ def run_memory(cfg: DictConfig, model: LlamaConfig, on_gpu: bool) -> ProcessMemo
     :func:`lightning_mgpu.planner.process.process_memory` estimates it: on its GPU, or in host memory on CPU."""
     p, t, d = cfg.parallel, cfg.trainer, cfg.data
     tp, pp, cp = p.tensor_parallel_size, p.pipeline_parallel_size, p.context_parallel_size
-    return process_memory(model, d.seq_len, d.micro_batch_size, tp, pp, t.devices * t.num_nodes // (tp * pp * cp),
+    dp = t.devices * t.num_nodes // (tp * pp * cp)
+    return process_memory(model, d.seq_len, d.micro_batch_size, tp, pp, dp,
                           p.zero_stage, 2 if p.pipeline_schedule in V_SCHEDULES else p.virtual_pipeline_size,
                           p.sequence_parallel, model.activation_checkpointing == "full", str(t.precision),
                           host=not on_gpu, builds_whole_model=builds_whole_model(),
                           offload_optimizer=p.offload_optimizer is not None,
                           offload_params=p.offload_params is not None, context=cp,
                           mode=model.activation_checkpointing, schedule=p.pipeline_schedule,
-                          boundaries=p.pipeline_boundaries)
+                          boundaries=p.pipeline_boundaries,
+                          microbatches=max(1, d.global_batch_size // (d.micro_batch_size * max(1, dp))))
 
 
 def memory_problems(cfg: DictConfig) -> list[str]:

@@ -66,6 +66,22 @@ class PipelineTimeline:
         return [a for a in self.actions if a.step == step]
 
 
+def chunks_in_flight(actions: Sequence[Action]) -> int:
+    """The most stage chunks whose activations one rank held at once in the last step of ``actions`` (its timeline):
+    a forward adds one; the backward that frees them removes it (the weight-gradient step, when the schedule splits it
+    off, since the input-gradient step leaves what the weight gradients need)."""
+    last = [a for a in actions if a.step == max(b.step for b in actions)]
+    split = {(a.stage, a.microbatch) for a in last if a.kind == "W"}
+    held = most = 0
+    for a in sorted(last, key=lambda a: a.start):
+        if a.kind == "F":
+            held += 1
+            most = max(most, held)
+        elif a.kind == "W" or (a.kind == "B" and (a.stage, a.microbatch) not in split):
+            held -= 1
+    return most
+
+
 def bubble_fraction(per_rank: Sequence[Sequence[Action]]) -> float:
     """Idle share of the step: ``1 - busy / (ranks * makespan)``, the makespan from the first action on any
     rank to the last one on any rank."""

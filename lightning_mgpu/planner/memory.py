@@ -173,15 +173,14 @@ def head_activation_bytes(cfg: LlamaConfig, tokens: float, tp: int = 1, sequence
 def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, virtual: int,
                      sequence_parallel: bool, recompute: bool, context: int = 1, precision: str = "bf16-mixed",
                      mode: str | None = None, pp_rank: Optional[int] = None, schedule: str = "1f1b",
-                     boundaries: Optional[Sequence[int]] = None) -> float:
+                     boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None) -> float:
     """Activation memory of pipeline rank ``pp_rank``: its blocks (stage ``boundaries``, default balanced) times the
     micro-batches it holds in flight, and the head's logits and loss if it holds the last stage. Without ``pp_rank``,
     an upper bound for any rank: the first rank's in-flight micro-batches over ``ceil(n_layers / pp)`` blocks, and the
     head. ``mode`` (``none``, ``selective``, ``full``) overrides ``recompute`` (``full`` when true).
 
-    In flight: under 1F1B rank ``r`` holds ``P - r`` micro-batches; interleaving multiplies that by
-    ``1 + (P - 1) / (P V)``, the published count for the first rank, applied to every rank in proportion (not
-    measured here)."""
+    In flight: :func:`in_flight_chunks` stage chunks' activations, each ``1 / V`` of the rank's blocks;
+    ``microbatches`` (per step and replica) caps them (default: enough to fill the pipeline)."""
     mode = mode or ("full" if recompute else "none")
     w = 4 if precision == "32-true" else 2
     s, b = seq_len / context, micro_batch
@@ -196,21 +195,45 @@ def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, 
     # one block's full activations while it is recomputed in backward
     working = block_bytes(tokens, tp, sequence_parallel, "none", w) + gathered \
         if mode != "none" else 0.0
-    in_flight = 1.0 if pp == 1 else pp * (1 + (pp - 1) / (pp * virtual)) if virtual > 1 else float(pp)
     outside = head_activation_bytes(cfg, tokens, tp, sequence_parallel, w)
-    if pp_rank is None or pp == 1:
+    if pp == 1:
+        blocks_per_rank, in_flight = cfg.n_layers, 1.0
+    elif pp_rank is None:  # the first rank holds the most in flight under every schedule measured
         blocks_per_rank = -(-cfg.n_layers // pp)
+        in_flight = in_flight_chunks(schedule, pp, virtual, 0, microbatches) / virtual
     else:
         ids = stage_ids(pp, virtual, schedule, pp_rank)
         stages = pp * len(ids)
         bounds = list(boundaries) if boundaries is not None else balanced_boundaries(cfg.n_layers, stages)
         blocks_per_rank = sum(bounds[i + 1] - bounds[i] for i in ids)
-        in_flight *= (pp - pp_rank) / pp
+        in_flight = in_flight_chunks(schedule, pp, len(ids), pp_rank, microbatches) / len(ids)
         outside = outside if stages - 1 in ids else 0.0
     # in_flight counts whole ranks' activations; a rank holds `virtual` chunks, each with its own document bias
     documents = document_mask_bytes(cfg, seq_len, b) * in_flight * virtual
     kept = per_block + (gathered if mode == "none" else 0.0)
     return kept * blocks_per_rank * in_flight + working + outside + documents
+
+
+def in_flight_chunks(schedule: str, pp: int, virtual: int, pp_rank: int, microbatches: Optional[int] = None) -> int:
+    """The most stage chunks' activations pipeline rank ``pp_rank`` holds at once during a step of ``schedule`` (``P``
+    ranks, ``V`` chunks each, ``M`` micro-batches; ``M`` unknown: enough to fill the pipeline, ``2 P``).
+
+    Measured from the actions torch's schedules ran (``lightning_mgpu.parallel.timeline.chunks_in_flight``; P = 4,
+    M = 4, 8, 16: ``benchmarks/pipeline_in_flight.py``; 1F1B and interleaved 1F1B are asserted by
+    ``tests/distributed/test_pipeline_parallel.py::test_pp4_matches_single_process``): GPipe holds all ``M``, looped
+    BFS all ``M V``; 1F1B ``min(M, P - r)``; interleaved 1F1B ``min(M V, 2 (P - r - 1) + (V - 1) P + 1)``, all exact.
+    The zero-bubble schedules held 5-9 chunks (interleaved zero bubble and ZBV at most ``2 P``, DualPipeV ``2 P + 1``,
+    varying with the rank and ``M``): their bound, ``min(M V, 2 P + 1)``, is counted for every rank."""
+    M = microbatches if microbatches is not None else 2 * pp
+    if schedule == "gpipe":
+        return M
+    if schedule == "looped_bfs":
+        return M * virtual
+    if schedule == "1f1b":
+        return min(M, pp - pp_rank)
+    if schedule == "interleaved_1f1b":
+        return min(M * virtual, 2 * (pp - pp_rank - 1) + (virtual - 1) * pp + 1)
+    return min(M * virtual, 2 * pp + 1)
 
 
 def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, element_bytes: int = 2) -> float:
@@ -226,15 +249,18 @@ def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, elemen
 def stage_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, dp: int, zero_stage: int,
                  virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
                  precision: str = "bf16-mixed", overlap: bool = False, context: int = 1, mode: str | None = None,
-                 schedule: str = "1f1b", boundaries: Optional[Sequence[int]] = None) -> list[MemoryEstimate]:
-    """Peak memory per GPU of each pipeline rank: its own parameters' model states and its activations."""
+                 schedule: str = "1f1b", boundaries: Optional[Sequence[int]] = None,
+                 microbatches: Optional[int] = None) -> list[MemoryEstimate]:
+    """Peak memory per GPU of each pipeline rank: its own parameters' model states and its activations
+    (``microbatches``: per step and replica, see :func:`in_flight_chunks`)."""
     out = []
     for r in range(pp):
         ids = stage_ids(pp, virtual, schedule, r)
         held = rank_parameters(cfg, tp, pp, len(ids), r, stage_ids=ids, boundaries=boundaries)
         states = model_state_bytes(held, zero_stage, dp * context, precision, pp > 1, overlap)
         acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, len(ids), sequence_parallel, recompute, context,
-                                precision, mode, pp_rank=r, schedule=schedule, boundaries=boundaries)
+                                precision, mode, pp_rank=r, schedule=schedule, boundaries=boundaries,
+                                microbatches=microbatches)
         out.append(MemoryEstimate(activations=acts, **states))
     return out
 
@@ -243,9 +269,9 @@ def estimate_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, p
                     virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
                     precision: str = "bf16-mixed", overlap: bool = False, context: int = 1,
                     mode: str | None = None, schedule: str = "1f1b",
-                    boundaries: Optional[Sequence[int]] = None) -> MemoryEstimate:
+                    boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None) -> MemoryEstimate:
     """Peak memory per GPU of the most loaded pipeline rank (:func:`stage_memory`; ``overlap``: as the engine runs on
     CUDA, see :func:`model_state_bytes`; ``dp`` replicas of ``context`` ranks each)."""
     stages = stage_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, virtual, sequence_parallel, recompute,
-                          precision, overlap, context, mode, schedule, boundaries)
+                          precision, overlap, context, mode, schedule, boundaries, microbatches)
     return max(stages, key=lambda m: m.total)

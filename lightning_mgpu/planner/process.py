@@ -75,7 +75,7 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
                    precision: str = "32-true", host: bool = True, builds_whole_model: bool = True,
                    offload_optimizer: bool = False, offload_params: bool = False, context: int = 1,
                    mode: str | None = None, schedule: str = "1f1b",
-                   boundaries: Optional[Sequence[int]] = None) -> ProcessMemory:
+                   boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None) -> ProcessMemory:
     """Peak memory of the fullest rank: in host memory (``host=True``, a CPU process) or on its GPU.
 
     ``builds_whole_model``: every rank first builds the whole model on its device (fp32; bf16 under ``bf16-true``)
@@ -85,7 +85,8 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
     """
     planned = estimate_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, stages_per_rank, sequence_parallel,
                               recompute, precision, overlap=not host,  # the engine overlaps on GPUs only
-                              context=context, mode=mode, schedule=schedule, boundaries=boundaries)
+                              context=context, mode=mode, schedule=schedule, boundaries=boundaries,
+                              microbatches=microbatches)
     w = 2 if precision == "bf16-true" else 4
     if builds_whole_model:
         whole = cfg.num_parameters() * w

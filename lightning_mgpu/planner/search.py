@@ -102,7 +102,8 @@ def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch:
              precision: str = "bf16-mixed", achievable: Optional[float] = None) -> PlanRow:
     memory = estimate_memory(cfg, seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                              c.sequence_parallel, c.recompute, precision, overlap=True,  # a plan is for GPUs
-                             context=c.cp, mode=c.checkpointing, schedule=c.schedule, boundaries=c.boundaries)
+                             context=c.cp, mode=c.checkpointing, schedule=c.schedule, boundaries=c.boundaries,
+                             microbatches=max(1, global_batch // (c.micro_batch * c.dp)))
     time = estimate_step_time(cfg, cluster, seq_len, global_batch, c.micro_batch, c.tp, c.pp, c.zero_stage,
                               c.virtual, c.schedule, c.recompute, achievable, context=c.cp, selective=c.selective)
     return PlanRow(c, memory, time, memory.total <= USABLE_MEMORY * cluster.gpu.memory_bytes)

@@ -3,11 +3,12 @@
 from dataclasses import replace
 
 import pytest
-from helpers import OPTIM, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, reference
+from helpers import GLOBAL_BATCH, MICRO_BATCH, OPTIM, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, reference
 
 from lightning_mgpu import LLMModule
 from lightning_mgpu.layout import V_SCHEDULES
-from lightning_mgpu.parallel.timeline import bubble_fraction, plot_timeline, theoretical_bubble
+from lightning_mgpu.parallel.timeline import bubble_fraction, chunks_in_flight, plot_timeline, theoretical_bubble
+from lightning_mgpu.planner.memory import in_flight_chunks
 from lightning_mgpu.testing import run_distributed
 
 DEEP = replace(TINY, n_layers=8)  # enough blocks for 8 stages (pp=4 x 2 virtual)
@@ -33,9 +34,15 @@ def virtual(schedule):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
 def test_pp4_matches_single_process(token_file, ref, schedule):
-    results = run(token_file, 4, pipeline_parallel_size=4, pipeline_schedule=schedule,
-                  virtual_pipeline_size=virtual(schedule))
+    """Parity, and the activations each rank held in flight are the planner's count for that rank
+    (``planner.memory.in_flight_chunks``; 4 micro-batches: 1F1B 4, 3, 2, 1; interleaved 8, 8, 7, 5 chunks)."""
+    V = virtual(schedule)
+    results = run(token_file, 4, pipeline_parallel_size=4, pipeline_schedule=schedule, virtual_pipeline_size=V,
+                  pipeline_timeline=True)
     assert_parity(results, ref)
+    M = GLOBAL_BATCH // MICRO_BATCH
+    measured = [chunks_in_flight(r["timeline"]) for r in results]
+    assert measured == [in_flight_chunks(schedule, 4, V, rank, M) for rank in range(4)], measured
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
