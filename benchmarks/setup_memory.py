@@ -1,4 +1,4 @@
-"""Peak resident memory of every rank during setup and the first step, for a 402M-parameter Llama on 8 CPU processes
+"""Peak resident memory of every rank during setup and the first step, for a 401M-parameter Llama on 8 CPU processes
 (tp2 x pp2 x dp2, ZeRO-3, fp32), next to the bytes of that rank's shard, its steady-state model states (the planner's
 measured figure), the model's largest tensor and the whole model.
 

@@ -285,6 +285,8 @@ class MGPUStrategy(ParallelStrategy):
                 raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; MGPUStrategy "
                                  "drives one DeepSpeed engine and needs exactly one")
             optimizer = self.optimizers[0]
+            if self.layout.zero_stage == 3 and builds_on_meta(self.lightning_module):
+                self._check_param_groups(optimizer)
         config = engine_config(module)
         if optimizer is not None and engines.drifts_from_fp32(config):
             rank_zero_warn(engines.drifts_from_fp32(config))
@@ -297,6 +299,19 @@ class MGPUStrategy(ParallelStrategy):
             self.pipeline = Pipeline(self.model, self.layout, self.root_device, self.lightning_module.pipeline_loss,
                                      micro_batches, PipelineTimeline() if self.pipeline_timeline else None)
         rank_zero_info(self.applied_layout())
+
+    def _check_param_groups(self, optimizer: torch.optim.Optimizer) -> None:
+        """A module built on the meta device has its parameters partitioned as they are filled under ZeRO-3, before
+        ``configure_optimizers`` runs: grouping them by ``p.dim()`` or ``p.shape`` then sees empty 1-d tensors and
+        leaves a group empty (DeepSpeed drops it; an LR scheduler of the groups then fails, or weight decay silently
+        goes). Refused here by name."""
+        empty = [i for i, group in enumerate(optimizer.param_groups) if not group["params"]]
+        if empty:
+            raise ValueError(f"configure_optimizers of {type(self.lightning_module).__name__} returned parameter "
+                             f"group(s) {empty} of {len(optimizer.param_groups)} with no parameters. Under ZeRO-3 "
+                             "each parameter is already partitioned when configure_optimizers runs (p.shape is an "
+                             "empty 1-d tensor's): group parameters by lightning_mgpu.parameter_shape(p), or leave "
+                             "empty groups out")
 
     def applied_layout(self) -> str:
         """What this rank runs, read from the objects built in ``setup`` (not from the arguments asked for)."""

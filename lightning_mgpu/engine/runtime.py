@@ -133,14 +133,20 @@ def zero3_partitioner(config: dict, layout: ParallelLayout) -> Callable[[list[nn
     import deepspeed
 
     dtype, mpu = parameter_dtype(config), LayoutMPU(layout)
+    first: list[nn.Parameter] = []  # a parameter converted by the one Init, which converts all later ones
 
     def partition(params: list[nn.Parameter]) -> None:
         for param in params:
             param.data = param.data.to(dtype)  # the engine would cast before partitioning; cast one tensor at a time
-        # Init over a container of exactly these parameters: it converts what the module holds, and a container of
-        # the parameters themselves keeps their identity (the model and its ties keep pointing at them).
+        if first:  # as the engine converts parameters added later: through the Init that converted the first
+            first[0].convert_to_zero_parameters(param_list=params)
+            return
+        # One Init for the whole model, as the engine would make: each Init makes its own NVMe swapper (clearing the
+        # swap folder) and its own hierarchical-partition group. It converts the parameters of the module it is
+        # given; a container of exactly these parameters keeps their identity (the model and its ties keep them).
         deepspeed.zero.Init(module=nn.ParameterList(params), data_parallel_group=layout.group("dp_cp"),
                             config_dict_or_path=config, mpu=mpu)
+        first.append(params[0])
 
     return partition
 

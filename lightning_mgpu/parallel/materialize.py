@@ -42,7 +42,12 @@ def materialize(module: nn.Module, device: torch.device, value: InitialValue,
     for prefix, owner in module.named_modules(remove_duplicate=False):
         fresh = []
         for key, param in list(owner._parameters.items()):
-            if param is None or not param.is_meta:
+            if param is None:
+                continue
+            if not param.is_meta:  # built on a real device: nothing to fill, but ``place`` takes it over as well
+                if place is not None and id(param) not in done:
+                    done[id(param)] = param
+                    fresh.append(param)
                 continue
             if id(param) not in done:
                 done[id(param)] = _filled(param, name_of(f"{prefix}.{key}" if prefix else key), device, value)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lightning_mgpu.allocator import returns_freed_memory
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.model_stats import max_rank_parameters
 from lightning_mgpu.planner.memory import estimate_memory
@@ -39,8 +40,11 @@ PROCESS_BASELINE_BYTES = 0.6e9
 #: fp32, CPU processes returning freed memory to the OS: :mod:`lightning_mgpu.allocator`, AdamW fused): ZeRO-0 dp2 1.03,
 #: ZeRO-1 dp2 0.97, ZeRO-2 dp2 1.21, ZeRO-3 dp2 1.25, ZeRO-1 and ZeRO-2 tp2 1.20-1.25, ZeRO-1 pp2 1.25; 8 processes of a
 #: 401M-parameter Llama at tp2 x pp2 x dp2 with ZeRO-3 1.36 (``benchmarks/setup_memory.py``); with margin above the
-#: largest. (Before the allocator setting and the fused optimizer: 1.33-2.22.)
+#: largest.
 CPU_STATE_FACTOR = 1.5
+#: The same where glibc keeps freed memory (the user set ``MALLOC_MMAP_THRESHOLD_``, or another C library): measured
+#: before that setting and the fused optimizer, 1.33 (ZeRO-1 dp2) to 2.22 (ZeRO-1 tp2), with margin.
+CPU_STATE_FACTOR_KEPT_HEAP = 2.4
 #: Host memory for activations over the planner's figure. The planner's activation bytes are what this Llama keeps for
 #: backward, derived per tensor for the run's precision and checked to 10% (measured 0.99-1.00 at tp 1 and 2, with and
 #: without sequence parallelism, every checkpointing mode: tests/unit/test_activation_formulas.py and
@@ -95,7 +99,8 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
     else:
         whole = max_rank_parameters(cfg, tp, pp, stages_per_rank) * w
     if host:
-        return ProcessMemory(PROCESS_BASELINE_BYTES, whole, CPU_STATE_FACTOR * planned.model_states,
+        factor = CPU_STATE_FACTOR if returns_freed_memory() else CPU_STATE_FACTOR_KEPT_HEAP
+        return ProcessMemory(PROCESS_BASELINE_BYTES, whole, factor * planned.model_states,
                              CPU_ACTIVATION_FACTOR * planned.activations)
     states = planned.model_states
     states -= planned.optimizer if offload_optimizer else 0.0

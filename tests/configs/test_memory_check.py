@@ -19,8 +19,8 @@ from lightning_mgpu.models import Llama, LlamaConfig
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.planner.model_stats import max_rank_parameters
 from lightning_mgpu.planner.memory import activation_bytes, estimate_memory
-from lightning_mgpu.planner.process import (CPU_ACTIVATION_FACTOR, CPU_STATE_FACTOR, PROCESS_BASELINE_BYTES,
-                                            process_memory)
+from lightning_mgpu.planner.process import (CPU_ACTIVATION_FACTOR, CPU_STATE_FACTOR, CPU_STATE_FACTOR_KEPT_HEAP,
+                                            PROCESS_BASELINE_BYTES, process_memory)
 
 #: The layout the kernel killed (exit 137, 12.6 GB per process on a 24 GB machine) without a message.
 LLAMA3_1B_TP2 = ["model=llama3_1b", "trainer.devices=2", "parallel.tensor_parallel_size=2", "parallel.zero_stage=1"]
@@ -156,7 +156,7 @@ def test_every_rank_building_the_whole_model_is_a_peak_of_its_own():
     assert process_memory(**{**kw, "precision": "bf16-true"}).whole_model == 2 * cfg.num_parameters()
 
 
-def test_host_and_gpu_estimates_follow_the_planner():
+def test_host_and_gpu_estimates_follow_the_planner(monkeypatch):
     cfg = LlamaConfig.from_name("llama3_1b")
     kw = dict(seq_len=2048, micro_batch=2, tp=2, pp=1, dp=4, zero_stage=3, precision="bf16-mixed")
     planned = estimate_memory(cfg, **kw, overlap=True)  # a GPU overlaps communication (a second reduce bucket)
@@ -169,6 +169,10 @@ def test_host_and_gpu_estimates_follow_the_planner():
     host = process_memory(cfg, **kw, host=True, builds_whole_model=False)
     assert host.baseline == PROCESS_BASELINE_BYTES
     assert host.model_states == pytest.approx(CPU_STATE_FACTOR * planned.model_states)
+    # where the processes keep glibc's heap (the user's own threshold), the factor measured for that
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
+    kept = process_memory(cfg, **kw, host=True, builds_whole_model=False)
+    assert kept.model_states == pytest.approx(CPU_STATE_FACTOR_KEPT_HEAP * planned.model_states)
     assert host.activations == pytest.approx(CPU_ACTIVATION_FACTOR * planned.activations)
 
 

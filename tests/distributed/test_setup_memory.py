@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_mgpu import LLMModule, engine
+from helpers import OPTIM, TINY, fit, make_token_file
+
+from lightning_mgpu import LLMModule, engine, parameter_shape
 from lightning_mgpu.checkpoint.universal import canonical_name
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.models import LlamaConfig
@@ -85,3 +87,46 @@ def test_401m_model_on_8_processes_stays_within_its_memory_bound(tmp_path: Path)
         assert r["materialized"] * 4 == b["shard"], report
         assert r["setup"] < b["bound"] and r["step"] < b["bound"], report
         assert r["setup"] - r["baseline"] < 0.6 * b["whole"], report
+
+
+class RealNormModule(LLMModule):
+    """Builds one parameter on a real device (a user's module may), and records what configure_optimizers sees."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.norm.weight = torch.nn.Parameter(torch.ones(self.config.dim, device="cpu"))
+
+    def configure_optimizers(self):
+        self.partitioned_before_optimizer = all(tuple(p.shape) != tuple(parameter_shape(p))
+                                                for p in self.model.parameters())
+        return super().configure_optimizers()
+
+
+class GroupsByDim(LLMModule):
+    def configure_optimizers(self):
+        decay = [p for p in self.model.parameters() if p.dim() >= 2]
+        rest = [p for p in self.model.parameters() if p.dim() < 2]
+        return torch.optim.AdamW([{"params": decay}, {"params": rest, "weight_decay": 0.0}])
+
+
+def fit_zero3(rank: int, token_file: str) -> dict:
+    out = {}
+    try:
+        fit(rank, token_file, 2, max_steps=1, zero_stage=3, module=GroupsByDim(TINY, **OPTIM))
+    except ValueError as err:
+        out["refusal"] = str(err)
+    module = RealNormModule(TINY, **OPTIM)
+    # (its real-device parameter is not counted as materialised: the layout check's count would differ by it)
+    result = fit(rank, token_file, 2, max_steps=2, zero_stage=3, precision="bf16-mixed", module=module,
+                 check_layout=False)
+    return {**out, "partitioned": module.partitioned_before_optimizer, "losses": result["losses"],
+            "norm_dtype": module.model.norm.weight.ds_tensor.dtype}
+
+
+def test_zero3_fit_partitions_before_configure_optimizers_and_refuses_groups_by_dim(tmp_path):
+    """Through the strategy: every parameter is partitioned before configure_optimizers (also one the module built on
+    a real device, which then takes the engine's dtype), and grouping by p.dim() is refused by name."""
+    tokens = make_token_file(tmp_path)
+    for r in run_distributed(fit_zero3, 2, str(tokens)):
+        assert r["partitioned"] and r["norm_dtype"] == torch.bfloat16 and len(r["losses"]) == 2
+        assert "group(s) [0] of 2 with no parameters" in r["refusal"] and "parameter_shape" in r["refusal"]
