@@ -196,6 +196,8 @@ def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, 
     working = block_bytes(tokens, tp, sequence_parallel, "none", w) + gathered \
         if mode != "none" else 0.0
     outside = head_activation_bytes(cfg, tokens, tp, sequence_parallel, w)
+    if virtual > 1 and schedule in ("gpipe", "1f1b"):  # several chunks per rank: the default's interleaved form
+        schedule = "interleaved_1f1b"
     if pp == 1:
         blocks_per_rank, in_flight = cfg.n_layers, 1.0
     elif pp_rank is None:  # the first rank holds the most in flight under every schedule measured
