@@ -28,6 +28,7 @@ benchmarks: install
 	$(PY) benchmarks/tp_vs_dtensor.py
 	$(PY) benchmarks/pipeline_bubble.py
 	$(PY) benchmarks/checkpoint_io.py
+	$(PY) benchmarks/checkpoint_verify.py
 	$(PY) benchmarks/context_parallel.py
 	$(PY) benchmarks/activation_memory.py
 	$(PY) benchmarks/planner_calibration.py

@@ -30,7 +30,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
-from lightning_mgpu.checkpoint.universal import is_universal, load_universal, save_universal
+from lightning_mgpu.checkpoint import store as checkpoints
+from lightning_mgpu.checkpoint.formats import CheckpointSettings, format_name_problems
 from lightning_mgpu import engine as engines
 from lightning_mgpu.allocator import return_freed_memory
 from lightning_mgpu.launcher import WorkerCommandLauncher
@@ -76,7 +77,11 @@ class MGPUStrategy(ParallelStrategy):
             Hugging Face checkpoint. Rank 0 holds the whole model in CPU memory while saving.
         checkpoint_format: ``"universal"``: layout-independent (any other layout, ZeRO stage or schedule can resume
             from it; ``lightning_mgpu.checkpoint.universal``); ``"deepspeed"``: DeepSpeed's own directories, which
-            resume on the same layout only. Loading recognises either.
+            resume on the same layout only.
+        trust_deepspeed_checkpoints: allow loading DeepSpeed-format directories, which DeepSpeed reads by
+            unrestricted unpickling (code inside them runs): only for checkpoints whose writer you trust. Universal
+            checkpoints are always read without running code. ``ckpt_path`` may also be a directory of periodic
+            checkpoints: the newest intact one of the run's format (either format, with this set) is loaded.
         pipeline_schedule: pipeline schedule name (see ``lightning_mgpu.layout.SCHEDULES``).
         virtual_pipeline_size: stage chunks per pipeline rank (interleaved schedules).
         num_microbatches: micro-batches per global batch; ``None`` derives it from the data module.
@@ -99,7 +104,7 @@ class MGPUStrategy(ParallelStrategy):
                  tensor_parallel_plan: Optional[TensorParallelPlan] = None,
                  pipeline_boundaries: Optional[list[int]] = None, pipeline_timeline: bool = False,
                  save_consolidated_weights: bool = False, checkpoint_format: str = "universal",
-                 context_parallel_size: int = 1, **kwargs: Any) -> None:
+                 context_parallel_size: int = 1, trust_deepspeed_checkpoints: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._layout_args = dict(
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
@@ -114,9 +119,9 @@ class MGPUStrategy(ParallelStrategy):
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
         self.pipeline_timeline = pipeline_timeline
         self.save_consolidated_weights = save_consolidated_weights
-        if checkpoint_format not in ("universal", "deepspeed"):
-            raise ValueError(f"checkpoint_format={checkpoint_format!r} is unknown; choose 'universal' or 'deepspeed'")
-        self.checkpoint_format = checkpoint_format
+        if problems := format_name_problems(checkpoint_format):
+            raise ValueError(problems[0])
+        self.checkpoints = CheckpointSettings(checkpoint_format, trust_deepspeed_checkpoints)
         self.pipeline: Optional[Pipeline] = None
         #: When set, local ranks 1..N-1 run this command instead of re-running the script (see launcher.py).
         self.worker_command: Optional[list[str]] = None
@@ -498,12 +503,8 @@ class MGPUStrategy(ParallelStrategy):
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with name_lost_ranks(self._heartbeat):
-            if self.checkpoint_format == "universal":
-                save_universal(self.model, self.layout, filepath, client_state)
-            else:
-                engines.save_engine_checkpoint(self.model, self.layout, filepath, client_state)
-            if self.save_consolidated_weights:
-                self._save_consolidated(Path(filepath))
+            checkpoints.save(self.model, self.layout, filepath, client_state, self.checkpoints,
+                             self._save_consolidated if self.save_consolidated_weights else None)
 
     def _save_consolidated(self, directory: Path) -> None:
         from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
@@ -517,11 +518,11 @@ class MGPUStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if is_universal(checkpoint_path):
-            return load_universal(self.model, self.layout, checkpoint_path)
+        """Read ``checkpoint_path`` (one checkpoint, or a directory of periodic ones: the newest this run may read
+        and that is intact) into the engine; see ``lightning_mgpu.checkpoint.store``."""
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return engines.load_engine_checkpoint(self.model, self.layout, checkpoint_path, load_optimizer=fitting,
-                                              strict=self.lightning_module.strict_loading)
+        return checkpoints.load(self.model, self.layout, checkpoint_path, self.checkpoints, fitting,
+                                strict=self.lightning_module.strict_loading)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -4,8 +4,10 @@ A checkpoint is written under ``step-NNNNNNNN.partial`` by every rank; only afte
 returned on all ranks (it ends with a barrier) does rank 0 rename it to ``step-NNNNNNNN``, an atomic
 rename on one file system. A crash at any moment leaves the previous complete checkpoints as they were;
 ``newest_checkpoint`` ignores partial ones, so ``checkpoint.resume=auto`` continues from the newest complete
-checkpoint. Older complete checkpoints beyond ``keep_last``, and partial ones left by an earlier crash, are
-deleted after a new one is published. A resumed fit prints which checkpoint it continues from.
+checkpoint (the strategy's loader also skips damaged ones and those of another format); a resumed fit prints which
+checkpoint it continues from. Every file's checksum is recorded by the strategy's save, before the rename publishes it. Older
+complete checkpoints beyond ``keep_last``, and partial ones left by an earlier crash, are deleted after a new one
+is published.
 """
 
 from __future__ import annotations
@@ -19,19 +21,16 @@ from typing import Optional
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mgpu.checkpoint.formats import LOADED_FROM, complete_checkpoints
 from lightning_mgpu.testing import kill_job_at  # fault points for tests (MGPU_KILL_AT); nothing without the variable
 
-_COMPLETE = re.compile(r"step-(\d{8})")
 _PARTIAL = re.compile(r"step-(\d{8})\.partial")
 
 
 def newest_checkpoint(directory: str | Path) -> Optional[Path]:
     """The complete checkpoint of the highest step in ``directory`` (``None`` when there is none)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return None
-    steps = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _COMPLETE.fullmatch(p.name)) and p.is_dir()]
-    return max(steps)[1] if steps else None
+    complete = complete_checkpoints(directory)
+    return complete[0] if complete else None
 
 
 class PeriodicCheckpoint(L.Callback):
@@ -41,10 +40,14 @@ class PeriodicCheckpoint(L.Callback):
         if every_n_steps < 1 or keep_last < 1:
             raise ValueError(f"every_n_steps={every_n_steps} and keep_last={keep_last} must be >= 1")
         self.directory, self.every_n_steps, self.keep_last = Path(directory), every_n_steps, keep_last
+        self.loaded_from: Optional[str] = None
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        self.loaded_from = checkpoint.get(LOADED_FROM, trainer.ckpt_path)
 
     def on_train_start(self, trainer: L.Trainer, *args) -> None:
-        if trainer.ckpt_path:
-            rank_zero_info(f"Resumed at step {trainer.global_step} from {trainer.ckpt_path}")
+        if self.loaded_from is not None:
+            rank_zero_info(f"Resumed at step {trainer.global_step} from {self.loaded_from}")
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         step = trainer.global_step
@@ -67,9 +70,8 @@ class PeriodicCheckpoint(L.Callback):
             shutil.rmtree(final, ignore_errors=True)
             os.replace(partial, final)
             kill_job_at("published", step, trainer.global_rank)
-            complete = sorted(p for p in self.directory.iterdir() if _COMPLETE.fullmatch(p.name))
             torn = [p for p in self.directory.iterdir() if _PARTIAL.fullmatch(p.name)]  # no rank is writing now
-            for old in complete[: -self.keep_last] + torn:
+            for old in complete_checkpoints(self.directory)[self.keep_last:] + torn:
                 shutil.rmtree(old, ignore_errors=True)
         trainer.strategy.barrier()
         return final

@@ -12,7 +12,9 @@ master partitions and Adam state (created if the engine has not stepped yet).
 
 The trainer state (step, LR schedule and the optimizer's current per-group LR, data position, RNG, the module's
 counters) goes to ``trainer_state.pt`` as plain containers of tensors and numbers, loaded with
-``torch.load(weights_only=True)``: nothing else is unpickled.
+``torch.load(weights_only=True)``. DCP's ``.metadata`` is read by the restricted unpickler of
+``lightning_mgpu.checkpoint.safe_reader`` and its tensor files by DCP with ``weights_only=True``: reading a universal
+checkpoint runs no code from it, whoever wrote it.
 """
 
 from __future__ import annotations
@@ -26,15 +28,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_mgpu.checkpoint.formats import TRAINER_STATE
+from lightning_mgpu.checkpoint.safe_reader import SafeFileSystemReader, read_dcp_metadata
 from lightning_mgpu.engine import MOMENTS, ParameterState
 from lightning_mgpu.layout import ParallelLayout
-
-TRAINER_STATE = "trainer_state.pt"
-
-
-def is_universal(path: str | Path) -> bool:
-    return (Path(path) / TRAINER_STATE).is_file() and (Path(path) / ".metadata").is_file()
-
 
 def canonical_name(name: str, layout: ParallelLayout, prefix: str = "model.") -> str:
     """A parameter's name independent of layout: the pipeline container's stage key becomes ``prefix``."""
@@ -116,8 +113,9 @@ def read_trainer_state(path: str | Path) -> dict:
 def load_universal(engine: Any, layout: ParallelLayout, path: str | Path) -> dict:
     """Load a checkpoint written by any layout into this rank's engine; return the trainer state."""
     trainer_state = read_trainer_state(path)  # first: a refused file leaves the engine untouched
+    read_dcp_metadata(path)  # refused here with its own message, not wrapped in DCP's
     state, params = _tensor_state(engine, layout, fill=False)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, storage_reader=SafeFileSystemReader(path))
     access = ParameterState(engine)
     step = int(state["step"]) if access.trains else 0
     access.prepare_state(step)
@@ -140,11 +138,12 @@ def read_model_weights(path: str | Path, prefix: str = "model.") -> tuple[dict, 
     from lightning_mgpu.models.llama import Llama, LlamaConfig
 
     trainer_state = read_trainer_state(path)
+    read_dcp_metadata(path)
     config = (trainer_state.get("hyper_parameters") or {}).get("model")
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds no model config (hyper_parameters['model']): it was not written by LLMModule")
     with torch.device("meta"):  # built on meta, not moved there: ``.to("meta")`` unties tied embeddings
         shapes = {name: p.shape for name, p in Llama(LlamaConfig(**config)).named_parameters()}
     targets = {f"param/{prefix}{name}": torch.zeros(shape) for name, shape in shapes.items()}
-    dcp.load(targets, checkpoint_id=str(path), no_dist=True)
+    dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
     return config, {k[len("param/") + len(prefix):]: v for k, v in targets.items()}

@@ -217,4 +217,5 @@ def build_strategy(cfg: DictConfig) -> MGPUStrategy:
     c = cfg.checkpoint
     timeout_s = p.pop("timeout_s")
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    return MGPUStrategy(**p, checkpoint_format=c.format, save_consolidated_weights=c.consolidated, **timeout)
+    return MGPUStrategy(**p, checkpoint_format=c.format, save_consolidated_weights=c.consolidated,
+                        trust_deepspeed_checkpoints=c.trust_deepspeed_checkpoints, **timeout)

@@ -208,9 +208,12 @@ class CheckpointConfig:
     every_n_steps: Optional[int] = None  #: save every N optimizer steps (null: never during training)
     dir: Optional[str] = None  #: null = <run dir>/checkpoints
     keep_last: int = 2  #: complete checkpoints kept; older ones are deleted after a new one is published
-    resume: Optional[str] = None  #: null | a checkpoint directory | auto (the newest complete one in dir)
+    #: null | a checkpoint directory | auto (the newest complete, intact one of this run's format in dir)
+    resume: Optional[str] = None
     save_last: bool = False  #: also save when training ends
     format: str = "universal"  #: universal (any layout can resume) | deepspeed (same layout only)
+    #: read DeepSpeed-format checkpoints, which DeepSpeed unpickles (code in them runs): only files you trust
+    trust_deepspeed_checkpoints: bool = False
     consolidated: bool = False  #: also write the whole model's weights (for mgpu-export; rank 0 holds them)
 
 

@@ -1,7 +1,7 @@
 """``mgpu-export CKPT --format hf OUT``: a checkpoint's weights as a Hugging Face Llama directory.
 
 CKPT is a universal checkpoint written by any layout (read in this one process), or a checkpoint saved with
-consolidated weights."""
+consolidated weights. Its checksums are verified first, and nothing in it is unpickled beyond plain data."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from typing import Sequence
 import torch
 
 from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS, read_consolidated
+from lightning_mgpu.checkpoint.formats import format_of, is_consolidated
 from lightning_mgpu.checkpoint.hf import save_hf
-from lightning_mgpu.checkpoint.universal import is_universal, read_model_weights
+from lightning_mgpu.checkpoint.store import verify
+from lightning_mgpu.checkpoint.universal import read_model_weights
 from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.models.llama import LlamaConfig
@@ -29,7 +31,7 @@ def export_problems(checkpoint: Path, out: Path) -> list[str]:
     if not checkpoint.is_dir():
         problems.append(f"checkpoint {str(checkpoint)!r} is not a directory; give a checkpoint directory, e.g. "
                         "outputs/DATE/TIME/checkpoints/step-00000100")
-    elif not (is_universal(checkpoint) or _consolidated(checkpoint)):
+    elif not (format_of(checkpoint) == "universal" or is_consolidated(checkpoint)):
         newest = newest_checkpoint(checkpoint)
         fix = (f"it holds checkpoints: give one, e.g. the newest, {newest}" if newest is not None else
                "give a checkpoint written by mgpu-train (checkpoint.every_n_steps or checkpoint.save_last)")
@@ -38,10 +40,6 @@ def export_problems(checkpoint: Path, out: Path) -> list[str]:
     if out.exists() and not out.is_dir():
         problems.append(f"out {str(out)!r} exists and is not a directory; give a new or existing directory")
     return problems
-
-
-def _consolidated(checkpoint: Path) -> bool:
-    return (checkpoint / WEIGHTS).is_file() and (checkpoint / CONFIG).is_file()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -61,7 +59,8 @@ def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> P
     problems = export_problems(checkpoint, out)
     if problems:
         raise ConfigError(problems, what="arguments")
-    if is_universal(checkpoint):
+    verify(checkpoint)
+    if format_of(checkpoint) == "universal":
         config, state = read_model_weights(checkpoint)
     else:
         config, state = read_consolidated(checkpoint)

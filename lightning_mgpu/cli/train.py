@@ -124,12 +124,13 @@ def checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
 
 
 def resume_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
-    """``checkpoint.resume``: ``auto`` -> the newest complete checkpoint in the checkpoint directory (or a fresh
-    start when there is none, so a requeued job continues by itself); a path -> that checkpoint."""
+    """``checkpoint.resume``: ``auto`` -> the checkpoint directory when it holds a complete checkpoint (the strategy
+    loads the newest one this run may read and that is intact, and says which it skipped), else a fresh start, so a
+    requeued job continues by itself; a path -> that checkpoint."""
     resume = cfg.checkpoint.resume
     if resume == "auto":
-        newest = newest_checkpoint(checkpoint_dir(cfg, run_dir))
-        return None if newest is None else str(newest)
+        directory = checkpoint_dir(cfg, run_dir)
+        return str(directory) if newest_checkpoint(directory) is not None else None
     return resume
 
 

@@ -24,6 +24,14 @@ from typing import Callable, Iterator, NoReturn, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_mgpu.checkpoint.formats import (
+    CheckpointRefusedError,
+    CheckpointSettings,
+    complete_checkpoints,
+    format_name_problems,
+    read_refusal,
+)
+from lightning_mgpu.checkpoint.safe_reader import UnsafeCheckpointError
 from lightning_mgpu.data import BYTE_VOCAB_SIZE
 from lightning_mgpu.data.batching import batch_problems
 from lightning_mgpu.data.manifest import TOKEN_DTYPES as _NUMPY_TOKEN_DTYPES
@@ -377,10 +385,13 @@ def checkpoint_problems(cfg: DictConfig) -> list[str]:
     c = cfg.checkpoint
     out = [] if c.every_n_steps is None else _positive("checkpoint.every_n_steps", c.every_n_steps)
     out += _positive("checkpoint.keep_last", c.keep_last)
-    if c.format not in ("universal", "deepspeed"):
-        out.append(f"checkpoint.format={c.format!r} is unknown; choose universal or deepspeed")
+    out += format_name_problems(c.format, "checkpoint.format")
     if c.resume not in (None, "auto") and not Path(c.resume).is_dir():
         out.append(f"checkpoint.resume={c.resume!r} is not a checkpoint directory; give one, auto, or null")
+    elif c.resume not in (None, "auto") and not complete_checkpoints(c.resume):
+        settings = CheckpointSettings(c.format, c.trust_deepspeed_checkpoints)
+        if (refusal := read_refusal(c.resume, settings)) is not None:
+            out.append(f"checkpoint.resume: {refusal}")
     if cfg.parallel.timeout_s is not None and not cfg.parallel.timeout_s > 0:
         out.append(f"parallel.timeout_s={cfg.parallel.timeout_s} must be > 0 seconds")
     return out
@@ -788,7 +799,7 @@ def refusal_message(err: BaseException) -> Optional[str]:
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
-    if isinstance(err, ConfigError):
+    if isinstance(err, (ConfigError, CheckpointRefusedError, UnsafeCheckpointError)):
         return str(err)
     if isinstance(err, MissingConfigException) and err.missing_cfg_file and "/" in err.missing_cfg_file:
         group, name = err.missing_cfg_file.rsplit("/", 1)

@@ -6,17 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning_mgpu.checkpoint.formats import DEEPSPEED_TAG as CHECKPOINT_TAG
+from lightning_mgpu.checkpoint.formats import PIPELINE_RANK_DIR
 from lightning_mgpu.layout import ParallelLayout
-
-#: The tag (subfolder) the engine writes its files under.
-CHECKPOINT_TAG = "checkpoint"
 
 
 def stage_dir(path: str | Path, layout: ParallelLayout) -> Path:
     """Where this rank's engine writes: DeepSpeed names files by data- and tensor-parallel rank only, so
     each pipeline rank gets its own subdirectory."""
     path = Path(path)
-    return path / f"pipeline_rank_{layout.rank('pp'):03d}" if layout.size("pp") > 1 else path
+    return path / PIPELINE_RANK_DIR.format(layout.rank("pp")) if layout.size("pp") > 1 else path
 
 
 def save_engine_checkpoint(engine: Any, layout: ParallelLayout, path: str | Path, client_state: dict) -> None:

@@ -24,6 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.checkpoint.hf import from_hf_config, load_hf, load_into, to_hf_name  # noqa: E402
+from lightning_mgpu.checkpoint.integrity import record_checksums  # noqa: E402
 from lightning_mgpu.checkpoint.universal import TRAINER_STATE, read_model_weights, read_trainer_state  # noqa: E402
 from lightning_mgpu.cli.export import main as export_main  # noqa: E402
 from lightning_mgpu.models import Llama  # noqa: E402
@@ -127,17 +128,22 @@ def cli_run(token_file, tmp_path_factory):
     ~10 s of start-up in a subprocess run, and the parallel layouts load init_from in the round trips above."""
     root = tmp_path_factory.mktemp("cli")
     hf = tiny_hf(root / "hf", tied=True)
+    proc = _mgpu_train(root, token_file, root / "run", "trainer.max_steps=1", "checkpoint.save_last=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"hf": hf, "hf_dir": root / "hf", "run": root / "run", "root": root,
+            "checkpoint": root / "run" / "checkpoints" / "step-00000001"}
+
+
+def _mgpu_train(root, token_file, run_dir, *overrides):
+    """``mgpu-train`` on one process from the tiny Hugging Face model in ``root / "hf"``."""
     mgpu_train = Path(sys.executable).parent / "mgpu-train"
-    proc = subprocess.run([str(mgpu_train), "trainer.devices=1", f"model.init_from=hf:{root / 'hf'}", "data=tokens",
+    return subprocess.run([str(mgpu_train), "trainer.devices=1", f"model.init_from=hf:{root / 'hf'}", "data=tokens",
                            f"data.path={token_file}", "data.seq_len=16", "data.global_batch_size=8",
-                           "data.micro_batch_size=2", "trainer.max_steps=1", "trainer.num_sanity_val_steps=0",
+                           "data.micro_batch_size=2", "trainer.num_sanity_val_steps=0",
                            "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
                            "trainer.enable_model_summary=false", "seed=7", "sample.prompt=0",
-                           "sample.max_new_tokens=1", "checkpoint.save_last=true", f"hydra.run.dir={root / 'run'}"],
+                           "sample.max_new_tokens=1", f"hydra.run.dir={run_dir}", *overrides],
                           cwd=root, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"hf": hf, "hf_dir": root / "hf", "run": root / "run",
-            "checkpoint": root / "run" / "checkpoints" / "step-00000001"}
 
 
 def test_cli_init_from_hf_starts_from_its_weights(token_file, cli_run):
@@ -194,9 +200,30 @@ def test_a_trainer_state_holding_code_is_refused(cli_run, token_file, tmp_path, 
     config = from_hf_config(json.loads((cli_run["hf_dir"] / "config.json").read_text()))
     marker = tmp_path / "code_ran"
     torch.save({**read_trainer_state(checkpoint), "extra": _MakesADirectory(marker)}, checkpoint / TRAINER_STATE)
+    record_checksums(checkpoint)  # as an attacker would: only the loader's own restriction protects
     monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         export_main([str(checkpoint), str(tmp_path / "out")])
     with pytest.raises(Exception, match="Weights only load failed"):
         run_distributed(_resume, 1, token_file, checkpoint, config)
+    assert not marker.exists()
+
+
+def test_cli_resume_auto_refuses_metadata_holding_code(cli_run, token_file, tmp_path):
+    """``mgpu-train checkpoint.resume=auto`` over a checkpoint whose ``.metadata`` pickle runs a command and then
+    returns the real metadata (checksums re-recorded, as an attacker would): refused, naming the file and the type,
+    and the command never runs."""
+    from test_checkpoint_safety import RunsCodeThenReturns
+
+    from lightning_mgpu.checkpoint.safe_reader import read_dcp_metadata
+
+    checkpoint = tmp_path / "ckpts" / "step-00000001"
+    shutil.copytree(cli_run["checkpoint"], checkpoint)
+    marker = tmp_path / "code_ran"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(RunsCodeThenReturns(marker, read_dcp_metadata(checkpoint))))
+    record_checksums(checkpoint)
+    proc = _mgpu_train(cli_run["root"], token_file, tmp_path / "run", "trainer.max_steps=2",
+                       f"checkpoint.dir={tmp_path / 'ckpts'}", "checkpoint.resume=auto")
+    assert proc.returncode != 0
+    assert f"{checkpoint / '.metadata'} names _operator.getitem" in proc.stderr, proc.stderr[-3000:]
     assert not marker.exists()

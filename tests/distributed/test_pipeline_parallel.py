@@ -92,12 +92,13 @@ def test_validation_runs_the_pipeline_forward_only(token_file):
 # The universal format at pp2 resumes in tests/distributed/test_resharding.py (pp2 1F1B -> pp2 interleaved ...).
 @pytest.mark.parametrize("checkpoint_format", ["deepspeed"])
 def test_save_resume_pp2_dp2_is_bit_identical(token_file, tmp_path, checkpoint_format):
-    kw = dict(pipeline_parallel_size=2, zero_stage=2, checkpoint_format=checkpoint_format)
+    kw = dict(pipeline_parallel_size=2, zero_stage=2, checkpoint_format=checkpoint_format,
+              trust_deepspeed_checkpoints=checkpoint_format == "deepspeed")
     ckpt = tmp_path / "ckpt"
     whole = run_distributed(fit, 4, token_file, 4, max_steps=6, model=DEEP, callbacks=[SaveAtStep(3, str(ckpt))],
                             **kw)[0]["losses"]
     if checkpoint_format == "deepspeed":  # DeepSpeed names files by tp rank only: one directory per pipeline rank
-        assert sorted(p.name for p in ckpt.iterdir()) == ["pipeline_rank_000", "pipeline_rank_001"]
+        assert sorted(p.name for p in ckpt.iterdir()) == ["checksums.json", "pipeline_rank_000", "pipeline_rank_001"]
     resumed = run_distributed(fit, 4, token_file, 4, max_steps=6, model=DEEP, ckpt_path=str(ckpt), **kw)[0]["losses"]
     assert resumed == whole[3:]
 

@@ -1,0 +1,91 @@
+"""Which format a checkpoint directory is in, and whether a run may read it: the rules, stated once.
+
+``universal`` checkpoints are read without running anything from them (restricted unpickling of DCP's metadata,
+``weights_only`` for the rest). ``deepspeed`` directories are read by DeepSpeed itself with unrestricted unpickling,
+so anything in them runs: they are read only when the run says it trusts them (``trust_deepspeed_checkpoints``). A
+directory of periodic checkpoints (``step-NNNNNNNN`` folders) is searched newest first, and there a checkpoint of a
+format other than the run's own is skipped unless the run trusts DeepSpeed checkpoints.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS
+
+FORMATS = ("universal", "deepspeed")
+#: The trainer state written beside DCP's ``.metadata`` (``lightning_mgpu.checkpoint.universal``).
+TRAINER_STATE = "trainer_state.pt"
+UNIVERSAL_FILES = (".metadata", TRAINER_STATE)
+#: The folder (DeepSpeed's tag) that DeepSpeed's engine writes its files under, and (with pipeline stages) the
+#: folder of each pipeline rank above it (``lightning_mgpu.engine.checkpoint_dir``).
+DEEPSPEED_TAG = "checkpoint"
+PIPELINE_RANK_DIR = "pipeline_rank_{:03d}"
+TRUST_SETTING = ("MGPUStrategy(trust_deepspeed_checkpoints=True) (mgpu-train: "
+                 "checkpoint.trust_deepspeed_checkpoints=true)")
+#: The key of the loaded checkpoint's path in the state a load returns (Lightning hands it to ``on_load_checkpoint``).
+LOADED_FROM = "mgpu_loaded_from"
+_COMPLETE = re.compile(r"step-(\d{8})")
+
+
+class CheckpointRefusedError(ValueError):
+    """A checkpoint this run may not, or cannot safely, load; the message names each file and the reason."""
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """How a run writes checkpoints and which it agrees to read."""
+
+    format: str = "universal"
+    trust_deepspeed_checkpoints: bool = False
+
+
+def format_name_problems(value: object, key: str = "checkpoint_format") -> list[str]:
+    """The format-name rule: one of :data:`FORMATS`."""
+    if value in FORMATS:
+        return []
+    return [f"{key}={value!r} is unknown; choose {' or '.join(FORMATS)}"]
+
+
+def is_deepspeed(path: str | Path) -> bool:
+    path = Path(path)
+    return (path / DEEPSPEED_TAG).is_dir() or (path / PIPELINE_RANK_DIR.format(0) / DEEPSPEED_TAG).is_dir()
+
+
+def is_consolidated(path: str | Path) -> bool:
+    return (Path(path) / WEIGHTS).is_file() and (Path(path) / CONFIG).is_file()
+
+
+def format_of(path: str | Path) -> Optional[str]:
+    """``"universal"``, ``"deepspeed"`` or ``None`` (not a checkpoint this package can resume from)."""
+    if all((Path(path) / name).is_file() for name in UNIVERSAL_FILES):
+        return "universal"
+    return "deepspeed" if is_deepspeed(path) else None
+
+
+def complete_checkpoints(directory: str | Path) -> list[Path]:
+    """The published ``step-NNNNNNNN`` checkpoints in ``directory``, newest first (partial ones are never listed)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    steps = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _COMPLETE.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(steps, reverse=True)]
+
+
+def read_refusal(path: str | Path, settings: CheckpointSettings, searching: bool = False) -> Optional[str]:
+    """Why a run with ``settings`` may not read the checkpoint ``path`` (``None``: it may). ``searching``: ``path``
+    was found in a directory of checkpoints, not named by the user, so it must also be of the run's own format."""
+    found = format_of(path)
+    if found is None:
+        return (f"{path} is not a checkpoint (neither {' + '.join(UNIVERSAL_FILES)} nor a DeepSpeed "
+                f"'{DEEPSPEED_TAG}' folder); pass a directory given to save_checkpoint")
+    if found == "deepspeed" and not settings.trust_deepspeed_checkpoints:
+        return (f"{path} is in DeepSpeed's format, which DeepSpeed reads by unrestricted unpickling: code inside its "
+                f"files would run. Load it only if you trust whoever wrote it, with {TRUST_SETTING}")
+    if searching and found != settings.format and not settings.trust_deepspeed_checkpoints:
+        return (f"{path} is in the {found} format and this run writes {settings.format}; name it explicitly, or "
+                f"accept either format with {TRUST_SETTING}")
+    return None

@@ -1,0 +1,88 @@
+"""Reading ``torch.distributed.checkpoint`` directories without running code from them.
+
+DCP's own ``FileSystemReader.read_metadata`` reads ``.metadata`` with a plain ``pickle.load``: a ``.metadata`` file
+whose pickle names any importable callable runs it while the checkpoint is opened. This reader unpickles it with an
+allow-list of the types DCP writes there (its metadata dataclasses, ``torch.Size``, dtypes, layouts, memory formats,
+a path) and refuses anything else before constructing it. Byte entries (``BytesStorageMetadata``) are refused too:
+DCP loads them with ``torch.load(weights_only=False)``, and this package never writes them. Tensor data is read by
+DCP with ``torch.load(weights_only=True)``, which admits only tensors.
+
+Hand-written because torch offers no restricted reader for DCP metadata (``torch.serialization.add_safe_globals``
+governs ``torch.load`` only, and ``.metadata`` is a bare pickle).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+#: (module, name) pairs DCP's ``.metadata`` pickle may name; each builds plain data and runs nothing else.
+_ALLOWED = frozenset({
+    *((_METADATA_MODULE, name) for name in (
+        "Metadata", "MetadataIndex", "ChunkStorageMetadata", "TensorStorageMetadata", "TensorProperties",
+        "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),  # looks a torch.layout up by name
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+})
+#: torch attributes that are plain values (dtypes, layouts, memory formats), admitted by name.
+_TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint file names a type that loading it would construct (and so could run code): refused."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_VALUE_TYPES):
+            return getattr(torch, name)
+        reason = ("byte entries are loaded by unrestricted unpickling and this package never writes them"
+                  if name == "BytesStorageMetadata" else "it is not one of the checkpoint metadata types")
+        raise UnsafeCheckpointError(
+            f"{self.path} names {module}.{name}, which loading would construct: refused ({reason}). The file was "
+            "not written by lightning_mgpu's universal format or has been altered; do not load it")
+
+
+def read_dcp_metadata(path: str | Path) -> Metadata:
+    """The ``Metadata`` of the DCP directory ``path`` (or of the ``.metadata`` file itself), read without running
+    any code from it; :class:`UnsafeCheckpointError` names the file and the type when it holds anything else."""
+    path = Path(path)
+    file = path / ".metadata" if path.is_dir() else path
+    with open(file, "rb") as stream:
+        try:
+            metadata = _MetadataUnpickler(stream, file).load()
+        except UnsafeCheckpointError:
+            raise
+        except Exception as error:  # truncated or garbled: not a pickle of the admitted types
+            raise UnsafeCheckpointError(f"{file} is not readable checkpoint metadata ({type(error).__name__}: "
+                                        f"{error}); the checkpoint is damaged") from error
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpointError(f"{file} holds a {type(metadata).__name__}, not checkpoint metadata: refused")
+    return metadata
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        metadata = read_dcp_metadata(Path(self._get_metadata_path(rank)))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
