@@ -7,12 +7,37 @@ refused at ``setup`` by the hook's name. ``LLMModule`` implements all of them.
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from lightning_mgpu.layout import ModelShape
+from lightning_mgpu.layout import ModelShape, ParallelLayout
+
+
+@dataclass
+class ParallelContext:
+    """What MGPUStrategy tells the module about the run it is part of, handed over in ``setup`` as
+    ``module.parallel_context`` (a module trained by another strategy has none): the layout, this rank's pipeline,
+    the micro-batches of a step, the last step's gradient norm, and the engine's optimizer step."""
+
+    layout: ParallelLayout
+    num_microbatches: int
+    engine_step: Callable[[], None]
+    pipeline: Optional[Any] = None  #: ``lightning_mgpu.parallel.pipeline.Pipeline`` with pipeline parallelism
+    last_grad_norm: Optional[float] = None  #: the global norm before clipping, after a step that updated
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the ranks that train on different samples."""
+        return self.layout.size("dp")
+
+
+def parallel_context(module: object) -> Optional[ParallelContext]:
+    """``module``'s parallel context (``None`` when MGPUStrategy does not train it)."""
+    context = getattr(module, "parallel_context", None)
+    return context if isinstance(context, ParallelContext) else None
 
 
 @runtime_checkable
@@ -38,6 +63,13 @@ class ParallelModule(Protocol):
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The mean loss of one micro-batch from the last stage's output."""
 
+    def context_parallel_batch(self, *sequences: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This context rank's chunks of each ``[batch, seq]`` tensor, for ``context_parallel_size > 1`` (its attention
+        must expose a replaceable ``kernel``, which ``parallelize`` swaps)."""
+
+    def compiled_blocks(self) -> tuple[Optional[str], list[nn.Module]]:
+        """(``torch.compile`` backend or ``None``, the blocks to compile one by one) of the module as it is now."""
+
     def checkpointed_blocks(self) -> tuple[str, list[nn.Module]]:
         """(activation checkpointing mode, the blocks it applies to) of the module as it is now (after a stage split,
         only this rank's blocks): ``parallelize`` applies it (:mod:`lightning_mgpu.parallel.checkpointing`)."""
@@ -52,7 +84,21 @@ class ParallelModule(Protocol):
         partitioned: read a parameter's shape with :func:`lightning_mgpu.parameter_shape`, not ``param.shape``."""
 
 
+#: The hooks above, by name: what :func:`hook` may look up.
+HOOKS = ("model_shape", "tensor_parallel_plan", "pipeline_stages", "pipeline_batch", "pipeline_loss",
+         "context_parallel_batch", "compiled_blocks", "checkpointed_blocks", "initial_value")
+
+
+def hook(module: object, name: str) -> Optional[Callable[..., Any]]:
+    """``module``'s hook ``name`` (one of :data:`HOOKS`, declared in :class:`ParallelModule`), or ``None`` when the
+    module does not define it."""
+    if name not in HOOKS:
+        raise KeyError(f"{name!r} is not a hook of lightning_mgpu.contract.ParallelModule; declare it there first")
+    value = getattr(module, name, None)
+    return value if callable(value) else None
+
+
 def builds_on_meta(module: object) -> bool:
     """Whether MGPUStrategy builds ``module``'s ``configure_model`` on the meta device: when it defines
     ``initial_value``, so that each rank can be given only its own share."""
-    return callable(getattr(module, "initial_value", None))
+    return hook(module, "initial_value") is not None

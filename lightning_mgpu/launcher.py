@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import traceback
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from typing_extensions import override
@@ -109,3 +109,18 @@ class WorkerCommandLauncher(_SubprocessScriptLauncher):
                     os.chdir(self.cwd)
                 run_forked(self.fork_entry)
             self.procs.append(ForkedRank(pid))
+
+
+def choose_launcher(cluster_environment: Any, num_processes: int, num_nodes: int,
+                    worker_command: Optional[Sequence[str]], fork_entry: Optional[Callable[[], object]],
+                    on_cpu: bool) -> Any:
+    """The launcher of a job whose processes this one starts: a fixed worker where the CLI gives one (forked on CPU
+    when it gives a fork entry, after preloading what every rank imports), else Lightning's own."""
+    if not worker_command:
+        return _SubprocessScriptLauncher(cluster_environment, num_processes, num_nodes)
+    fork_entry = fork_entry if on_cpu else None
+    if fork_entry is not None and num_processes > 1:
+        from lightning_mgpu import engine
+
+        engine.preload()  # once, in the process every local rank is forked from
+    return WorkerCommandLauncher(cluster_environment, num_processes, num_nodes, worker_command, fork_entry=fork_entry)

@@ -14,6 +14,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
+from lightning_mgpu.problems import Problem, format_problems
+
 AXES = ("tp", "cp", "pp", "dp")
 
 #: Pipeline schedules by their public name (see ``torch.distributed.pipelining.schedules``).
@@ -36,11 +38,31 @@ class ModelShape:
     n_kv_heads: int
     ffn_hidden: int
     vocab_size: int
+    tie_embeddings: bool = False
 
     @classmethod
     def of(cls, config) -> "ModelShape":
         """The shape of a model config with these fields (e.g. ``LlamaConfig``)."""
-        return cls(config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_hidden, config.vocab_size)
+        return cls(config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_hidden, config.vocab_size,
+                   bool(getattr(config, "tie_embeddings", False)))
+
+
+def stage_count_problems(stages: int, n_layers: int) -> list[Problem]:
+    """The rule: every pipeline stage (``pipeline_parallel_size x virtual_pipeline_size`` of them) holds a layer."""
+    if stages > n_layers:
+        return [Problem("pipeline_parallel_size*virtual_pipeline_size", stages,
+                        f"stages is more than the model's n_layers={n_layers}",
+                        f"every stage needs at least one layer, so use at most {n_layers}")]
+    return []
+
+
+def tied_embedding_problems(pipeline_parallel_size: int, tie_embeddings: bool) -> list[Problem]:
+    """The rule: a model whose output head shares the embedding's weight cannot be split into pipeline stages (the
+    embedding lives on the first stage, the head on the last)."""
+    if pipeline_parallel_size > 1 and tie_embeddings:
+        return [Problem("tie_embeddings", True, "cannot be split into pipeline stages (the embedding lives on the "
+                        "first stage, the head on the last)", "set tie_embeddings=False or pipeline_parallel_size=1")]
+    return []
 
 
 def divisors(n: int) -> list[int]:
@@ -87,7 +109,7 @@ class ParallelLayout:
     def __post_init__(self) -> None:
         problems = self.problems()
         if problems:
-            raise ValueError("Invalid parallel layout:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise ValueError(format_problems("Invalid parallel layout", problems))
         T, devices = self.tensor_parallel_size, self.devices_per_node
         if devices and T > devices:
             warnings.warn(
@@ -98,15 +120,15 @@ class ParallelLayout:
             )
 
     # ----------------------------------------------------------------------------------- validation
-    def problems(self) -> list[str]:
-        """Every rule this layout breaks, as human-readable lines (empty when valid)."""
-        out: list[str] = []
+    def problems(self) -> list[Problem]:
+        """Every rule this layout breaks (empty when valid)."""
+        out: list[Problem] = []
         W, T, P, V = self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size, self.virtual_pipeline_size
         C = self.context_parallel_size
         for name, value in (("world_size", W), ("tensor_parallel_size", T), ("pipeline_parallel_size", P),
                             ("virtual_pipeline_size", V), ("context_parallel_size", C)):
             if not isinstance(value, int) or value < 1:
-                out.append(f"{name}={value!r} must be a positive integer; use 1 to disable this axis")
+                out.append(Problem(name, value, "must be a positive integer", "use 1 to disable this axis"))
         if out:
             return out
         if W % (T * C * P) != 0:
@@ -120,71 +142,69 @@ class ParallelLayout:
                 contexts = [c for c in divisors(W) if W % (T * c * P) == 0]
                 fix = (f"with tensor_parallel_size={T} and pipeline_parallel_size={P} choose context_parallel_size "
                        f"from {_fmt(contexts)}")
-            out.append(f"world_size={W} is not divisible by {what}; the world must hold whole model replicas: {fix}, "
-                       "or change the number of devices")
+            out.append(Problem("world_size", W, f"is not divisible by {what}",
+                               f"the world must hold whole model replicas: {fix}, or change the number of devices"))
         if self.zero_stage not in (0, 1, 2, 3):
-            out.append(f"zero_stage={self.zero_stage!r} is not a ZeRO stage; choose 0, 1, 2 or 3")
+            out.append(Problem("zero_stage", self.zero_stage, "is not a ZeRO stage", "choose 0, 1, 2 or 3"))
         for name, value in (("offload_optimizer", self.offload_optimizer), ("offload_params", self.offload_params)):
             if value not in OFFLOAD_DEVICES:
-                out.append(f"{name}={value!r} is not an offload device; choose None, 'cpu' or 'nvme'")
+                out.append(Problem(name, value, "is not an offload device", "choose None, 'cpu' or 'nvme'"))
         if self.offload_optimizer and self.zero_stage == 0:
-            out.append(f"offload_optimizer={self.offload_optimizer!r} needs ZeRO; set zero_stage to 1, 2 or 3")
+            out.append(Problem("offload_optimizer", self.offload_optimizer, "needs ZeRO", "set zero_stage to 1, 2 or 3"))
         if self.offload_params and self.zero_stage != 3:
-            out.append(
-                f"offload_params={self.offload_params!r} needs ZeRO stage 3 (zero_stage={self.zero_stage}); "
-                "set zero_stage=3 or offload_params=None"
-            )
+            out.append(Problem("offload_params", self.offload_params, f"needs ZeRO stage 3 (zero_stage={self.zero_stage})",
+                               "set zero_stage=3 or offload_params=None"))
         if self.sequence_parallel and T == 1:
-            out.append("sequence_parallel=True needs tensor_parallel_size > 1; set tensor_parallel_size or "
-                       "sequence_parallel=False")
+            out.append(Problem("sequence_parallel", True, "needs tensor_parallel_size > 1",
+                               "set tensor_parallel_size or sequence_parallel=False"))
         out += self._pipeline_problems()
         out += self._model_problems()
         return out
 
-    def _pipeline_problems(self) -> list[str]:
-        out: list[str] = []
+    def _pipeline_problems(self) -> list[Problem]:
+        out: list[Problem] = []
         P, V, s, M = self.pipeline_parallel_size, self.virtual_pipeline_size, self.pipeline_schedule, self.num_microbatches
         if s not in SCHEDULES:
-            out.append(f"pipeline_schedule={s!r} is unknown; choose one of {', '.join(SCHEDULES)}")
+            out.append(Problem("pipeline_schedule", s, "is unknown", f"choose one of {', '.join(SCHEDULES)}"))
             return out
         if P > 1 and s in MULTI_STAGE_SCHEDULES and V < 2:
-            out.append(f"pipeline_schedule={s!r} runs several stages per rank and needs virtual_pipeline_size >= 2 "
-                       f"(got {V}); set virtual_pipeline_size=2")
+            out.append(Problem("pipeline_schedule", s, "runs several stages per rank and needs virtual_pipeline_size >= 2 "
+                               f"(got {V})", "set virtual_pipeline_size=2"))
         if V > 1 and s not in MULTI_STAGE_SCHEDULES:
-            out.append(f"virtual_pipeline_size={V} needs a multi-stage schedule, but pipeline_schedule={s!r} runs one "
-                       "stage per rank; use 'interleaved_1f1b' or set virtual_pipeline_size=1")
+            out.append(Problem("virtual_pipeline_size", V, f"needs a multi-stage schedule, but pipeline_schedule={s!r} "
+                               "runs one stage per rank", "use 'interleaved_1f1b' or set virtual_pipeline_size=1"))
         if s in V_SCHEDULES and V not in (1, 2):
-            out.append(f"pipeline_schedule={s!r} places exactly 2 stages per rank; set virtual_pipeline_size=2")
+            out.append(Problem("pipeline_schedule", s, "places exactly 2 stages per rank", "set virtual_pipeline_size=2"))
         if P > 1 and self.zero_stage == 3 and s in ZERO3_INCOMPATIBLE_SCHEDULES:
-            out.append(f"zero_stage=3 cannot run pipeline_schedule={s!r} (it computes weight gradients outside "
-                       "autograd, which ZeRO-3 partitioning cannot follow); use 'interleaved_1f1b' or zero_stage=2")
+            out.append(Problem("zero_stage", 3, f"cannot run pipeline_schedule={s!r} (it computes weight gradients "
+                               "outside autograd, which ZeRO-3 partitioning cannot follow)",
+                               "use 'interleaved_1f1b' or zero_stage=2"))
         if M is not None:
             if not isinstance(M, int) or M < 1:
-                out.append(f"num_microbatches={M!r} must be a positive integer or None (derived from the batch)")
+                out.append(Problem("num_microbatches", M, "must be a positive integer or None (derived from the batch)"))
             elif P > 1 and s != "gpipe" and M < P:
-                out.append(f"pipeline_schedule={s!r} needs num_microbatches >= pipeline_parallel_size={P} "
-                           f"(got {M}); set num_microbatches={P} or more")
+                out.append(Problem("pipeline_schedule", s, f"needs num_microbatches >= pipeline_parallel_size={P} "
+                                   f"(got {M})", f"set num_microbatches={P} or more"))
             elif P > 1 and s == "dualpipev" and M < 2 * P:
-                out.append(f"pipeline_schedule='dualpipev' needs num_microbatches >= its 2*pipeline_parallel_size="
-                           f"{2 * P} stages (got {M}); set num_microbatches={2 * P} or more")
+                out.append(Problem("pipeline_schedule", s, f"needs num_microbatches >= its 2*pipeline_parallel_size="
+                                   f"{2 * P} stages (got {M})", f"set num_microbatches={2 * P} or more"))
             elif P > 1 and s in ("interleaved_1f1b", "interleaved_zero_bubble") and M % P != 0:
-                out.append(f"pipeline_schedule={s!r} needs num_microbatches divisible by pipeline_parallel_size={P} "
-                           f"(got {M}); use {max(P, (M // P) * P)} or {(M // P + 1) * P}")
+                out.append(Problem("pipeline_schedule", s, f"needs num_microbatches divisible by pipeline_parallel_size="
+                                   f"{P} (got {M})", f"use {max(P, (M // P) * P)} or {(M // P + 1) * P}"))
         return out
 
-    def _model_problems(self) -> list[str]:
+    def _model_problems(self) -> list[Problem]:
         m = self.model
         if m is None:
             return []
-        out: list[str] = []
+        out: list[Problem] = []
         T, stages = self.tensor_parallel_size, self.pipeline_parallel_size * self.virtual_pipeline_size
         for what, n in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads), ("ffn_hidden", m.ffn_hidden)):
             if n % T != 0:
                 ok = [d for d in divisors(n) if d <= max(T, 8)]
-                out.append(f"tensor_parallel_size={T} does not divide {what}={n}; choose {_fmt(ok)}")
-        if stages > m.n_layers:
-            out.append(f"pipeline_parallel_size*virtual_pipeline_size={stages} stages is more than the model's "
-                       f"n_layers={m.n_layers}; every stage needs at least one layer, so use at most {m.n_layers}")
+                out.append(Problem("tensor_parallel_size", T, f"does not divide {what}={n}", f"choose {_fmt(ok)}"))
+        out += stage_count_problems(stages, m.n_layers)
+        out += tied_embedding_problems(self.pipeline_parallel_size, m.tie_embeddings)
         return out
 
     # ------------------------------------------------------------------------------- coordinates
@@ -293,7 +313,7 @@ class _UncheckedLayout(ParallelLayout):
         pass
 
 
-def layout_problems(**kwargs) -> list[str]:
+def layout_problems(**kwargs) -> list[Problem]:
     """Every rule the layout ``ParallelLayout(**kwargs)`` would break, without raising (empty when valid)."""
     return _UncheckedLayout(**kwargs).problems()
 

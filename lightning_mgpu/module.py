@@ -11,6 +11,7 @@ from torchmetrics import MeanMetric
 
 from lightning_mgpu.engine.config import parameter_shape
 from lightning_mgpu.checkpoint.hf import HFWeights, hf_path, load_hf, load_into
+from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.layout import ModelShape
 from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
@@ -166,7 +167,8 @@ class LLMModule(L.LightningModule):
         return tuple(shard_sequence(x, rank, size) for x in sequences)
 
     def _context_coordinates(self) -> tuple[int, int]:
-        layout = getattr(self._trainer.strategy, "layout", None) if self._trainer is not None else None
+        context = parallel_context(self)
+        layout = context.layout if context is not None else None
         if layout is None or layout.size("cp") == 1:
             return 0, 1
         return layout.rank("cp"), layout.size("cp")
@@ -184,7 +186,8 @@ class LLMModule(L.LightningModule):
         return total / counted
 
     def _pipeline(self):
-        return getattr(self._trainer.strategy, "pipeline", None) if self._trainer is not None else None
+        context = parallel_context(self)
+        return context.pipeline if context is not None else None
 
     # ------------------------------------------------------------------------------------------- steps
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -222,8 +225,8 @@ class LLMModule(L.LightningModule):
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         # Counted as the step starts, not in on_train_batch_end: Lightning runs the callbacks' on_train_batch_end
         # (a periodic checkpoint among them) before the module's, so a count made there would be saved one step short.
-        layout = getattr(self.trainer.strategy, "layout", None)  # tensor/pipeline ranks share their replica's batch
-        replicas = layout.size("dp") if layout is not None else self.trainer.world_size
+        context = parallel_context(self)  # tensor/pipeline ranks share their replica's batch
+        replicas = context.replicas if context is not None else self.trainer.world_size
         global_batch = self.hparams.global_batch_size or batch.shape[0] * replicas
         self.tokens_seen += global_batch * (batch.shape[-1] - 1)
         if self.config.eod_token_id is not None:
@@ -241,14 +244,13 @@ class LLMModule(L.LightningModule):
         micro-batches. Evaluation does the same over the pipeline's micro-batches (one part without a pipeline);
         ``val/loss``, averaged over replicas, is then each global batch's mean over its counted targets."""
         counted = _counted(self.pipeline_batch(batch)[1])
-        strategy, pipeline = self.trainer.strategy, self._pipeline()
-        layout = getattr(strategy, "layout", None)
-        replicas = layout.size("dp") if layout is not None else self.trainer.world_size
+        context, pipeline = parallel_context(self), self._pipeline()
+        replicas = context.replicas if context is not None else self.trainer.world_size
         if replicas > 1:  # tensor and pipeline ranks of a replica share its batch: sum over replicas only
-            counted = strategy.reduce(counted, group=layout.group("dp") if layout is not None else None,
-                                      reduce_op="sum")
+            counted = self.trainer.strategy.reduce(counted, group=context.layout.group("dp") if context else None,
+                                                   reduce_op="sum")
         if training:
-            micro = getattr(strategy, "num_microbatches", 1) if self.automatic_optimization else 1
+            micro = context.num_microbatches if context is not None and self.automatic_optimization else 1
         else:
             micro = pipeline.n_microbatches if pipeline is not None else 1
         return counted.clamp(min=1) / (micro * replicas)  # a batch of only skipped targets: 0 / 1
@@ -258,7 +260,8 @@ class LLMModule(L.LightningModule):
         loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().float()
         loss = loss * self.trainer.accumulate_grad_batches  # Lightning divides it by accumulate_grad_batches
         self.log("train/loss", loss, prog_bar=True, on_step=True)
-        grad_norm = getattr(self.trainer.strategy, "last_grad_norm", None)
+        context = parallel_context(self)
+        grad_norm = context.last_grad_norm if context is not None else None
         if grad_norm is not None:  # the global norm before clipping: a gradient-scale bug shows here, not in the loss
             self.log("train/grad_norm", float(grad_norm), on_step=True)
         # Each self.log costs Lightning ~5 ms of bookkeeping on a CPU (measured, benchmarks/overhead.py): log the

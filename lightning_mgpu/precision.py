@@ -9,8 +9,18 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
+from lightning_mgpu.problems import Problem
+
 #: Accepted Trainer ``precision=`` values.
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+
+
+def pipeline_precision_problems(precision: str, pipeline_parallel_size: int) -> list[Problem]:
+    """The rule: fp16's dynamic loss scaling cannot follow a pipeline schedule, which runs backward itself."""
+    if pipeline_parallel_size > 1 and str(precision) == "16-mixed":
+        return [Problem("precision", "16-mixed", "is not supported with pipeline parallelism (the schedule runs "
+                        "backward outside DeepSpeed's loss scaler)", "use 'bf16-mixed' or '32-true'")]
+    return []
 
 
 class MGPUPrecision(Precision):
@@ -64,7 +74,7 @@ class MGPUPrecision(Precision):
         if closure_result is None and model.automatic_optimization:
             raise RuntimeError("training_step returned None, which would skip the backward of every rank's "
                                "micro-batches; MGPUStrategy needs a loss from every training_step")
-        return model.trainer.strategy.engine_step()
+        return model.parallel_context.engine_step()  # MGPUStrategy hands every module its context in setup
 
     def clip_gradients(self, optimizer: Any, clip_val: Optional[float] = 0.0, gradient_clip_algorithm: Any = None) -> None:
         """DeepSpeed clips by the global norm inside ``engine.step()``."""

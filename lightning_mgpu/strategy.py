@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Generator, Mapping, Optional, Union
 
 import lightning.pytorch as pl
@@ -24,7 +24,6 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -34,16 +33,18 @@ from lightning_mgpu.checkpoint import store as checkpoints
 from lightning_mgpu.checkpoint.formats import CheckpointSettings, format_name_problems
 from lightning_mgpu import engine as engines
 from lightning_mgpu.allocator import return_freed_memory
-from lightning_mgpu.launcher import WorkerCommandLauncher
-from lightning_mgpu.contract import builds_on_meta
-from lightning_mgpu.layout import ParallelLayout, training_loop_problems
+from lightning_mgpu.contract import ParallelContext, builds_on_meta
+from lightning_mgpu.launcher import choose_launcher
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.applied import applied_layout
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
-from lightning_mgpu.parallel.microbatch import split_microbatches
-from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.parallelize import parallelize
+from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.plan import TensorParallelPlan
+from lightning_mgpu.parallel.step import DataParallelStep, PipelineStep
 from lightning_mgpu.parallel.timeline import PipelineTimeline
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
+from lightning_mgpu.refusals import check_module, check_optimizers, check_trainer
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class MGPUStrategy(ParallelStrategy):
         self.layout: Optional[ParallelLayout] = None
         self._heartbeat: Optional[Heartbeat] = None
         self.num_nodes = 1
-        self.last_grad_norm: Optional[float] = None
+        self.context: Optional[ParallelContext] = None
         #: The LightningModule already split by the plan and the stage split (a Trainer runs setup once per stage).
         self._split_module: Optional[pl.LightningModule] = None
         self._stage_container: Optional[torch.nn.Module] = None
@@ -200,15 +201,9 @@ class MGPUStrategy(ParallelStrategy):
         ParallelLayout(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
                        **self._layout_args)
         if not self.cluster_environment.creates_processes_externally:
-            if self.worker_command:
-                fork_entry = self.fork_entry if isinstance(self.accelerator, CPUAccelerator) else None
-                if fork_entry is not None and self.num_processes > 1:
-                    engines.preload()  # once, in the process every local rank is forked from
-                self._launcher = WorkerCommandLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
-                                                       self.worker_command, fork_entry=fork_entry)
-            else:
-                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes,
-                                                           self.num_nodes)
+            self._launcher = choose_launcher(self.cluster_environment, self.num_processes, self.num_nodes,
+                                             self.worker_command, self.fork_entry,
+                                             isinstance(self.accelerator, CPUAccelerator))
 
     @override
     def setup_environment(self) -> None:
@@ -245,125 +240,73 @@ class MGPUStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         self.accelerator.setup(trainer)
-        if trainer.gradient_clip_algorithm not in (None, "norm") and trainer.gradient_clip_val:
-            raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported: "
-                             "MGPUStrategy clips by the global norm; use gradient_clip_algorithm='norm'")
+        module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         plan = getattr(trainer.datamodule, "batch_plan", None) if trainer.datamodule is not None else None
         micro_batches = self._layout_args["num_microbatches"] or (plan.num_microbatches if plan else 1)
-        micro_size = plan.micro_batch_size if plan else 1
         if plan:
             rank_zero_info(plan.describe(self.layout.size("pp")))
-        self._check_model_shape(micro_batches)
-        self._check_lightning_features(trainer, micro_batches)
-        accumulate = trainer.accumulate_grad_batches if self.lightning_module.automatic_optimization else 1
-        fitting = trainer.state.fn == TrainerFn.FITTING
+        check_trainer(trainer, module, self.layout, micro_batches)
+        check_module(module, self._layout_args, self.world_size, micro_batches, self.precision_plugin.precision)
+        accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
 
-        def engine_config(module: torch.nn.Module) -> dict:
-            config = engines.zero_config(self.layout, module, micro_size, micro_batches * accumulate,
-                                         trainer.gradient_clip_val,
-                                         engines.precision_config(self.precision_plugin.precision), self.nvme_path,
-                                         self.deepspeed_config_overrides, overlap=self.root_device.type == "cuda")
-            return config if fitting else engines.evaluation_config(config)
+        def engine_config(wrapped: torch.nn.Module) -> dict:
+            return engines.run_config(self.layout, wrapped, plan.micro_batch_size if plan else 1,
+                                      micro_batches * accumulate, trainer.gradient_clip_val,
+                                      self.precision_plugin.precision, self.nvme_path, self.deepspeed_config_overrides,
+                                      overlap=self.root_device.type == "cuda", fitting=fitting)
 
-        if self._split_module is not self.lightning_module:  # a later validate/test/predict reuses the split
+        wrapped = self._parallelize(engine_config)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        wrapped = self.model if self.layout.size("pp") == 1 else wrapped
+        optimizer = None
+        if fitting:
+            self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
+            optimizer = check_optimizers(self.optimizers, module, self.layout.zero_stage == 3 and builds_on_meta(module))
+        config = engine_config(wrapped)
+        if optimizer is not None and engines.drifts_from_fp32(config):
+            rank_zero_warn(engines.drifts_from_fp32(config))
+        self.num_microbatches, self.deepspeed_config = micro_batches, config
+        self.model, engine_optimizer = engines.initialize_engine(wrapped, optimizer, config, self.layout)
+        if optimizer is not None:
+            self.optimizers = [engines.EngineOwnedOptimizer(engine_optimizer, optimizer)]
+        self._start_steps(module, micro_batches)
+        rank_zero_info(applied_layout(self.model, self.layout, self.pipeline, self.global_rank))
+
+    def _parallelize(self, engine_config: Callable[[torch.nn.Module], dict]) -> Optional[torch.nn.Module]:
+        """Split the module for this rank, once (a Trainer runs ``setup`` again for a later validate/test/predict);
+        the stage container with pipeline stages. Under ZeRO-3 each module's parameters are partitioned as they are
+        filled."""
+        if self._split_module is not self.lightning_module:
             def partitioner(kept: torch.nn.Module) -> Callable[[list[torch.nn.Parameter]], None]:
                 return engines.zero3_partitioner(engine_config(kept), self.layout)
 
-            # ZeRO-3 partitions each module's parameters as soon as they are filled
             done = parallelize(self.lightning_module, self.layout, self.root_device, self.tensor_parallel_plan,
                                self.pipeline_boundaries, partitioner if self.layout.zero_stage == 3 else None)
-            self.tensor_parallel_notes = done.notes
-            self.materialized_elements = done.materialized
+            self.tensor_parallel_notes, self.materialized_elements = done.notes, done.materialized
             for note in done.notes:
                 rank_zero_info(note)
             self._stage_container = done.module if self.layout.size("pp") > 1 else None
             self._split_module = self.lightning_module
-        module = self._stage_container if self.layout.size("pp") > 1 else self.model
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        if self.layout.size("pp") == 1:
-            module = self.model
-        optimizer = None
-        if fitting:
-            self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(self.lightning_module)
-            if len(self.optimizers) != 1:
-                raise ValueError(f"configure_optimizers returned {len(self.optimizers)} optimizers; MGPUStrategy "
-                                 "drives one DeepSpeed engine and needs exactly one")
-            optimizer = self.optimizers[0]
-            if self.layout.zero_stage == 3 and builds_on_meta(self.lightning_module):
-                self._check_param_groups(optimizer)
-        config = engine_config(module)
-        if optimizer is not None and engines.drifts_from_fp32(config):
-            rank_zero_warn(engines.drifts_from_fp32(config))
-        self.num_microbatches = micro_batches
-        self.deepspeed_config = config
-        self.model, engine_optimizer = engines.initialize_engine(module, optimizer, config, self.layout)
-        if optimizer is not None:
-            self.optimizers = [engines.EngineOwnedOptimizer(engine_optimizer, optimizer)]
+        return self._stage_container
+
+    def _start_steps(self, module: "pl.LightningModule", micro_batches: int) -> None:
+        """The step object of the layout (pipeline or data-parallel, one interface) and the module's context."""
+        self.pipeline = None
         if self.layout.size("pp") > 1:
-            self.pipeline = Pipeline(self.model, self.layout, self.root_device, self.lightning_module.pipeline_loss,
-                                     micro_batches, PipelineTimeline() if self.pipeline_timeline else None)
-        rank_zero_info(self.applied_layout())
+            self.pipeline = Pipeline(self.model, self.layout, self.root_device, module.pipeline_loss, micro_batches,
+                                     PipelineTimeline() if self.pipeline_timeline else None)
+            self._step = PipelineStep(self.pipeline, module, self.layout)
+        else:
+            self._step = DataParallelStep(self.model, module, self.layout, micro_batches,
+                                          self.precision_plugin.train_step_context, self._forward_redirection)
+        module.parallel_context = self.context = ParallelContext(self.layout, micro_batches, self.engine_step,
+                                                                 self.pipeline)
 
-    def _check_param_groups(self, optimizer: torch.optim.Optimizer) -> None:
-        """A module built on the meta device has its parameters partitioned as they are filled under ZeRO-3, before
-        ``configure_optimizers`` runs: grouping them by ``p.dim()`` or ``p.shape`` then sees empty 1-d tensors and
-        leaves a group empty (DeepSpeed drops it; an LR scheduler of the groups then fails, or weight decay silently
-        goes). Refused here by name."""
-        empty = [i for i, group in enumerate(optimizer.param_groups) if not group["params"]]
-        if empty:
-            raise ValueError(f"configure_optimizers of {type(self.lightning_module).__name__} returned parameter "
-                             f"group(s) {empty} of {len(optimizer.param_groups)} with no parameters. Under ZeRO-3 "
-                             "each parameter is already partitioned when configure_optimizers runs (p.shape is an "
-                             "empty 1-d tensor's): group parameters by lightning_mgpu.parameter_shape(p), or leave "
-                             "empty groups out")
-
-    def applied_layout(self) -> str:
-        """What this rank runs, read from the objects built in ``setup`` (not from the arguments asked for)."""
-        engine = self.model
-        split = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
-        sequence = any(getattr(m, "sequence_parallel", False) for m in engine.module.modules())
-        parts = [f"rank {self.global_rank}: tensor parallel over {self.layout.size('tp')} ranks "
-                 f"({len(split)} split parameters{', sequence parallel' if sequence else ''})"]
-        if self.pipeline is not None:
-            stages = [stage.stage_index for stage in self.pipeline.stages]
-            parts.append(f"pipeline {type(self.pipeline.schedule).__name__} over {self.layout.size('pp')} ranks "
-                         f"(stages {stages} of {self.layout.num_stages})")
-        parts.append(f"ZeRO-{engines.zero_stage(engine)} over {engines.data_parallel_size(engine)} data-parallel "
-                     "replicas")
-        return "applied layout: " + "; ".join(parts)
-
-    def _check_model_shape(self, num_microbatches: int) -> None:
-        """Validate the layout against the module's shape (when it declares ``model_shape``) and the micro-batch
-        count the data gives; refuse what the pipeline cannot run."""
-        args = dict(self._layout_args, num_microbatches=num_microbatches)
-        ParallelLayout(world_size=self.world_size, model=getattr(self.lightning_module, "model_shape", None), **args)
-        if self.layout.size("pp") > 1:
-            problems = []
-            if self.precision_plugin.precision == "16-mixed":
-                problems.append("precision='16-mixed' is not supported with pipeline parallelism (the schedule runs "
-                                "backward outside DeepSpeed's loss scaler); use 'bf16-mixed' or '32-true'")
-            missing = [h for h in ("pipeline_stages", "pipeline_batch", "pipeline_loss")
-                       if not callable(getattr(self.lightning_module, h, None))]
-            if missing:
-                name = type(self.lightning_module).__name__
-                problems.append(f"pipeline_parallel_size={self.layout.size('pp')} needs {name} to define "
-                                f"{', '.join(missing)} (see LLMModule)")
-            if problems:
-                raise ValueError("Invalid pipeline setup:\n" + "\n".join(f"  - {p}" for p in problems))
-
-    def _check_lightning_features(self, trainer: "pl.Trainer", num_microbatches: int) -> None:
-        """Refuse, all at once and by name, the Lightning features this strategy cannot run, with what to do instead."""
-        from lightning.pytorch.callbacks import StochasticWeightAveraging
-
-        problems = training_loop_problems(self.layout.size("pp"), trainer.accumulate_grad_batches,
-                                          not self.lightning_module.automatic_optimization, num_microbatches)
-        if any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks):
-            problems.append("StochasticWeightAveraging is not supported by MGPUStrategy: it averages full copies of the "
-                            "parameters, which ZeRO partitions and tensor/pipeline parallelism split; average "
-                            "checkpoints offline instead (mgpu-export writes whole weights)")
-        if problems:
-            raise ValueError("Unsupported with MGPUStrategy:\n" + "\n".join(f"  - {p}" for p in problems))
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The global gradient norm (before clipping) of the last optimizer step, ``None`` after a batch without one."""
+        return self.context.last_grad_norm if self.context is not None else None
 
     @override
     @contextlib.contextmanager
@@ -392,32 +335,8 @@ class MGPUStrategy(ParallelStrategy):
             return self._training_step(*args, **kwargs)
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
-        batch, rest = args[0], args[1:]
-        self.last_grad_norm = None  # set again only by a batch that ends with an optimizer step
-        if self.pipeline is not None:
-            mean = self.pipeline.train_step(*self.lightning_module.pipeline_batch(batch))
-            return self._mean_over_replicas(mean)
-        if not self.lightning_module.automatic_optimization:  # the module calls manual_backward and opt.step() itself
-            with self.precision_plugin.train_step_context():
-                return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
-        losses, out = [], None
-        for micro_batch in split_microbatches(batch, self.num_microbatches):
-            with self.precision_plugin.train_step_context():
-                out = self._forward_redirection(self.model, self.lightning_module, "training_step", micro_batch,
-                                                *rest, **kwargs)
-            loss = out["loss"] if isinstance(out, Mapping) else out
-            engines.backward(self.model, loss)  # scaled by 1 / (micro-batches x accumulate_grad_batches) in the engine
-            losses.append(loss.detach().float())
-        mean = self._mean_over_replicas(torch.stack(losses).mean())
-        # The module's other outputs (of the last micro-batch) reach on_train_batch_end as under DDP.
-        return {**out, "loss": mean} if isinstance(out, Mapping) else mean
-
-    def _mean_over_replicas(self, mean: torch.Tensor) -> torch.Tensor:
-        """The loss of the global batch: the mean over replicas and over the equal sequence parts of context ranks."""
-        if self.layout.size("dp_cp") > 1:
-            dist.all_reduce(mean, group=self.layout.group("dp_cp"))
-            mean /= self.layout.size("dp_cp")
-        return mean
+        self.context.last_grad_norm = None  # set again only by a batch that ends with an optimizer step
+        return self._step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -454,7 +373,7 @@ class MGPUStrategy(ParallelStrategy):
     def engine_step(self) -> None:
         """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
         with name_lost_ranks(self._heartbeat):
-            self.last_grad_norm = engines.step(self.model)
+            self.context.last_grad_norm = engines.step(self.model)
 
     # ---------------------------------------------------------------------------------- collectives
     @override
@@ -503,18 +422,9 @@ class MGPUStrategy(ParallelStrategy):
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with name_lost_ranks(self._heartbeat):
-            checkpoints.save(self.model, self.layout, filepath, client_state, self.checkpoints,
-                             self._save_consolidated if self.save_consolidated_weights else None)
-
-    def _save_consolidated(self, directory: Path) -> None:
-        from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
-        from lightning_mgpu.checkpoint.files import write_consolidated
-
-        state = consolidated_state_dict(self.model, self.layout)
-        if state is not None:
-            config = getattr(self.lightning_module, "config", None)
-            write_consolidated(directory, state, config.to_dict() if hasattr(config, "to_dict") else None)
-        self.barrier()
+            extra = functools.partial(checkpoints.write_consolidated_weights, self.model, self.layout,
+                                      self.lightning_module) if self.save_consolidated_weights else None
+            checkpoints.save(self.model, self.layout, filepath, client_state, self.checkpoints, extra)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mgpu.checkpoint.formats import LOADED_FROM, complete_checkpoints
-from lightning_mgpu.testing import kill_job_at  # fault points for tests (MGPU_KILL_AT); nothing without the variable
+from lightning_mgpu.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
 
 _PARTIAL = re.compile(r"step-(\d{8})\.partial")
 

@@ -16,6 +16,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 
+from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.planner.hardware import gpu_by_device_name
 
 
@@ -59,8 +60,8 @@ class ThroughputCallback(L.Callback):
         if self._start is None or not isinstance(batch, torch.Tensor):
             return
         seconds = time.perf_counter() - self._start
-        layout = getattr(trainer.strategy, "layout", None)
-        replicas = layout.size("dp") if layout is not None else trainer.world_size
+        context = parallel_context(pl_module)
+        replicas = context.replicas if context is not None else trainer.world_size
         seq = max(1, batch.shape[-1] - 1)  # token windows carry one extra token for the targets
         tokens = batch.shape[0] * seq
         flops_fn = getattr(pl_module, "flops_per_token", None)

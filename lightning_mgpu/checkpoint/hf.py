@@ -15,6 +15,7 @@ from typing import Mapping
 import torch
 
 from lightning_mgpu.models.llama import LlamaConfig
+from lightning_mgpu.problems import format_problems
 
 _LAYER_NAMES = {
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
@@ -79,7 +80,7 @@ def from_hf_config(hf: Mapping) -> LlamaConfig:
     if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
         problems.append(f"head_dim={hf['head_dim']} x num_attention_heads={heads} != hidden_size={hf['hidden_size']}")
     if problems:
-        raise ValueError("Cannot import this Hugging Face config:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise ValueError(format_problems("Cannot import this Hugging Face config", problems))
     return LlamaConfig(dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
                        n_kv_heads=hf.get("num_key_value_heads", heads), ffn_hidden=hf["intermediate_size"],
                        vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
@@ -156,8 +157,7 @@ class HFWeights:
             self._files.update({key: handle for key in handle.keys()})
         problems = completeness_problems(self._files, self.config)
         if problems:
-            raise ValueError(f"{self.path} does not fit the model its config.json describes:\n" +
-                             "\n".join(f"  - {p}" for p in problems))
+            raise ValueError(format_problems(f"{self.path} does not fit the model its config.json describes", problems))
 
     def read(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of our parameter ``name`` (the output head falls back to the embedding when tied)."""
@@ -181,7 +181,7 @@ def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None
     problems += [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
                  for k in own if k in state and state[k].shape != own[k].shape]
     if problems:
-        raise ValueError("Checkpoint does not fit the model:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise ValueError(format_problems("Checkpoint does not fit the model", problems))
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(state[k].to(v.dtype))

@@ -28,6 +28,7 @@ from lightning_mgpu.checkpoint.integrity import checksum_problems, has_checksums
 from lightning_mgpu.checkpoint.universal import load_universal, save_universal
 from lightning_mgpu.engine.checkpoint_dir import load_engine_checkpoint, save_engine_checkpoint
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.problems import format_problems
 
 
 def _gather(value: Any) -> list:
@@ -54,7 +55,7 @@ def verify(path: str | Path) -> None:
     when nothing was recorded: a checkpoint written before checksums existed is loaded unverified)."""
     problems = checksum_problems(path, *_rank_world(), gather=_gather)
     if problems:
-        raise CheckpointRefusedError(f"checkpoint {path} is damaged:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise CheckpointRefusedError(format_problems(f"checkpoint {path} is damaged", problems))
     if not has_checksums(path):
         rank_zero_warn(f"checkpoint {path} records no checksums (written by an older lightning_mgpu): its files "
                        "are loaded unverified")
@@ -71,6 +72,20 @@ def save(engine: Any, layout: ParallelLayout, path: str | Path, client_state: di
     if write_extra is not None:
         write_extra(Path(path))
     record(path)
+
+
+def write_consolidated_weights(engine: Any, layout: ParallelLayout, module: Any, directory: Path) -> None:
+    """The whole model's weights, gathered to rank 0, beside the checkpoint (``model.safetensors`` and, for a module
+    with a ``config`` that has ``to_dict()``, ``model_config.json``). Collective."""
+    from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
+    from lightning_mgpu.checkpoint.files import write_consolidated
+
+    state = consolidated_state_dict(engine, layout)
+    if state is not None:
+        config = getattr(module, "config", None)
+        write_consolidated(directory, state, config.to_dict() if hasattr(config, "to_dict") else None)
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def _load_one(engine: Any, layout: ParallelLayout, path: Path, fitting: bool, strict: bool) -> dict:
@@ -105,5 +120,5 @@ def load(engine: Any, layout: ParallelLayout, path: str | Path, settings: Checkp
                 rank_zero_info(f"Loaded the checkpoint of step {state.get('global_step')}: {candidate}")
                 return dict(state, **{LOADED_FROM: str(candidate)})
         skipped.append(refusal)
-    raise CheckpointRefusedError(f"no checkpoint in {path} can be resumed:\n" + "\n".join(f"  - {s}" for s in skipped)
+    raise CheckpointRefusedError(format_problems(f"no checkpoint in {path} can be resumed", skipped)
                                  + "\nfix or remove them, or start afresh (checkpoint.resume=null)")

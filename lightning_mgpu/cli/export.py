@@ -16,7 +16,7 @@ from lightning_mgpu.checkpoint.formats import format_of, is_consolidated
 from lightning_mgpu.checkpoint.hf import save_hf
 from lightning_mgpu.checkpoint.store import verify
 from lightning_mgpu.checkpoint.universal import read_model_weights
-from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal
+from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.models.llama import LlamaConfig
 

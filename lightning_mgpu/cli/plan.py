@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 from lightning_mgpu.cli.build import build_model_config
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
-from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal, plan_problems
+from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
+from lightning_mgpu.cli.rules import plan_problems
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
 from lightning_mgpu.layout import V_SCHEDULES, stage_ids

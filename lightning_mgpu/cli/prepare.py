@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-from lightning_mgpu.cli.validate import ConfigError, exit_on_refusal
+from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
 from lightning_mgpu.data.manifest import MANIFEST_FILE
 from lightning_mgpu.data.prepare import PrepareError, PrepareResult, prepare
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection

@@ -25,21 +25,18 @@ from lightning_mgpu.cli.build import (
     build_tokenizer,
     lost_tokenizer,
 )
-from lightning_mgpu.cli.config import register_configs
+from lightning_mgpu.cli.config import TrainConfig, register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.dry_run import dry_run_report
+from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal, refusal_exits
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
-from lightning_mgpu.cli.validate import (
-    ConfigError,
-    check_run,
-    config_problems,
-    exit_on_refusal,
-    memory_problems,
-    refusal_exits,
-)
+from lightning_mgpu.cli.memory_check import memory_problems
+from lightning_mgpu.cli.rules import config_problems
+from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
+from lightning_mgpu.faults import fault_callbacks
 from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, theoretical_bubble
-from lightning_mgpu.testing import fault_callbacks
+from lightning_mgpu.problems import format_problems
 
 #: The resolved config of a run, in its run directory; local workers load it.
 CONFIG_NAME = "config.yaml"
@@ -52,7 +49,7 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
     """Train as ``cfg`` says, writing ``config.yaml`` and ``metrics.csv`` into ``run_dir``; return final metrics.
 
     Every problem with ``cfg`` (and what this machine lacks to run it) is raised at once as a
-    :class:`~lightning_mgpu.cli.validate.ConfigError` before anything starts. The resolved config is written
+    :class:`~lightning_mgpu.cli.errors.ConfigError` before anything starts. The resolved config is written
     once, by the process that starts first; with ``cluster=local`` the other local ranks are started as
     workers that load it (``worker=True``), so every rank trains from the same config in the same directory.
     """
@@ -62,7 +59,7 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
             raise ConfigError(problems)
         print(dry_run_report(cfg))
         memory = memory_problems(cfg)  # this machine's verdict, as a launch here would give it
-        print("a launch here would be refused:\n" + "\n".join(f"  - {p}" for p in memory) if memory else
+        print(format_problems("a launch here would be refused", memory) if memory else
               "memory: fits on this machine (trainer.check_memory)")
         return {}
     check_run(cfg)
@@ -75,9 +72,7 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
     if cfg.cluster.launcher == "local" and not worker:
         strategy.worker_command = [sys.executable, "-m", "lightning_mgpu.cli.worker", str(run_dir.resolve())]
         if cfg.cluster.fork_on_cpu:
-            from lightning_mgpu.cli.worker import main as worker_main
-
-            strategy.fork_entry = functools.partial(worker_main, str(run_dir.resolve()))
+            strategy.fork_entry = functools.partial(train_worker, str(run_dir.resolve()))
     datamodule = build_datamodule(cfg)
     module = build_module(cfg, model_config)
     launch_env = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
@@ -92,6 +87,13 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def train_worker(run_dir: str) -> dict:
+    """A local rank > 0: train from the resolved ``config.yaml`` the first process wrote into ``run_dir``."""
+    skip_final_garbage_collection()
+    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(Path(run_dir) / CONFIG_NAME))
+    return train(cfg, Path(run_dir), worker=True)
 
 
 def trainer_arguments(cfg: DictConfig, run_dir: Path) -> dict:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from lightning_mgpu.problems import format_problems
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -20,7 +22,7 @@ class BatchPlan:
     def __post_init__(self) -> None:
         problems = batch_problems(self.global_batch_size, self.micro_batch_size, self.data_parallel_size)
         if problems:
-            raise ValueError("Invalid batch sizes:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise ValueError(format_problems("Invalid batch sizes", problems))
 
     @property
     def per_rank(self) -> int:

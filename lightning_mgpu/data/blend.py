@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from lightning_mgpu.problems import format_problems
+
 
 def sample_starts(seed: int, step: int, global_batch_size: int, n_tokens: int, seq_len: int) -> np.ndarray:
     """Start offsets of the ``global_batch_size`` windows of global batch ``step`` in one stream."""
@@ -47,7 +49,7 @@ class Blend:
         if len(weights) != len(parts):
             problems.append(f"{len(parts)} sources but {len(weights)} weights")
         if problems:
-            raise ValueError("Invalid blend:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise ValueError(format_problems("Invalid blend", problems))
         total = float(sum(weights))
         return cls(tuple(parts), tuple(w / total for w in weights))
 

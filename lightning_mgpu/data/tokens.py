@@ -27,6 +27,7 @@ from lightning_mgpu.data.blend import Blend, sample_starts
 from lightning_mgpu.data.corpus import cache_dir, encode_bytes, stdlib_source_files, stdlib_token_file, \
     write_token_file
 from lightning_mgpu.data.manifest import TOKEN_DTYPES, Manifest, open_tokens, tokenizer_match_problems
+from lightning_mgpu.problems import format_problems
 
 __all__ = ["StdlibCorpusDataModule", "TextFilesDataModule", "TokenFileDataModule", "sample_starts"]
 
@@ -85,7 +86,7 @@ class TokenFileDataModule(L.LightningDataModule):
         if path is not None and sources:
             problems.append("give data.path (one source) or data.sources (a blend), not both")
         if problems:
-            raise ValueError("Invalid data settings:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise ValueError(format_problems("Invalid data settings", problems))
         self.path = Path(path) if path is not None else None
         self.sources = [(Path(p), float(w)) for p, w in sources] if sources else None
         self.tokenizer = Path(tokenizer) if tokenizer is not None else None
@@ -138,7 +139,7 @@ class TokenFileDataModule(L.LightningDataModule):
                     problems.append(f"the {name} split of {path} has {len(part)} tokens, fewer than data.seq_len + 2 "
                                     f"= {self.seq_len + 2}; use more data or a shorter seq_len")
         if problems:
-            raise ValueError("Invalid data:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise ValueError(format_problems("Invalid data", problems))
         weights, names = [w for _, w in sources], [str(p) for p, _ in sources]
         self._train, self._val = Blend.of(train, weights, names), Blend.of(val, weights, names)
 

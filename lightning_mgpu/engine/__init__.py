@@ -20,6 +20,7 @@ from lightning_mgpu.engine.config import (
     parameter_elements,
     parameter_shape,
     precision_config,
+    run_config,
     zero_config,
 )
 from lightning_mgpu.engine.parameter_state import MOMENTS, ParameterState
@@ -42,6 +43,7 @@ __all__ = [
     "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "backward", "bucket_elements",
     "bucket_elements_for", "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32",
     "evaluation_config", "gathered", "init_engine_comm", "initialize_engine", "load_engine_checkpoint",
-    "parameter_dtype", "parameter_elements", "parameter_shape", "precision_config", "preload", "save_engine_checkpoint", "step",
+    "parameter_dtype", "parameter_elements", "parameter_shape", "precision_config", "preload", "run_config",
+    "save_engine_checkpoint", "step",
     "zero3_partitioner", "zero_config", "zero_stage",
 ]

@@ -142,3 +142,13 @@ def drifts_from_fp32(config: dict) -> str:
                 "(about 0.6% after 4 steps on the test model, with or without micro-batches); zero_stage=1 keeps fp32 "
                 "gradients and master weights and costs no more memory at one data-parallel replica")
     return ""
+
+
+def run_config(layout: ParallelLayout, module: nn.Module, micro_batch_size: int, num_microbatches: int,
+               gradient_clipping: Optional[float], precision: str, nvme_path: Optional[str], overrides: Optional[dict],
+               overlap: bool, fitting: bool) -> dict:
+    """The DeepSpeed config of a run's engine over ``module``: :func:`zero_config` with the precision's settings,
+    for an engine without optimizer (:func:`evaluation_config`) unless ``fitting``."""
+    config = zero_config(layout, module, micro_batch_size, num_microbatches, gradient_clipping,
+                         precision_config(precision), nvme_path, overrides, overlap=overlap)
+    return config if fitting else evaluation_config(config)

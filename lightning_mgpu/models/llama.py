@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_mgpu.problems import format_problems
+
 
 #: Activation checkpointing modes: keep every activation for backward; keep only the matrix multiplications' outputs
 #: and recompute attention and the element-wise ops (selective recomputation, Korthikanti et al.); keep only each
@@ -71,7 +73,7 @@ class LlamaConfig:
             problems.append(f"eod_token_id={self.eod_token_id} is not a token id of vocab_size={self.vocab_size}; "
                             f"give an id in [0, {self.vocab_size}) or None (no document masking)")
         if problems:
-            raise ValueError("Invalid LlamaConfig:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise ValueError(format_problems("Invalid LlamaConfig", problems))
 
     @property
     def head_dim(self) -> int:

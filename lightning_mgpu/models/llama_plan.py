@@ -15,7 +15,9 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
+from lightning_mgpu.layout import stage_count_problems, tied_embedding_problems
 from lightning_mgpu.models.llama import Llama, document_positions, run_layers
+from lightning_mgpu.problems import format_problems
 
 #: Module name pattern -> tensor-parallel style (see ``lightning_mgpu.parallel.plan``).
 LLAMA_TP_PLAN: dict[str, str] = {
@@ -107,12 +109,8 @@ def llama_stages(model: Llama, stage_ids: Sequence[int], num_stages: int,
     ``boundaries`` says where each stage starts."""
     n = model.config.n_layers
     problems = boundary_problems(boundaries, n, num_stages) if boundaries is not None else []
-    if model.config.tie_embeddings:
-        problems.append("tie_embeddings=True cannot be split into pipeline stages (the embedding lives on the first "
-                        "stage, the head on the last); set tie_embeddings=False or pipeline_parallel_size=1")
-    if num_stages > n:
-        problems.append(f"{num_stages} pipeline stages is more than n_layers={n}; use at most {n}")
+    problems += tied_embedding_problems(num_stages, model.config.tie_embeddings) + stage_count_problems(num_stages, n)
     if problems:
-        raise ValueError("Cannot split the model into pipeline stages:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise ValueError(format_problems("Cannot split the model into pipeline stages", problems))
     b = list(boundaries) if boundaries is not None else balanced_boundaries(n, num_stages)
     return {i: LlamaStage(model, b[i], b[i + 1]) for i in stage_ids}

@@ -34,6 +34,7 @@ from lightning_mgpu.parallel.tensor import (
     padded_size,
     rank_and_size,
 )
+from lightning_mgpu.problems import format_problems
 
 TensorParallelPlan = Mapping[str, str]
 
@@ -119,7 +120,7 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorParallelPlan, group: An
     T = rank_and_size(group)[1]
     resolved, problems = _checked(module, plan, T)
     if problems:
-        raise ValueError("Invalid tensor-parallel plan:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise ValueError(format_problems("Invalid tensor-parallel plan", problems))
     notes: list[str] = []
     shards: dict[int, nn.Parameter] = {}  # id of an original parameter -> its shard, so ties survive
     for name, style in resolved.items():

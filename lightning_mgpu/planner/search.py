@@ -10,6 +10,7 @@ from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.hardware import ClusterSpec
 from lightning_mgpu.planner.memory import MemoryEstimate, estimate_memory
 from lightning_mgpu.planner.time import StepTimeEstimate, estimate_step_time
+from lightning_mgpu.precision import pipeline_precision_problems
 
 #: Share of GPU memory a plan may fill (the rest: allocator fragmentation, NCCL and CUDA context).
 USABLE_MEMORY = 0.9
@@ -49,15 +50,15 @@ class Candidate:
         return self.tp > 1 if self.sequence_parallel_on is None else self.sequence_parallel_on
 
     def overrides(self) -> list[str]:
-        """The ``mgpu-train`` overrides that select this layout."""
+        """The ``mgpu-train`` overrides that select this layout: every setting of it, so that none of the config it
+        is added to (a recipe's context parallelism, schedule or stage boundaries) is left to disagree with it."""
         out = [f"parallel.tensor_parallel_size={self.tp}", f"parallel.pipeline_parallel_size={self.pp}",
-               f"parallel.zero_stage={self.zero_stage}", f"data.micro_batch_size={self.micro_batch}",
-               f"model.activation_checkpointing={self.checkpointing}",
-               f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}"]
-        if self.cp > 1:
-            out.append(f"parallel.context_parallel_size={self.cp}")
-        if self.pp > 1:
-            out += [f"parallel.pipeline_schedule={self.schedule}", f"parallel.virtual_pipeline_size={self.virtual}"]
+               f"parallel.context_parallel_size={self.cp}", f"parallel.zero_stage={self.zero_stage}",
+               f"data.micro_batch_size={self.micro_batch}", f"model.activation_checkpointing={self.checkpointing}",
+               f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
+               f"parallel.pipeline_schedule={self.schedule}", f"parallel.virtual_pipeline_size={self.virtual}"]
+        if self.boundaries is None:
+            out.append("parallel.pipeline_boundaries=null")
         return out
 
 
@@ -69,17 +70,18 @@ class PlanRow:
     fits: bool
 
 
-def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int,
-               seq_len: Optional[int] = None) -> Iterator[Candidate]:
-    """Every layout the rules allow: tp within a node dividing the heads, context parallelism within the rest of the
-    node where ``seq_len`` splits (only with ``seq_len`` given), pp dividing the remaining world, interleaving where
-    blocks divide evenly, ZeRO 0-3, micro-batches dividing each replica's share."""
+def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int, seq_len: Optional[int] = None,
+               precision: str = "bf16-mixed") -> Iterator[Candidate]:
+    """Every layout the launcher's rules allow (the layout's, with the model's shape, the sequence's and the
+    precision's, asked here as ``mgpu-train`` asks them): tp within a node, context parallelism within the rest of the
+    node where ``seq_len`` splits (only with ``seq_len`` given), pp dividing the remaining world, interleaving, ZeRO
+    0-3, micro-batches dividing each replica's share."""
     world, shape = cluster.world_size, ModelShape.of(cfg)
     for tp, cp in ((t, c) for t in divisors(cluster.gpus_per_node)
                    for c in (divisors(cluster.gpus_per_node // t) if seq_len else [1])):
         if seq_len and sequence_problems(seq_len, cp, tp, tp > 1):
             continue
-        for pp in (p for p in divisors(world // (tp * cp)) if p <= cfg.n_layers):
+        for pp in (p for p in divisors(world // (tp * cp)) if not pipeline_precision_problems(precision, p)):
             dp = world // (tp * cp * pp)
             for virtual in (1, 2, 4) if pp > 1 else (1,):
                 for micro in (1, 2, 4, 8):
@@ -113,5 +115,5 @@ def plan_layouts(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_ba
                  precision: str = "bf16-mixed", achievable: Optional[float] = None) -> list[PlanRow]:
     """Every candidate, those that fit first, each group fastest first."""
     rows = [evaluate(cfg, cluster, seq_len, global_batch, c, precision, achievable)
-            for c in candidates(cfg, cluster, global_batch, seq_len)]
+            for c in candidates(cfg, cluster, global_batch, seq_len, precision)]
     return sorted(rows, key=lambda r: (not r.fits, r.time.total, r.memory.total))

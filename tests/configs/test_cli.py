@@ -16,7 +16,7 @@ from omegaconf.errors import ValidationError
 from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_strategy
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir, recipes_dir
-from lightning_mgpu.cli.validate import config_problems
+from lightning_mgpu.cli.rules import config_problems
 from lightning_mgpu.models import LlamaConfig
 
 REPO = Path(__file__).resolve().parents[2]

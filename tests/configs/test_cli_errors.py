@@ -15,7 +15,7 @@ import torch
 from test_cli import composed
 
 from lightning_mgpu.cli import export, plan, train
-from lightning_mgpu.cli.validate import EXIT_REFUSED, refusal_message
+from lightning_mgpu.cli.errors import EXIT_REFUSED, refusal_message
 
 BIN = Path(sys.executable).parent
 

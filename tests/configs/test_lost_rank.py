@@ -1,7 +1,7 @@
 """A lost rank is reported by the survivor for what it is, through ``mgpu-train`` on two processes: a rank that
 raised is named with its exception type and message, at once; a rank that hangs with its sockets open (SIGSTOP)
 is named as unresponsive once the collective timeout (``parallel.timeout_s``) has passed, not before and not much
-after. Times are measured from the moment the faulty rank prints (fault injection of ``lightning_mgpu.testing``)
+after. Times are measured from the moment the faulty rank prints (the chaos hook ``lightning_mgpu.faults``)
 to the moment the report reaches this process, so start-up time does not blur them."""
 
 import os

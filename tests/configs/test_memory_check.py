@@ -11,10 +11,11 @@ import torch
 from test_cli import BIN, composed
 
 from lightning_mgpu.cli.build import build_model_config
-from lightning_mgpu.cli import validate
+from lightning_mgpu.cli import memory_check
 from lightning_mgpu.cli.paths import recipes_dir
-from lightning_mgpu.cli.validate import (EXIT_REFUSED, ConfigError, check_run, memory_budget, memory_problems,
-                                         run_memory)
+from lightning_mgpu.cli.errors import EXIT_REFUSED, ConfigError
+from lightning_mgpu.cli.memory_check import memory_budget, memory_problems, run_memory
+from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.models import Llama, LlamaConfig
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.planner.model_stats import max_rank_parameters
@@ -44,7 +45,7 @@ LLAMA3_70B_CPU = ["model=llama3_70b", "trainer.devices=2", "parallel.zero_stage=
 @pytest.fixture
 def machine_of_25_gb(monkeypatch):
     """The machine issue 13 measured on (25.3 GB, where llama3_1b at tp2 was killed), whatever machine runs this."""
-    monkeypatch.setattr(validate, "host_memory", lambda: (25.3e9, "this machine's physical memory"))
+    monkeypatch.setattr(memory_check, "host_memory", lambda: (25.3e9, "this machine's physical memory"))
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from test_cli import BIN, composed, read_losses, read_metric
 
 from lightning_mgpu.cli.build import build_datamodule, build_tokenizer, lost_tokenizer, run_tokenizer
 from lightning_mgpu.cli.prepare import main as prepare_main
-from lightning_mgpu.cli.validate import config_problems
+from lightning_mgpu.cli.rules import config_problems
 from lightning_mgpu.data.tokenizer import Tokenizer
 
 

@@ -9,7 +9,10 @@ from hydra.errors import ConfigCompositionException
 from test_cli import composed
 
 from lightning_mgpu.cli.train import train
-from lightning_mgpu.cli.validate import ConfigError, check_run, config_problems, machine_problems
+from lightning_mgpu.cli.errors import ConfigError
+from lightning_mgpu.cli.machine import machine_problems
+from lightning_mgpu.cli.rules import config_problems
+from lightning_mgpu.cli.validate import check_run
 
 PP2 = ["parallel.pipeline_parallel_size=2"]
 
@@ -22,12 +25,12 @@ BAD_INPUTS = [
      "8 stages is more than the model's n_layers=4"),
     (["parallel.pipeline_schedule=zigzag"], "parallel.pipeline_schedule='zigzag' is unknown"),
     (["trainer.devices=4", "parallel.pipeline_parallel_size=4", "data.global_batch_size=8"],
-     "needs num_microbatches >= pipeline_parallel_size=4 (got 2)"),
+     "needs parallel.num_microbatches >= parallel.pipeline_parallel_size=4 (got 2)"),
     (["parallel.zero_stage=4"], "parallel.zero_stage=4 is not a ZeRO stage"),
     ([*PP2, "trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2 is not supported with pipeline"),
     (["parallel.zero_stage=0", "parallel.offload_optimizer=cpu"], "parallel.offload_optimizer='cpu' needs ZeRO"),
     ([*PP2, "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2", "parallel.zero_stage=3"],
-     "zero_stage=3 cannot run pipeline_schedule='zbv'"),
+     "parallel.zero_stage=3 cannot run parallel.pipeline_schedule='zbv'"),
     (["data.global_batch_size=30"], "data.global_batch_size=30 is not divisible by data.micro_batch_size"),
     (["data.seq_len=512"], "data.seq_len=512 exceeds the model's max_seq_len=256"),
     (["model.name=llama9"], "model.name='llama9' is unknown"),
@@ -36,7 +39,7 @@ BAD_INPUTS = [
     (["data.micro_batch_size=0"], "data.micro_batch_size=0 must be a positive integer"),
     (["data=tokens", "data.path=/no/such/tokens.u16"], "data.path='/no/such/tokens.u16' does not exist"),
     (["model.vocab_size=64"], "model.vocab_size=64 is smaller than the 256 byte tokens"),
-    (["parallel.sequence_parallel=true"], "sequence_parallel=True needs tensor_parallel_size > 1"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=True needs parallel.tensor_parallel_size > 1"),
     (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "data.seq_len=127"],
      "data.seq_len=127 is not a multiple of 2 (sequence parallelism splits each rank's tokens over "
      "tensor_parallel_size=2); use 126 or 128"),
@@ -45,8 +48,8 @@ BAD_INPUTS = [
      "or 104"),
     (["trainer.devices=6", "parallel.context_parallel_size=4"],
      "world_size=6 is not divisible by tensor*context*pipeline_parallel_size=1*4*1=4; the world must hold whole model "
-     "replicas: with tensor_parallel_size=1 and pipeline_parallel_size=1 choose context_parallel_size from 1, 2, 3 or "
-     "6"),
+     "replicas: with parallel.tensor_parallel_size=1 and parallel.pipeline_parallel_size=1 choose "
+     "parallel.context_parallel_size from 1, 2, 3 or 6"),
     (["model.compile=true", "parallel.zero_stage=3"], "model.compile=true cannot compile blocks under ZeRO-3"),
     (["model.compile=true", "model.compile_backend=fastest"],
      "model.compile_backend='fastest' is not a torch.compile backend; choose inductor (fused kernels) or aot_eager"),
@@ -57,14 +60,14 @@ BAD_INPUTS = [
     (["parallel.offload_optimizer=disk"], "parallel.offload_optimizer='disk' is not an offload device"),
     ([*PP2, "parallel.virtual_pipeline_size=2"], "virtual_pipeline_size=2 needs a multi-stage schedule"),
     ([*PP2, "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_pipeline_size=2",
-      "data.global_batch_size=12"], "needs num_microbatches divisible by pipeline_parallel_size=2 (got 3)"),
+      "data.global_batch_size=12"], "needs parallel.num_microbatches divisible by parallel.pipeline_parallel_size=2 (got 3)"),
     ([*PP2, "parallel.pipeline_schedule=dualpipev", "parallel.virtual_pipeline_size=2", "data.global_batch_size=8"],
-     "pipeline_schedule='dualpipev' needs num_microbatches >= its 2*pipeline_parallel_size=4 stages (got 2)"),
+     "parallel.pipeline_schedule='dualpipev' needs parallel.num_microbatches >= its 2*pipeline_parallel_size=4 stages (got 2)"),
     (["trainer.accelerator=tpu"], "trainer.accelerator='tpu' is unknown"),
     (["optim.lr=0"], "optim.lr=0.0 must be > 0"),
     (["optim.betas=[0.9]"], "optim.betas=[0.9] must be two numbers in [0, 1)"),
     (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be between 0 and 1"),
-    ([*PP2, "model.tie_embeddings=true"], "model.tie_embeddings=true cannot be split into pipeline stages"),
+    ([*PP2, "model.tie_embeddings=true"], "model.tie_embeddings=True cannot be split into pipeline stages"),
     ([*PP2, "trainer.precision=16-mixed"], "'16-mixed' is not supported with pipeline parallelism"),
     ([*PP2, "parallel.pipeline_boundaries=[0,3,2]"], "parallel.pipeline_boundaries=[0, 3, 2] must be 3 strictly"),
     (["data=text", "data.files=[/no/such/dir/*.txt]"], "data.files pattern '/no/such/dir/*.txt' matches no file"),

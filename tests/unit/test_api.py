@@ -131,16 +131,65 @@ def test_llm_module_declares_every_hook_of_the_contract_and_builds_shards_from_n
         assert Llama(module.config).output.weight.is_meta  # nothing allocated, nothing initialised
 
 
-def test_only_the_engine_package_imports_deepspeed():
-    """DeepSpeed sits behind ``lightning_mgpu.engine``: no other module of the package imports it."""
+def _imports(path: Path) -> list[str]:
+    """The absolute module names a source file imports, at any depth (module level or inside functions)."""
     import ast
 
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    return out
+
+
+def _package_files() -> dict[str, Path]:
     package = Path(lightning_mgpu.__file__).parent
-    importers = []
+    files = {}
     for path in sorted(package.rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
-            if any(n == "deepspeed" or n.startswith("deepspeed.") for n in names):
-                importers.append(path.relative_to(package).as_posix())
-    assert importers and all(p.startswith("engine/") for p in importers), importers
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return files
+
+
+def _importers_of(prefix: str) -> list[str]:
+    return [name for name, path in _package_files().items()
+            if any(n == prefix or n.startswith(prefix + ".") for n in _imports(path))]
+
+
+def test_only_the_engine_package_imports_deepspeed():
+    """DeepSpeed sits behind ``lightning_mgpu.engine``: no other module of the package imports it."""
+    importers = _importers_of("deepspeed")
+    assert importers and all(p.startswith("lightning_mgpu.engine") for p in importers), importers
+
+
+def test_shipped_code_never_imports_the_test_harness():
+    """``lightning_mgpu.testing`` (the fork harness and probes) serves tests and benchmarks; fault injection that
+    ``mgpu-train`` ships is ``lightning_mgpu.faults``."""
+    assert _importers_of("lightning_mgpu.testing") == []
+    assert _importers_of("lightning_mgpu.faults")  # the chaos hook is wired in
+
+
+def test_no_import_cycle_between_modules():
+    """Module A importing B (at any depth) and B importing A back, directly or through others, is refused; a
+    package's ``__init__`` re-exporting its own modules does not count."""
+    files = _package_files()
+    graph = {name: {m for m in _imports(path) if m in files and m != name and not name.startswith(m + ".")
+                    and not (path.name == "__init__.py" and m.startswith(name + "."))}
+             for name, path in files.items()}
+    cycles = []
+
+    def visit(node: str, stack: list[str], done: set[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt in stack:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt, stack + [nxt], done)
+        done.add(node)
+
+    done: set[str] = set()
+    for name in sorted(graph):
+        if name not in done:
+            visit(name, [name], done)
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)

@@ -1,0 +1,56 @@
+"""The ``parallel`` group against the devices, the model, the batch and the precision: the layout's own rules
+(``lightning_mgpu.layout``) and those stated beside it (sequence splits, compile, precision, stage boundaries), each
+asked where it is stated and named by its config key through :data:`~lightning_mgpu.cli.rule_base.CONFIG_KEYS`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from lightning_mgpu.cli.rule_base import _positive, keyed
+from lightning_mgpu.data.batching import batch_problems
+from lightning_mgpu.layout import V_SCHEDULES, ModelShape, layout_problems, sequence_problems, training_loop_problems
+from lightning_mgpu.models import LlamaConfig
+from lightning_mgpu.models.llama_plan import boundary_problems
+from lightning_mgpu.precision import pipeline_precision_problems
+
+
+def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:
+    """The layout against the devices, the model and the batch, as ``parallel.*`` keys."""
+    p, t, d = cfg.parallel, cfg.trainer, cfg.data
+    sizes_ok = not (_positive("trainer.devices", t.devices) or _positive("trainer.num_nodes", t.num_nodes))
+    world = t.devices * t.num_nodes if sizes_ok else 1
+    shape = None if model is None else ModelShape.of(model)
+    T, P, C = p.tensor_parallel_size, p.pipeline_parallel_size, p.context_parallel_size
+    sizes = (T, P, C)
+    dp = world // (T * P * C) if all(isinstance(n, int) and n > 0 for n in sizes) and world % (T * P * C) == 0 \
+        else None
+    micro = p.num_microbatches
+    batch = []
+    if dp is not None:
+        batch = batch_problems(d.global_batch_size, d.micro_batch_size, dp)
+        if not batch and micro is None:
+            micro = d.global_batch_size // (d.micro_batch_size * dp)
+    raw = layout_problems(world_size=world, tensor_parallel_size=T, pipeline_parallel_size=P, zero_stage=p.zero_stage,
+                          pipeline_schedule=p.pipeline_schedule, virtual_pipeline_size=p.virtual_pipeline_size,
+                          num_microbatches=micro, sequence_parallel=p.sequence_parallel, context_parallel_size=C,
+                          offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape)
+    out = keyed(raw, world, t) + batch
+    if isinstance(T, int) and isinstance(C, int) and T > 0 and C > 0 and isinstance(d.seq_len, int):
+        out += sequence_problems(d.seq_len, C, T, bool(p.sequence_parallel), key="data.seq_len")
+    if cfg.model.compile and isinstance(p.zero_stage, int):
+        from lightning_mgpu.parallel.compile import compile_layout_problems
+
+        out += compile_layout_problems(p.zero_stage, key="model.compile")
+    if isinstance(C, int) and C > 1 and d.get("document_mask"):
+        out.append(f"parallel.context_parallel_size={C} does not support data.document_mask=true yet (each rank would "
+                   "need the document boundaries of the chunks it does not hold); set one of them off")
+    if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
+        out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
+    if isinstance(P, int) and P > 1:
+        out += keyed(pipeline_precision_problems(str(t.precision), P), world, t)
+        if p.pipeline_boundaries is not None and model is not None and isinstance(p.virtual_pipeline_size, int):
+            stages = P * (2 if p.pipeline_schedule in V_SCHEDULES else p.virtual_pipeline_size)
+            out += [f"parallel.{line}" for line in boundary_problems(p.pipeline_boundaries, model.n_layers, stages)]
+    return out

@@ -1,0 +1,191 @@
+"""The config's own rules, group by group, before any process or process group exists: ``config_problems`` returns
+one line per problem, each naming the key, its value, the rule and a fix, so ``mgpu-train`` refuses a bad run in one
+message instead of failing minutes later inside DeepSpeed or torch. It only reads the config (and the file system for
+data paths); it builds no model. ``plan_problems`` does the same for ``mgpu-plan``."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_mgpu.checkpoint.formats import CheckpointSettings, complete_checkpoints, format_name_problems, read_refusal
+from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
+from lightning_mgpu.cli.errors import did_you_mean
+from lightning_mgpu.cli.layout_rules import parallel_problems
+from lightning_mgpu.cli.machine import launch_problems
+from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive
+from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
+from lightning_mgpu.models.llama import activation_checkpointing_problems
+from lightning_mgpu.planner.hardware import GPUS
+from lightning_mgpu.precision import SUPPORTED_PRECISIONS
+
+
+def model_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
+    """(the model config when it can be built, its problems)."""
+    m = cfg.model
+    if m.init_from:
+        from lightning_mgpu.checkpoint.hf import hf_path
+
+        if not (hf_path(m.init_from) / "config.json").is_file():
+            return None, [f"model.init_from={m.init_from!r} is not a Hugging Face Llama directory (no config.json); "
+                          "give hf:PATH of a directory with config.json and *.safetensors"]
+    if m.name not in LLAMA_SHAPES:
+        return None, [f"model.name={m.name!r} is unknown; choose one of {', '.join(LLAMA_SHAPES)} (or model=NAME)"]
+    out: list[str] = []
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
+        if m[key] is not None:
+            out += _positive(f"model.{key}", m[key])
+    out += activation_checkpointing_problems(m.activation_checkpointing, "model.activation_checkpointing")
+    if m.compile:
+        from lightning_mgpu.parallel.compile import compile_backend_problems
+
+        out += compile_backend_problems(m.compile_backend, "model.compile_backend")
+    if out:
+        return None, out
+    from lightning_mgpu.cli.build import build_model_config
+
+    try:
+        return build_model_config(cfg), []
+    except ValueError as err:  # LlamaConfig lists its own rules (head_dim, heads vs kv heads, ...)
+        return None, [f"model: {line.strip(' -')}" for line in str(err).splitlines()[1:]]
+
+
+#: (vocabulary size, what has it) of the data, e.g. (256, "the 256 byte tokens of data.source=corpus").
+def trainer_problems(cfg: DictConfig) -> list[str]:
+    t = cfg.trainer
+    out = _positive("trainer.devices", t.devices) + _positive("trainer.num_nodes", t.num_nodes)
+    out += _positive("trainer.max_steps", t.max_steps) + _positive("trainer.log_every_n_steps", t.log_every_n_steps)
+    out += _positive("trainer.accumulate_grad_batches", t.accumulate_grad_batches)
+    for key in ("val_check_interval", "max_epochs", "limit_train_batches", "check_val_every_n_epoch"):
+        if t[key] is not None:
+            out += _positive(f"trainer.{key}", t[key])
+    if t.accelerator not in ACCELERATORS:
+        out.append(f"trainer.accelerator={t.accelerator!r} is unknown; choose one of {', '.join(ACCELERATORS)}")
+    if str(t.precision) not in SUPPORTED_PRECISIONS:
+        out.append(f"trainer.precision={t.precision!r} is not supported; choose one of {', '.join(SUPPORTED_PRECISIONS)}")
+    if t.gradient_clip_val is not None and t.gradient_clip_val < 0:
+        out.append(f"trainer.gradient_clip_val={t.gradient_clip_val} must be >= 0 (or null for no clipping)")
+    if t.max_time is not None and not _MAX_TIME.match(str(t.max_time)):
+        out.append(f"trainer.max_time={t.max_time!r} must be days:hours:minutes:seconds, e.g. 00:12:00:00 for 12 "
+                   "hours")
+    if t.limit_val_batches < 0 or (t.limit_val_batches > 1 and not float(t.limit_val_batches).is_integer()):
+        out.append(f"trainer.limit_val_batches={t.limit_val_batches} must be a fraction in [0, 1] of the validation "
+                   "batches or a whole number of batches, e.g. 0.5 or 2")
+    if isinstance(t.num_sanity_val_steps, int) and t.num_sanity_val_steps < -1:
+        out.append(f"trainer.num_sanity_val_steps={t.num_sanity_val_steps} must be >= 0 (or -1 for every validation "
+                   "batch)")
+    if t.limit_train_batches is None:  # one endless epoch: nothing that waits for an epoch's end would ever happen
+        for key in ("max_epochs", "check_val_every_n_epoch"):
+            if t[key] is not None:
+                out.append(f"trainer.{key}={t[key]} never happens: the training stream is endless (one epoch that "
+                           "never ends); set trainer.limit_train_batches=N to make epochs of N batches, or use "
+                           + ("trainer.max_steps" if key == "max_epochs" else "trainer.val_check_interval (steps)"))
+    elif (t.check_val_every_n_epoch is not None and isinstance(t.val_check_interval, int)
+          and isinstance(t.limit_train_batches, int) and t.val_check_interval > t.limit_train_batches):
+        out.append(f"trainer.val_check_interval={t.val_check_interval} is longer than an epoch "
+                   f"(trainer.limit_train_batches={t.limit_train_batches}) while trainer.check_val_every_n_epoch is "
+                   "set; lower it, or set trainer.check_val_every_n_epoch=null to count it over the whole run")
+    if cfg.cluster.launcher not in LAUNCHERS:
+        out.append(f"cluster.launcher={cfg.cluster.launcher!r} is unknown; choose cluster=local, torchrun or slurm")
+    return out
+
+
+def logger_problems(cfg: DictConfig) -> list[str]:
+    csv = cfg.logger.csv
+    if csv is not None and csv.flush_logs_every_n_steps is not None:
+        return _positive("logger.csv.flush_logs_every_n_steps", csv.flush_logs_every_n_steps)
+    return []
+
+
+def optim_problems(cfg: DictConfig) -> list[str]:
+    o = cfg.optim
+    out = _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    if not o.lr > 0:
+        out.append(f"optim.lr={o.lr} must be > 0")
+    if not 0.0 <= o.min_lr_ratio <= 1.0:
+        out.append(f"optim.min_lr_ratio={o.min_lr_ratio} must be between 0 and 1 (the final LR as a fraction of the peak)")
+    if o.weight_decay < 0:
+        out.append(f"optim.weight_decay={o.weight_decay} must be >= 0")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        out.append(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if o.lr_scaling not in (None, "linear", "sqrt"):
+        out.append(f"optim.lr_scaling={o.lr_scaling!r} is unknown; choose null, linear or sqrt")
+    elif o.lr_scaling and not o.reference_batch_size:
+        out.append(f"optim.lr_scaling={o.lr_scaling!r} needs optim.reference_batch_size (the batch the LR was tuned "
+                   "for)")
+    return out
+
+
+def checkpoint_problems(cfg: DictConfig) -> list[str]:
+    c = cfg.checkpoint
+    out = [] if c.every_n_steps is None else _positive("checkpoint.every_n_steps", c.every_n_steps)
+    out += _positive("checkpoint.keep_last", c.keep_last)
+    out += format_name_problems(c.format, "checkpoint.format")
+    if c.resume not in (None, "auto") and not Path(c.resume).is_dir():
+        out.append(f"checkpoint.resume={c.resume!r} is not a checkpoint directory; give one, auto, or null")
+    elif c.resume not in (None, "auto") and not complete_checkpoints(c.resume):
+        settings = CheckpointSettings(c.format, c.trust_deepspeed_checkpoints)
+        if (refusal := read_refusal(c.resume, settings)) is not None:
+            out.append(f"checkpoint.resume: {refusal}")
+    if cfg.parallel.timeout_s is not None and not cfg.parallel.timeout_s > 0:
+        out.append(f"parallel.timeout_s={cfg.parallel.timeout_s} must be > 0 seconds")
+    return out
+
+
+def key_problems(cfg: DictConfig) -> list[str]:
+    """Keys left ``???`` and keys added with ``+`` that no schema has (they would be ignored)."""
+    return _key_problems(cfg, "")
+
+
+def _key_problems(node: DictConfig, prefix: str) -> list[str]:
+    schema = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    out = []
+    for key, value in node.items_ex(resolve=False):  # unresolved: a ${...} of an unset variable must not raise here
+        path = f"{prefix}{key}"
+        if known is not None and key not in known and path != "hydra":  # hydra: Hydra's own node, when composed in
+            out.append(f"{path} is not a setting" + (did_you_mean(str(key), known, prefix) or "; remove it"))
+        elif OmegaConf.is_missing(node, key):
+            out.append(f"{path} is required and has no value: add {path}=... to the command line")
+        elif (isinstance(value, DictConfig) and not OmegaConf.is_interpolation(node, key)
+              and node[key] is not None):
+            out += _key_problems(value, f"{path}.")
+    return out
+
+
+def config_problems(cfg: DictConfig, launching: bool = True) -> list[str]:
+    """Every problem of a composed ``mgpu-train`` config itself (empty when it can run on suitable machines).
+
+    What this machine lacks to run it is :func:`machine_problems`; :func:`check_run` asks both. With
+    ``launching=False`` (the dry run, which starts nothing) how the job would be launched is not checked.
+    """
+    keys = key_problems(cfg)
+    if keys:  # reading a ??? value raises, and an unknown key means the rest was not what the user meant
+        return keys
+    launch = launch_problems(cfg) if launching else []
+    if launch:  # sizes of torchrun/SLURM jobs come from the launcher's environment; nothing else can be checked
+        return launch
+    model, out = model_problems(cfg)
+    return (out + data_problems(cfg, model) + trainer_problems(cfg) + logger_problems(cfg) + optim_problems(cfg)
+            + parallel_problems(cfg, model) + checkpoint_problems(cfg))
+
+
+def plan_problems(cfg: DictConfig) -> list[str]:
+    """Every problem of a composed ``mgpu-plan`` config: the model, the cluster size, the batch and ``plan.*``."""
+    keys = key_problems(cfg)
+    if keys:
+        return keys
+    model, out = model_problems(cfg)
+    t, d, plan = cfg.trainer, cfg.data, cfg.plan
+    out += seq_len_problems(d.seq_len, model) if model is not None else []
+    out += _positive("trainer.devices", t.devices) + _positive("trainer.num_nodes", t.num_nodes)
+    out += _positive("data.seq_len", d.seq_len) + _positive("data.global_batch_size", d.global_batch_size)
+    if plan.gpu not in GPUS:
+        out.append(f"plan.gpu={plan.gpu!r} is unknown; choose one of {', '.join(GPUS)}"
+                   + did_you_mean(str(plan.gpu), GPUS))
+    if plan.achievable is not None and not 0.0 < plan.achievable <= 1.0:
+        out.append(f"plan.achievable={plan.achievable} must be a fraction of the peak in (0, 1], e.g. 0.5")
+    return out + _positive("plan.top", plan.top) + _positive("plan.commands", plan.commands, allow_zero=True)

@@ -1,0 +1,152 @@
+"""Fault injection, shipped as a chaos hook: with one of the environment variables below set, ``mgpu-train`` kills,
+stops or fails a chosen rank at a chosen step, or kills the whole job at a chosen point of a step or of a checkpoint
+save. Without the variables nothing is added and nothing runs. Used by the crash-safety and lost-rank tests, and
+available to anyone who wants to rehearse a failure on their own cluster (for example that ``checkpoint.resume=auto``
+continues after the job is killed while a checkpoint is written).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from lightning_mgpu.problems import format_problems
+
+#: Fault injection, read by ``mgpu-train`` (see :func:`fault_callbacks`). ``<rank>:<step>``: that rank, as
+#: optimizer step ``step`` begins, SIGKILLs itself (``kill``: its sockets close at once), SIGSTOPs itself (``stop``: it
+#: hangs with its sockets open), or raises :class:`InjectedFault` inside that step's backward pass (``raise``); the
+#: last two first print ``MGPU fault: ... at time <unix time>`` on stderr.
+RANK_FAULTS = {"MGPU_KILL_RANK_AT": "kill", "MGPU_STOP_RANK_AT": "stop", "MGPU_RAISE_RANK_AT": "raise"}
+#: ``MGPU_KILL_AT=<point>:<step>``: rank 0 SIGKILLs the whole job (its process group) at that point of that step.
+KILL_JOB_VARIABLE = "MGPU_KILL_AT"
+#: The points of ``MGPU_KILL_AT``, each with the step it counts (``trainer.global_step`` there).
+KILL_POINTS = {
+    "backward": "inside the backward pass of the step that starts at step",
+    "step": "after the optimizer step that ends at step",
+    "trained": "after a step that ends at a checkpoint step, before its save",
+    "torn": "while writing the checkpoint of step: rank 0's first whole file half written",
+    "saving": "checkpoint of step written by every rank, not yet published",
+    "published": "checkpoint of step published, older ones not yet deleted",
+    "resume": "while restoring the checkpoint of step (read, not yet applied to the trainer)",
+}
+
+
+class InjectedFault(RuntimeError):
+    """The exception ``MGPU_RAISE_RANK_AT`` raises."""
+
+
+def _spec(name: str, value: str, first: str, example: str, problems: list[str]) -> Optional[tuple[str, int]]:
+    parts = value.split(":")
+    if len(parts) != 2 or not parts[1].isdigit() or (first == "rank" and not parts[0].isdigit()):
+        problems.append(f"{name}={value!r} must be <{first}>:<step>, e.g. {name}={example}")
+        return None
+    return parts[0], int(parts[1])
+
+
+def _say(message: str) -> None:
+    print(f"MGPU fault: {message}", file=sys.stderr, flush=True)
+
+
+def kill_job_at(point: str, step: int, rank: int) -> None:
+    """A fault point: SIGKILL the whole job when ``MGPU_KILL_AT`` is ``<point>:<step>`` and this is rank 0."""
+    if rank == 0 and os.environ.get(KILL_JOB_VARIABLE) == f"{point}:{step}":
+        _kill_job(f"{point}:{step}")
+
+
+def _kill_job(where: str) -> None:
+    _say(f"rank 0 kills the job (SIGKILL to its process group) at {where}")
+    os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def _in_backward(model: torch.nn.Module, action: Callable[[], None]) -> None:
+    """Run ``action`` once, inside the next backward pass: from the gradient hook of the first trainable parameter
+    (the embedding's gradient comes last, so most of the backward pass has run by then)."""
+    param = next(p for p in model.parameters() if p.requires_grad)
+    handles = []
+
+    def hook(grad: torch.Tensor) -> None:
+        handles[0].remove()
+        action()
+
+    handles.append(param.register_hook(hook))
+
+
+def _tear_next_file(where: str) -> None:
+    """Make this process's next ``torch.save`` to a path write half of its bytes, then kill the job."""
+    import io
+
+    save = torch.save
+
+    def torn_save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(f, (str, os.PathLike)):
+            return save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        with open(f, "wb") as out:
+            out.write(data[: len(data) // 2])
+            out.flush()
+            os.fsync(out.fileno())
+        _kill_job(f"{where} ({Path(f).name}: {len(data) // 2} of {len(data)} bytes written)")
+
+    torch.save = torn_save
+
+
+def fault_callbacks(environ: Optional[Mapping[str, str]] = None) -> list:
+    """The Lightning callbacks that inject the faults the environment asks for (none when no variable is set)."""
+    environ = os.environ if environ is None else environ
+    problems: list[str] = []
+    rank_faults = {}
+    for name, action in RANK_FAULTS.items():
+        if name in environ and (spec := _spec(name, environ[name], "rank", "1:3", problems)):
+            rank_faults[(int(spec[0]), spec[1])] = action
+    kill_job = None
+    if KILL_JOB_VARIABLE in environ:
+        kill_job = _spec(KILL_JOB_VARIABLE, environ[KILL_JOB_VARIABLE], "point", "torn:4", problems)
+        if kill_job and kill_job[0] not in KILL_POINTS:
+            problems.append(f"{KILL_JOB_VARIABLE}={environ[KILL_JOB_VARIABLE]!r}: point {kill_job[0]!r} is unknown; "
+                            f"choose one of {', '.join(KILL_POINTS)}")
+    if problems:
+        raise ValueError(format_problems("Invalid fault injection", problems))
+    if not rank_faults and kill_job is None:
+        return []
+    return [_fault_injection(rank_faults, kill_job)]
+
+
+def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional[tuple[str, int]]):
+    import lightning as L
+
+    class FaultInjection(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            rank, step = trainer.global_rank, trainer.global_step
+            action = rank_faults.get((rank, step))
+            if action == "kill":
+                _say(f"rank {rank} kills itself (SIGKILL) at step {step}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif action == "stop":
+                _say(f"rank {rank} stops (SIGSTOP) at step {step} at time {time.time():.3f}")
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif action == "raise":
+                def fail() -> None:
+                    where = f"in the backward pass of step {step}"
+                    _say(f"rank {rank} raises InjectedFault {where} at time {time.time():.3f}")
+                    raise InjectedFault(f"injected on rank {rank} {where}")
+
+                _in_backward(trainer.strategy.model, fail)
+            if kill_job == ("backward", step) and rank == 0:
+                _in_backward(trainer.strategy.model, lambda: _kill_job(f"backward:{step} (inside the backward pass)"))
+
+        def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
+            if kill_job == ("torn", trainer.global_step) and trainer.global_rank == 0:
+                _tear_next_file(f"torn:{trainer.global_step}")
+
+        def on_load_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict) -> None:
+            kill_job_at("resume", checkpoint["global_step"], trainer.global_rank)
+
+    return FaultInjection()

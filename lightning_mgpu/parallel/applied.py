@@ -1,0 +1,23 @@
+"""What a rank runs, read from the objects ``setup`` built (not from the arguments asked for): printed at the start
+of every run, so a layout that silently fell back would show."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_mgpu import engine as engines
+from lightning_mgpu.layout import ParallelLayout
+
+
+def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any], global_rank: int) -> str:
+    """One line: the split parameters, the pipeline's schedule and stages, the ZeRO stage and replicas."""
+    split = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
+    sequence = any(getattr(m, "sequence_parallel", False) for m in engine.module.modules())
+    parts = [f"rank {global_rank}: tensor parallel over {layout.size('tp')} ranks "
+             f"({len(split)} split parameters{', sequence parallel' if sequence else ''})"]
+    if pipeline is not None:
+        stages = [stage.stage_index for stage in pipeline.stages]
+        parts.append(f"pipeline {type(pipeline.schedule).__name__} over {layout.size('pp')} ranks "
+                     f"(stages {stages} of {layout.num_stages})")
+    parts.append(f"ZeRO-{engines.zero_stage(engine)} over {engines.data_parallel_size(engine)} data-parallel replicas")
+    return "applied layout: " + "; ".join(parts)

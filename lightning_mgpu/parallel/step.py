@@ -1,0 +1,67 @@
+"""One training step of this rank's share of a global batch, behind one interface for both kinds of layout.
+
+:class:`DataParallelStep` runs each micro-batch's forward (the module's own ``training_step``, through Lightning's
+forward redirection so the engine's hooks run) and backward through the engine; :class:`PipelineStep` hands the batch
+to the pipeline schedule, which runs forward and backward of every micro-batch itself. Both return the loss of the
+whole global batch, detached: the mean over micro-batches, data-parallel replicas and context ranks. The optimizer
+step (``engine.step()``) is Lightning's, at the end of each group of ``accumulate_grad_batches`` batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol
+
+import torch
+import torch.distributed as dist
+
+from lightning_mgpu import engine as engines
+from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.microbatch import split_microbatches
+from lightning_mgpu.parallel.pipeline import Pipeline
+
+
+class TrainStep(Protocol):
+    def __call__(self, batch: Any, *rest: Any, **kwargs: Any) -> Any:
+        """Forward and backward of every micro-batch of ``batch``; the global batch's mean loss (detached)."""
+
+
+def mean_over_replicas(mean: torch.Tensor, layout: ParallelLayout) -> torch.Tensor:
+    """The loss of the global batch: the mean over replicas and over the equal sequence parts of context ranks."""
+    if layout.size("dp_cp") > 1:
+        dist.all_reduce(mean, group=layout.group("dp_cp"))
+        mean /= layout.size("dp_cp")
+    return mean
+
+
+class DataParallelStep:
+    """Micro-batches through the engine, one after the other (no pipeline)."""
+
+    def __init__(self, engine: Any, module: Any, layout: ParallelLayout, num_microbatches: int,
+                 step_context: Callable[[], Any], forward: Callable[..., Any]) -> None:
+        self.engine, self.module, self.layout = engine, module, layout
+        self.num_microbatches, self.step_context, self.forward = num_microbatches, step_context, forward
+
+    def __call__(self, batch: Any, *rest: Any, **kwargs: Any) -> Any:
+        if not self.module.automatic_optimization:  # the module calls manual_backward and opt.step() itself
+            with self.step_context():
+                return self.forward(self.engine, self.module, "training_step", batch, *rest, **kwargs)
+        losses, out = [], None
+        for micro_batch in split_microbatches(batch, self.num_microbatches):
+            with self.step_context():
+                out = self.forward(self.engine, self.module, "training_step", micro_batch, *rest, **kwargs)
+            loss = out["loss"] if isinstance(out, Mapping) else out
+            engines.backward(self.engine, loss)  # scaled by 1 / (micro-batches x accumulate_grad_batches) in the engine
+            losses.append(loss.detach().float())
+        mean = mean_over_replicas(torch.stack(losses).mean(), self.layout)
+        # The module's other outputs (of the last micro-batch) reach on_train_batch_end as under DDP.
+        return {**out, "loss": mean} if isinstance(out, Mapping) else mean
+
+
+class PipelineStep:
+    """The batch through the pipeline schedule (``pipeline_batch`` gives the first stage's input and the target)."""
+
+    def __init__(self, pipeline: Pipeline, module: Any, layout: ParallelLayout) -> None:
+        self.pipeline, self.module, self.layout = pipeline, module, layout
+
+    def __call__(self, batch: Any, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        return mean_over_replicas(self.pipeline.train_step(*self.module.pipeline_batch(batch)), self.layout)

@@ -1,0 +1,67 @@
+"""What MGPUStrategy refuses of a Trainer and a LightningModule at ``setup``, all at once and by name, with what to do
+instead: the layout against the module's shape and the data's micro-batches, the hooks a pipeline needs, Lightning
+features the engine cannot run, and optimizer groups that ZeRO-3's early partitioning would leave empty."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from lightning_mgpu.contract import hook
+from lightning_mgpu.layout import ParallelLayout, training_loop_problems
+from lightning_mgpu.precision import pipeline_precision_problems
+from lightning_mgpu.problems import raise_problems
+
+#: The hooks a module needs for pipeline parallelism.
+PIPELINE_HOOKS = ("pipeline_stages", "pipeline_batch", "pipeline_loss")
+
+
+def check_module(module: Any, layout_args: dict, world_size: int, num_microbatches: int, precision: str) -> None:
+    """The layout against the module's shape (when it declares ``model_shape``) and the micro-batch count the data
+    gives; with pipeline stages, the precision and the hooks the pipeline calls."""
+    args = dict(layout_args, num_microbatches=num_microbatches)
+    shape = getattr(module, "model_shape", None)  # a property of the contract, not a callable hook
+    layout = ParallelLayout(world_size=world_size, model=shape, **args)
+    if layout.size("pp") == 1:
+        return
+    problems: list = pipeline_precision_problems(precision, layout.size("pp"))
+    missing = [name for name in PIPELINE_HOOKS if hook(module, name) is None]
+    if missing:
+        problems.append(f"pipeline_parallel_size={layout.size('pp')} needs {type(module).__name__} to define "
+                        f"{', '.join(missing)} (see LLMModule)")
+    raise_problems("Invalid pipeline setup", problems)
+
+
+def check_trainer(trainer: Any, module: Any, layout: ParallelLayout, num_microbatches: int) -> None:
+    """The Lightning features this strategy cannot run."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    if trainer.gradient_clip_algorithm not in (None, "norm") and trainer.gradient_clip_val:
+        raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported: "
+                         "MGPUStrategy clips by the global norm; use gradient_clip_algorithm='norm'")
+    problems = training_loop_problems(layout.size("pp"), trainer.accumulate_grad_batches,
+                                      not module.automatic_optimization, num_microbatches)
+    if any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks):
+        problems.append("StochasticWeightAveraging is not supported by MGPUStrategy: it averages full copies of the "
+                        "parameters, which ZeRO partitions and tensor/pipeline parallelism split; average "
+                        "checkpoints offline instead (mgpu-export writes whole weights)")
+    raise_problems("Unsupported with MGPUStrategy", problems)
+
+
+def check_optimizers(optimizers: list, module: Any, partitioned_early: bool) -> Optional[torch.optim.Optimizer]:
+    """The one optimizer the engine drives. A module built on the meta device has its parameters partitioned as they
+    are filled under ZeRO-3 (``partitioned_early``), before ``configure_optimizers`` runs: grouping them by
+    ``p.dim()`` or ``p.shape`` then sees empty 1-d tensors and leaves a group empty (DeepSpeed drops it; an LR
+    scheduler of the groups then fails, or weight decay silently goes): refused by name."""
+    if len(optimizers) != 1:
+        raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers; MGPUStrategy drives one "
+                         "DeepSpeed engine and needs exactly one")
+    optimizer = optimizers[0]
+    empty = [i for i, group in enumerate(optimizer.param_groups) if not group["params"]]
+    if partitioned_early and empty:
+        raise ValueError(f"configure_optimizers of {type(module).__name__} returned parameter group(s) {empty} of "
+                         f"{len(optimizer.param_groups)} with no parameters. Under ZeRO-3 each parameter is already "
+                         "partitioned when configure_optimizers runs (p.shape is an empty 1-d tensor's): group "
+                         "parameters by lightning_mgpu.parameter_shape(p), or leave empty groups out")
+    return optimizer
