@@ -47,6 +47,16 @@ class ModelShape:
                    bool(getattr(config, "tie_embeddings", False)))
 
 
+def context_document_problems(context_parallel_size: int, document_mask: bool) -> list[Problem]:
+    """The rule: context parallelism does not mask documents yet (each rank would need the document boundaries of
+    the chunks it does not hold)."""
+    if context_parallel_size > 1 and document_mask:
+        return [Problem("context_parallel_size", context_parallel_size, "does not support document masking yet (each "
+                        "rank would need the document boundaries of the chunks it does not hold)",
+                        "set document_mask=False (the model's eod_token_id=None) or context_parallel_size=1")]
+    return []
+
+
 def stage_count_problems(stages: int, n_layers: int) -> list[Problem]:
     """The rule: every pipeline stage (``pipeline_parallel_size x virtual_pipeline_size`` of them) holds a layer."""
     if stages > n_layers:
@@ -63,6 +73,16 @@ def tied_embedding_problems(pipeline_parallel_size: int, tie_embeddings: bool) -
         return [Problem("tie_embeddings", True, "cannot be split into pipeline stages (the embedding lives on the "
                         "first stage, the head on the last)", "set tie_embeddings=False or pipeline_parallel_size=1")]
     return []
+
+
+@dataclass(frozen=True)
+class GroupCoordinates:
+    """A process group given by this rank's place in it, without one: layers built with it have the shapes of rank
+    ``rank`` of ``size`` and cannot run collectives (the dry run splits a model on the meta device for every rank of a
+    layout this way, in one process; see :meth:`ParallelLayout.planned_at`)."""
+
+    rank: int
+    size: int
 
 
 def divisors(n: int) -> list[int]:
@@ -289,6 +309,17 @@ class ParallelLayout:
                 if global_rank in ranks:
                     self._groups[axis] = group
 
+    def planned_at(self, global_rank: int) -> "ParallelLayout":
+        """This layout as rank ``global_rank`` sees it, without ``torch.distributed``: :meth:`rank` answers, and
+        :meth:`group` gives :class:`GroupCoordinates` instead of process groups (for the dry run)."""
+        view = _UncheckedLayout(**{name: getattr(self, name) for name in self.__dataclass_fields__ if name != "_groups"})
+        coords = self.coords(global_rank)
+        view._groups.update({"rank": global_rank, **{axis: GroupCoordinates(coords[axis], self.size(axis))
+                                                     for axis in AXES}})
+        view._groups["dp_cp"] = GroupCoordinates(coords["dp"] * self.context_parallel_size + coords["cp"],
+                                                 self.size("dp_cp"))
+        return view
+
     def group(self, axis: str):
         """This rank's process group along ``axis`` ("tp", "cp", "pp", "dp", "dp_cp" or "mp"); needs
         :meth:`init_groups`."""
@@ -306,6 +337,42 @@ class ParallelLayout:
         return coords[_check_axis(axis)]
 
 
+@dataclass(frozen=True)
+class LayoutRequest:
+    """What a run asks of its layout before the world size, the model and the data are known: the strategy's
+    arguments (``MGPUStrategy(...)``, ``parallel.*`` in Hydra). :meth:`problems` checks it against what is known so
+    far; :meth:`layout` builds the one :class:`ParallelLayout` of a process once its world exists."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    zero_stage: int = 0
+    pipeline_schedule: str = "1f1b"
+    virtual_pipeline_size: int = 1
+    num_microbatches: Optional[int] = None
+    sequence_parallel: bool = False
+    offload_optimizer: Optional[str] = None
+    offload_params: Optional[str] = None
+
+    def smallest_world(self) -> int:
+        """The world size of one model replica (1 while a size is invalid: :meth:`problems` names it)."""
+        sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size)
+        return math.prod(sizes) if all(isinstance(n, int) and n > 0 for n in sizes) else 1
+
+    def problems(self, world_size: Optional[int] = None, model: Optional[ModelShape] = None,
+                 **known: object) -> list[Problem]:
+        """Every rule the request breaks with the world (default: one replica), model and micro-batches known."""
+        return layout_problems(**self._arguments(world_size or self.smallest_world(), model, known))
+
+    def layout(self, world_size: int, devices_per_node: Optional[int] = None, model: Optional[ModelShape] = None,
+               **known: object) -> ParallelLayout:
+        return ParallelLayout(**self._arguments(world_size, model, known), devices_per_node=devices_per_node)
+
+    def _arguments(self, world_size: int, model: Optional[ModelShape], known: dict) -> dict:
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return {**fields, **known, "world_size": world_size, "model": model}
+
+
 class _UncheckedLayout(ParallelLayout):
     """A layout that skips validation on construction, so its problems can be listed instead of raised."""
 
@@ -316,24 +383,6 @@ class _UncheckedLayout(ParallelLayout):
 def layout_problems(**kwargs) -> list[Problem]:
     """Every rule the layout ``ParallelLayout(**kwargs)`` would break, without raising (empty when valid)."""
     return _UncheckedLayout(**kwargs).problems()
-
-
-def training_loop_problems(pipeline_parallel_size: int, accumulate_grad_batches: int = 1,
-                           manual_optimization: bool = False, num_microbatches: int = 1) -> list[str]:
-    """What Lightning's training loop may ask for that this layout cannot run (empty when all is well)."""
-    out = []
-    if pipeline_parallel_size > 1 and accumulate_grad_batches > 1:
-        out.append(f"accumulate_grad_batches={accumulate_grad_batches} is not supported with pipeline parallelism "
-                   f"(pipeline_parallel_size={pipeline_parallel_size}): the schedule already accumulates over its "
-                   "micro-batches; raise the number of micro-batches instead (a larger global batch, or "
-                   "num_microbatches)")
-    if manual_optimization and pipeline_parallel_size > 1:
-        out.append("manual optimization (automatic_optimization=False) is not supported with pipeline parallelism: "
-                   "the schedule runs forward and backward itself; use automatic optimization")
-    if manual_optimization and num_microbatches > 1:
-        out.append(f"manual optimization runs one training_step per batch, but {num_microbatches} micro-batches were "
-                   "asked for; use num_microbatches=1 (micro-batch = the whole batch) or automatic optimization")
-    return out
 
 
 def stage_ids(pipeline_parallel_size: int, virtual_pipeline_size: int, schedule: str, pp_rank: int) -> list[int]:

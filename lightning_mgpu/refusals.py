@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from lightning_mgpu.contract import hook
-from lightning_mgpu.layout import ParallelLayout, training_loop_problems
+from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.precision import pipeline_precision_problems
 from lightning_mgpu.problems import raise_problems
 
@@ -17,20 +17,38 @@ from lightning_mgpu.problems import raise_problems
 PIPELINE_HOOKS = ("pipeline_stages", "pipeline_batch", "pipeline_loss")
 
 
-def check_module(module: Any, layout_args: dict, world_size: int, num_microbatches: int, precision: str) -> None:
+def check_module(module: Any, request: LayoutRequest, world_size: int, num_microbatches: int, precision: str) -> None:
     """The layout against the module's shape (when it declares ``model_shape``) and the micro-batch count the data
     gives; with pipeline stages, the precision and the hooks the pipeline calls."""
-    args = dict(layout_args, num_microbatches=num_microbatches)
     shape = getattr(module, "model_shape", None)  # a property of the contract, not a callable hook
-    layout = ParallelLayout(world_size=world_size, model=shape, **args)
-    if layout.size("pp") == 1:
+    raise_problems("Invalid parallel layout", request.problems(world_size, shape, num_microbatches=num_microbatches))
+    stages = request.pipeline_parallel_size
+    if stages == 1:
         return
-    problems: list = pipeline_precision_problems(precision, layout.size("pp"))
+    problems: list = pipeline_precision_problems(precision, stages)
     missing = [name for name in PIPELINE_HOOKS if hook(module, name) is None]
     if missing:
-        problems.append(f"pipeline_parallel_size={layout.size('pp')} needs {type(module).__name__} to define "
+        problems.append(f"pipeline_parallel_size={stages} needs {type(module).__name__} to define "
                         f"{', '.join(missing)} (see LLMModule)")
     raise_problems("Invalid pipeline setup", problems)
+
+
+def training_loop_problems(pipeline_parallel_size: int, accumulate_grad_batches: int = 1,
+                           manual_optimization: bool = False, num_microbatches: int = 1) -> list[str]:
+    """What Lightning's training loop may ask for that this layout cannot run (empty when all is well)."""
+    out = []
+    if pipeline_parallel_size > 1 and accumulate_grad_batches > 1:
+        out.append(f"accumulate_grad_batches={accumulate_grad_batches} is not supported with pipeline parallelism "
+                   f"(pipeline_parallel_size={pipeline_parallel_size}): the schedule already accumulates over its "
+                   "micro-batches; raise the number of micro-batches instead (a larger global batch, or "
+                   "num_microbatches)")
+    if manual_optimization and pipeline_parallel_size > 1:
+        out.append("manual optimization (automatic_optimization=False) is not supported with pipeline parallelism: "
+                   "the schedule runs forward and backward itself; use automatic optimization")
+    if manual_optimization and num_microbatches > 1:
+        out.append(f"manual optimization runs one training_step per batch, but {num_microbatches} micro-batches were "
+                   "asked for; use num_microbatches=1 (micro-batch = the whole batch) or automatic optimization")
+    return out
 
 
 def check_trainer(trainer: Any, module: Any, layout: ParallelLayout, num_microbatches: int) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
 from datetime import timedelta
 from typing import Any, Callable, Generator, Mapping, Optional, Union
 
@@ -35,7 +34,7 @@ from lightning_mgpu import engine as engines
 from lightning_mgpu.allocator import return_freed_memory
 from lightning_mgpu.contract import ParallelContext, builds_on_meta
 from lightning_mgpu.launcher import choose_launcher
-from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.parallel.applied import applied_layout
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.parallelize import parallelize
@@ -44,6 +43,7 @@ from lightning_mgpu.parallel.plan import TensorParallelPlan
 from lightning_mgpu.parallel.step import DataParallelStep, PipelineStep
 from lightning_mgpu.parallel.timeline import PipelineTimeline
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
+from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.refusals import check_module, check_optimizers, check_trainer
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class MGPUStrategy(ParallelStrategy):
         nvme_path: directory for NVMe offload.
         deepspeed_config: a dict merged over the generated DeepSpeed config (escape hatch).
         process_group_backend: ``"gloo"``/``"nccl"``; default from the device.
-        timeout: collective timeout.
+        timeout: collective timeout, a ``timedelta`` or seconds (``parallel.timeout``).
     """
 
     strategy_name = "mgpu"
@@ -101,22 +101,17 @@ class MGPUStrategy(ParallelStrategy):
                  num_microbatches: Optional[int] = None, offload_optimizer: Optional[str] = None,
                  offload_params: Optional[str] = None, nvme_path: Optional[str] = None,
                  deepspeed_config: Optional[dict] = None, process_group_backend: Optional[str] = None,
-                 timeout: Optional[timedelta] = default_pg_timeout,
+                 timeout: Optional[Union[timedelta, float]] = default_pg_timeout,
                  tensor_parallel_plan: Optional[TensorParallelPlan] = None,
                  pipeline_boundaries: Optional[list[int]] = None, pipeline_timeline: bool = False,
                  save_consolidated_weights: bool = False, checkpoint_format: str = "universal",
                  context_parallel_size: int = 1, trust_deepspeed_checkpoints: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._layout_args = dict(
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            zero_stage=zero_stage, pipeline_schedule=pipeline_schedule, virtual_pipeline_size=virtual_pipeline_size,
-            num_microbatches=num_microbatches, sequence_parallel=sequence_parallel,
-            context_parallel_size=context_parallel_size,
-            offload_optimizer=offload_optimizer, offload_params=offload_params)
+        self.layout_request = LayoutRequest(
+            tensor_parallel_size, pipeline_parallel_size, context_parallel_size, zero_stage, pipeline_schedule,
+            virtual_pipeline_size, num_microbatches, sequence_parallel, offload_optimizer, offload_params)
         # Everything that does not depend on the world size is checked now, before any process exists.
-        sizes = (tensor_parallel_size, pipeline_parallel_size, context_parallel_size)
-        ParallelLayout(world_size=math.prod(sizes) if all(isinstance(n, int) and n > 0 for n in sizes) else 1,
-                       **self._layout_args)
+        raise_problems("Invalid parallel layout", self.layout_request.problems())
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
         self.pipeline_timeline = pipeline_timeline
         self.save_consolidated_weights = save_consolidated_weights
@@ -134,7 +129,7 @@ class MGPUStrategy(ParallelStrategy):
         self.nvme_path = nvme_path
         self.deepspeed_config_overrides = dict(deepspeed_config or {})
         self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._timeout = timeout if timeout is None or isinstance(timeout, timedelta) else timedelta(seconds=timeout)
         self.layout: Optional[ParallelLayout] = None
         self._heartbeat: Optional[Heartbeat] = None
         self.num_nodes = 1
@@ -198,8 +193,7 @@ class MGPUStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # The last moment before processes start: the world size is known, so check the layout now.
-        ParallelLayout(world_size=self.num_nodes * self.num_processes, devices_per_node=self.num_processes,
-                       **self._layout_args)
+        raise_problems("Invalid parallel layout", self.layout_request.problems(self.num_nodes * self.num_processes))
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = choose_launcher(self.cluster_environment, self.num_processes, self.num_nodes,
                                              self.worker_command, self.fork_entry,
@@ -218,8 +212,7 @@ class MGPUStrategy(ParallelStrategy):
         self._process_group_backend = backend
         engines.preload()  # while the other ranks start: the rendezvous below waits for them anyway
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.layout = ParallelLayout(world_size=self.world_size, devices_per_node=self.num_processes,
-                                     **self._layout_args)
+        self.layout = self.layout_request.layout(self.world_size, devices_per_node=self.num_processes)
         self.layout.init_groups(self.global_rank, timeout=self._timeout)
         engines.init_engine_comm(self._timeout)
         if self.world_size > 1:
@@ -242,11 +235,11 @@ class MGPUStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module, fitting = self.lightning_module, trainer.state.fn == TrainerFn.FITTING
         plan = getattr(trainer.datamodule, "batch_plan", None) if trainer.datamodule is not None else None
-        micro_batches = self._layout_args["num_microbatches"] or (plan.num_microbatches if plan else 1)
+        micro_batches = self.layout_request.num_microbatches or (plan.num_microbatches if plan else 1)
         if plan:
             rank_zero_info(plan.describe(self.layout.size("pp")))
         check_trainer(trainer, module, self.layout, micro_batches)
-        check_module(module, self._layout_args, self.world_size, micro_batches, self.precision_plugin.precision)
+        check_module(module, self.layout_request, self.world_size, micro_batches, self.precision_plugin.precision)
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
 
         def engine_config(wrapped: torch.nn.Module) -> dict:

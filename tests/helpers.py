@@ -124,7 +124,7 @@ def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precisio
 def expected_groups(rank: int, devices: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                     context_parallel_size: int = 1, **_: Any) -> dict[str, list[int]]:
     """The members of ``rank``'s tp, cp, pp and dp groups, and of the data x context group ZeRO uses, written out from
-    the rank order the README states (``tp = r % T``, ``cp = (r // T) % C``, ``pp = (r // (T * C)) % P``,
+    the rank order docs/concepts/layout.md states (``tp = r % T``, ``cp = (r // T) % C``, ``pp = (r // (T * C)) % P``,
     ``dp = r // (T * C * P)``), independently of ``ParallelLayout``."""
     T, C, P = tensor_parallel_size, context_parallel_size, pipeline_parallel_size
     D = devices // (T * C * P)

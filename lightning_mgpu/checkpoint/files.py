@@ -28,5 +28,5 @@ def read_consolidated(directory: str | Path) -> tuple[dict, dict[str, torch.Tens
     if not (directory / WEIGHTS).is_file() or not (directory / CONFIG).is_file():
         raise FileNotFoundError(f"{directory} holds no consolidated weights ({WEIGHTS}, {CONFIG}): save the checkpoint "
                                 "with MGPUStrategy(save_consolidated_weights=True) (mgpu-train: "
-                                "checkpoint.consolidated=true)")
+                                "checkpoint.save_consolidated_weights=true)")
     return json.loads((directory / CONFIG).read_text()), load_file(str(directory / WEIGHTS))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from datetime import timedelta
 from pathlib import Path
 from typing import Optional
 
@@ -215,7 +214,8 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
 def build_strategy(cfg: DictConfig) -> MGPUStrategy:
     p = OmegaConf.to_container(cfg.parallel, resolve=True)
     c = cfg.checkpoint
-    timeout_s = p.pop("timeout_s")
-    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-    return MGPUStrategy(**p, checkpoint_format=c.format, save_consolidated_weights=c.consolidated,
-                        trust_deepspeed_checkpoints=c.trust_deepspeed_checkpoints, **timeout)
+    if p["timeout"] is None:
+        del p["timeout"]  # torch's default
+    # checkpoint.<key> is MGPUStrategy's checkpoint_<key> where the argument needs the prefix to be clear
+    return MGPUStrategy(**p, checkpoint_format=c.format, save_consolidated_weights=c.save_consolidated_weights,
+                        trust_deepspeed_checkpoints=c.trust_deepspeed_checkpoints)

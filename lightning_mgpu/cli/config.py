@@ -84,7 +84,7 @@ class ParallelConfig:
     deepspeed_config: Optional[Any] = None
     pipeline_boundaries: Optional[list[int]] = None
     pipeline_timeline: bool = False
-    timeout_s: Optional[float] = None  #: collective timeout (MGPUStrategy(timeout=...)); null = torch's default
+    timeout: Optional[float] = None  #: collective timeout in seconds (MGPUStrategy(timeout=...)); null = torch's default
 
 
 @dataclass
@@ -214,7 +214,8 @@ class CheckpointConfig:
     format: str = "universal"  #: universal (any layout can resume) | deepspeed (same layout only)
     #: read DeepSpeed-format checkpoints, which DeepSpeed unpickles (code in them runs): only files you trust
     trust_deepspeed_checkpoints: bool = False
-    consolidated: bool = False  #: also write the whole model's weights (for mgpu-export; rank 0 holds them)
+    #: also write the whole model's weights (for mgpu-export; rank 0 holds them)
+    save_consolidated_weights: bool = False
 
 
 @dataclass
@@ -222,7 +223,7 @@ class PlanConfig:
     """``mgpu-plan``: the GPU kind (cluster size is trainer.num_nodes x trainer.devices) and what to print."""
 
     gpu: str = "h100_80gb"  #: a100_80gb | h100_80gb | h200_141gb
-    #: fraction of the bf16 peak that compute reaches; null: the GPU's, fitted to published runs (README, Planning)
+    #: fraction of the bf16 peak that compute reaches; null: the GPU's, fitted to published runs (docs: how-to, planning)
     achievable: Optional[float] = None
     top: int = 15  #: rows of the table
     per_stage: bool = False  #: also print every pipeline rank's memory for the configured layout

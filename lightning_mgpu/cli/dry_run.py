@@ -1,8 +1,10 @@
-"""``mgpu-train ... dry_run=true``: the real plan and stage split of a run's layout, on the meta device, in one process.
+"""``mgpu-train ... dry_run=true``: a launch's own ``parallelize()`` of every distinct rank, on the meta device, in one
+process.
 
 No GPU, no process group and no memory for weights: for every pipeline rank (and the first and last tensor-parallel
-rank, the only ones whose vocabulary shards can differ) the module is built on the meta device, split with the same
-``tensor_parallel_plan`` and ``pipeline_stages`` a real launch uses, and its parameters counted. Each count must equal
+rank, the only ones whose vocabulary shards can differ) the module is built on the meta device and split by the
+function a launch calls, in the same order (tensor-parallel plan, context parallelism, stage split, activation
+checkpointing, compile), and its parameters counted. Each count must equal
 the planner's (:func:`lightning_mgpu.planner.model_stats.rank_parameters`), and the bytes of weights, gradients and
 optimizer state under the run's ZeRO stage come from the planner's measured model
 (:func:`lightning_mgpu.planner.memory.model_state_bytes`).
@@ -17,8 +19,7 @@ from omegaconf import DictConfig
 
 from lightning_mgpu.cli.build import build_model_config, build_module, build_strategy
 from lightning_mgpu.layout import ParallelLayout
-from lightning_mgpu.parallel.plan import apply_tensor_parallel
-from lightning_mgpu.parallel.tensor import GroupCoordinates
+from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.planner.memory import model_state_bytes
 from lightning_mgpu.planner.model_stats import rank_parameters
 
@@ -38,33 +39,29 @@ class RankShare:
 
 
 def rank_shares(cfg: DictConfig) -> tuple[ParallelLayout, list[RankShare]]:
-    """The layout of ``cfg`` and, for each pipeline rank (tensor ranks first and last), its built share."""
+    """The layout of ``cfg`` and, for each pipeline rank (tensor ranks first and last), its built share: the module
+    built on the meta device and split by :func:`~lightning_mgpu.parallel.parallelize.parallelize` for that rank,
+    the same function in the same order as a launch, with stand-ins for the rank's process groups."""
     model_config = build_model_config(cfg)
     strategy = build_strategy(cfg)
-    layout = ParallelLayout(world_size=cfg.trainer.devices * cfg.trainer.num_nodes,
-                            devices_per_node=cfg.trainer.devices, model=None, **strategy._layout_args)
+    layout = strategy.layout_request.layout(cfg.trainer.devices * cfg.trainer.num_nodes,
+                                            devices_per_node=cfg.trainer.devices)
     T, P = layout.size("tp"), layout.size("pp")
     shares = []
     for tp_rank in sorted({0, T - 1}):
-        # One meta build per tensor rank: the plan is applied to the whole model as in a launch, then each pipeline
-        # rank's stages are cut from it (cutting stages only references the model's blocks).
-        with torch.device("meta"):
-            module = build_module(cfg, model_config)
-            module.configure_model()
-        if T > 1:
-            apply_tensor_parallel(module, module.tensor_parallel_plan(), GroupCoordinates(tp_rank, T),
-                                  layout.sequence_parallel)
-        whole = module.model
         for pp_rank in range(P):
+            with torch.device("meta"):
+                module = build_module(cfg, model_config)
+                module.configure_model()
+            view = layout.planned_at(layout.global_rank_of(tp=tp_rank, pp=pp_rank))
+            kept = parallelize(module, view, torch.device("meta"), strategy.tensor_parallel_plan,
+                               strategy.pipeline_boundaries).module
             ids = layout.stage_ids(pp_rank)
-            module.model = whole
-            kept = module.pipeline_stages(ids, layout.num_stages, strategy.pipeline_boundaries) if P > 1 else whole
             count = sum(p.numel() for p in kept.parameters())
             planned = rank_parameters(model_config, T, P, len(ids), pp_rank, stage_ids=ids,
                                       boundaries=strategy.pipeline_boundaries)
-            zero_ranks = layout.size("dp_cp")  # ZeRO partitions over data x context ranks
-            states = model_state_bytes(count, layout.zero_stage, zero_ranks, str(cfg.trainer.precision), P > 1,
-                                       overlap=cfg.trainer.accelerator != "cpu")
+            states = model_state_bytes(count, layout.zero_stage, layout.size("dp_cp"), str(cfg.trainer.precision),
+                                       P > 1, overlap=cfg.trainer.accelerator != "cpu")  # ZeRO over data x context
             shares.append(RankShare(tp_rank, pp_rank, ids, count, planned, states))
     shares.sort(key=lambda share: (share.pp_rank, share.tp_rank))
     return layout, shares

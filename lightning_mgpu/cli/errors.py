@@ -83,6 +83,10 @@ def _refuse(message: str) -> NoReturn:
     raise SystemExit(EXIT_REFUSED) from None
 
 
+#: Config keys that were renamed to the constructor argument they set: old key -> new key.
+RENAMED = {"parallel.timeout_s": "parallel.timeout", "checkpoint.consolidated": "checkpoint.save_consolidated_weights"}
+
+
 def refusal_message(err: BaseException) -> Optional[str]:
     """What to tell a user whose configuration or command line was refused; None for any other error."""
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -104,6 +108,9 @@ def refusal_message(err: BaseException) -> Optional[str]:
                 "(overrides are key=value, e.g. trainer.devices=2 or model=tiny; --help lists the options)")
     if isinstance(err, ConfigCompositionException):
         cause = err.__cause__
+        if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key in RENAMED:
+            return (f"Invalid command line:\n  - {cause.full_key} was renamed {RENAMED[cause.full_key]} (the name of "
+                    "the argument it sets); use that")
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
             parent = cause.full_key.rsplit(".", 1)[0] + "." if "." in cause.full_key else ""
             hint = did_you_mean(str(cause.key), _fields(cause.object_type), parent)

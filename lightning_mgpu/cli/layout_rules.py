@@ -10,10 +10,11 @@ from omegaconf import DictConfig
 
 from lightning_mgpu.cli.rule_base import _positive, keyed
 from lightning_mgpu.data.batching import batch_problems
-from lightning_mgpu.layout import V_SCHEDULES, ModelShape, layout_problems, sequence_problems, training_loop_problems
+from lightning_mgpu.layout import V_SCHEDULES, ModelShape, context_document_problems, layout_problems, sequence_problems
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
 from lightning_mgpu.precision import pipeline_precision_problems
+from lightning_mgpu.refusals import training_loop_problems
 
 
 def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:
@@ -43,9 +44,8 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
         from lightning_mgpu.parallel.compile import compile_layout_problems
 
         out += compile_layout_problems(p.zero_stage, key="model.compile")
-    if isinstance(C, int) and C > 1 and d.get("document_mask"):
-        out.append(f"parallel.context_parallel_size={C} does not support data.document_mask=true yet (each rank would "
-                   "need the document boundaries of the chunks it does not hold); set one of them off")
+    if isinstance(C, int):
+        out += keyed(context_document_problems(C, bool(d.get("document_mask"))), world, t)
     if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
         out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
     if isinstance(P, int) and P > 1:

@@ -37,11 +37,13 @@ CONFIG_KEYS = {
         "pipeline_boundaries")},
     "tie_embeddings": "model.tie_embeddings", "precision": "trainer.precision",
     "accumulate_grad_batches": "trainer.accumulate_grad_batches", "seq_len": "data.seq_len",
+    "document_mask": "data.document_mask",
 }
 
 
-def keyed(problems: Sequence, world: int, t: DictConfig) -> list:
-    """Problems of the layout (and the rules beside it) named by their config keys (:data:`CONFIG_KEYS`)."""
+def keyed(problems: Sequence, world: int, t: DictConfig) -> list[str]:
+    """Problems of the layout (and the rules beside it) as the lines the command line prints, named by their config
+    keys (:data:`CONFIG_KEYS`)."""
     out = []
     for problem in problems:
         if isinstance(problem, Problem):
@@ -49,7 +51,7 @@ def keyed(problems: Sequence, world: int, t: DictConfig) -> list:
             if problem.field == "world_size":
                 problem = dataclasses.replace(
                     problem, field=f"trainer.devices x trainer.num_nodes = {t.devices} x {t.num_nodes}: world_size")
-        out.append(problem)
+        out.append(str(problem))
     return out
 
 

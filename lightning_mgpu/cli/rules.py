@@ -130,8 +130,8 @@ def checkpoint_problems(cfg: DictConfig) -> list[str]:
         settings = CheckpointSettings(c.format, c.trust_deepspeed_checkpoints)
         if (refusal := read_refusal(c.resume, settings)) is not None:
             out.append(f"checkpoint.resume: {refusal}")
-    if cfg.parallel.timeout_s is not None and not cfg.parallel.timeout_s > 0:
-        out.append(f"parallel.timeout_s={cfg.parallel.timeout_s} must be > 0 seconds")
+    if cfg.parallel.timeout is not None and not cfg.parallel.timeout > 0:
+        out.append(f"parallel.timeout={cfg.parallel.timeout} must be > 0 seconds")
     return out
 
 

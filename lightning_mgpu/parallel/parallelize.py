@@ -19,12 +19,14 @@ import torch
 from torch import nn
 
 from lightning_mgpu.checkpoint.universal import canonical_name
-from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.contract import hook
+from lightning_mgpu.layout import ParallelLayout, context_document_problems
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.compile import compile_blocks, compile_layout_problems
 from lightning_mgpu.parallel.context import apply_context_parallel
 from lightning_mgpu.parallel.materialize import Place, materialize, meta_parameters
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
+from lightning_mgpu.problems import raise_problems
 
 
 @dataclass
@@ -44,47 +46,66 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
 
     ``plan`` defaults to the module's ``tensor_parallel_plan()``; ``boundaries`` are the pipeline stage boundaries
     (default: balanced). ``partitioner(kept)``, given the module this rank keeps while it is still on the meta device,
-    returns what takes each module's parameters as soon as they are materialised (see :func:`materialize`). Raises one
+    returns what takes each module's parameters as soon as they are materialised (see :func:`materialize`). On the
+    ``meta`` device nothing is materialised (the dry run, with :meth:`ParallelLayout.planned_at`). Raises one
     ``ValueError`` naming what the module lacks for the layout.
     """
-    notes: list[str] = []
-    if layout.size("tp") > 1:
-        if plan is None and callable(getattr(module, "tensor_parallel_plan", None)):
-            plan = module.tensor_parallel_plan()
-        if plan is None:
-            raise ValueError(f"tensor_parallel_size={layout.size('tp')} needs a tensor-parallel plan: define "
-                             f"tensor_parallel_plan() on {type(module).__name__} returning {{module name pattern: "
-                             "style}, or pass MGPUStrategy(tensor_parallel_plan=...)")
-        notes += apply_tensor_parallel(module, plan, layout.group("tp"), layout.sequence_parallel)
-    if layout.size("cp") > 1:
-        C = layout.size("cp")
-        eod = getattr(getattr(module, "config", None), "eod_token_id", None)
-        if eod is not None:
-            raise ValueError(f"context_parallel_size={C} does not support document masking yet (the model's "
-                             f"eod_token_id={eod}): each rank would need the document boundaries of the chunks it "
-                             "does not hold; use eod_token_id=None or context_parallel_size=1")
-        changed = apply_context_parallel(module, layout.group("cp"), layout.rank("cp"), C)
-        if not changed or not callable(getattr(module, "context_parallel_batch", None)):
-            raise ValueError(f"context_parallel_size={C} needs a module whose attention exposes a replaceable "
-                             f"`kernel` and that defines context_parallel_batch() to give each rank its chunks of a "
-                             f"sequence (LLMModule does); {type(module).__name__} has {changed} such attention "
-                             "layers. Use context_parallel_size=1 for this module")
-        notes.append(f"context parallelism: {changed} attention layers exchange keys/values over {C} ranks")
+    notes = _tensor_parallel(module, layout, plan) + _context_parallel(module, layout)
     kept = module
     if layout.size("pp") > 1:
-        ids = layout.stage_ids(layout.rank("pp"))
-        kept = module.pipeline_stages(ids, layout.num_stages, boundaries)
-    if callable(getattr(module, "checkpointed_blocks", None)):
-        mode, blocks = module.checkpointed_blocks()
+        kept = hook(module, "pipeline_stages")(layout.stage_ids(layout.rank("pp")), layout.num_stages, boundaries)
+    notes += _per_block(module, layout)
+    if device.type == "meta":
+        return Parallelized(kept, notes)
+    return Parallelized(kept, notes, _materialize(module, kept, layout, device, partitioner))
+
+
+def _tensor_parallel(module: nn.Module, layout: ParallelLayout, plan: Optional[TensorParallelPlan]) -> list[str]:
+    if layout.size("tp") == 1:
+        return []
+    if plan is None and (planner := hook(module, "tensor_parallel_plan")) is not None:
+        plan = planner()
+    if plan is None:
+        raise ValueError(f"tensor_parallel_size={layout.size('tp')} needs a tensor-parallel plan: define "
+                         f"tensor_parallel_plan() on {type(module).__name__} returning {{module name pattern: "
+                         "style}, or pass MGPUStrategy(tensor_parallel_plan=...)")
+    return apply_tensor_parallel(module, plan, layout.group("tp"), layout.sequence_parallel)
+
+
+def _context_parallel(module: nn.Module, layout: ParallelLayout) -> list[str]:
+    C = layout.size("cp")
+    if C == 1:
+        return []
+    masked = getattr(getattr(module, "config", None), "eod_token_id", None) is not None
+    raise_problems("Invalid context parallelism", context_document_problems(C, masked))
+    changed = apply_context_parallel(module, layout.group("cp"), layout.rank("cp"), C)
+    if not changed or hook(module, "context_parallel_batch") is None:
+        raise ValueError(f"context_parallel_size={C} needs a module whose attention exposes a replaceable "
+                         f"`kernel` and that defines context_parallel_batch() to give each rank its chunks of a "
+                         f"sequence (LLMModule does); {type(module).__name__} has {changed} such attention "
+                         "layers. Use context_parallel_size=1 for this module")
+    return [f"context parallelism: {changed} attention layers exchange keys/values over {C} ranks"]
+
+
+def _per_block(module: nn.Module, layout: ParallelLayout) -> list[str]:
+    """Activation checkpointing, then torch.compile, of this rank's blocks (after the stage split)."""
+    notes = []
+    if (checkpointed := hook(module, "checkpointed_blocks")) is not None:
+        mode, blocks = checkpointed()
         if checkpoint_blocks(blocks, mode):
             notes.append(f"activation checkpointing: {mode} on {len(blocks)} blocks of this rank")
-    if callable(getattr(module, "compiled_blocks", None)):
-        backend, blocks = module.compiled_blocks()
-        problems = compile_layout_problems(layout.zero_stage) if backend is not None else []
-        if problems:
-            raise ValueError(problems[0])
+    if (compiled := hook(module, "compiled_blocks")) is not None:
+        backend, blocks = compiled()
+        if backend is not None:
+            raise_problems("Invalid compile", compile_layout_problems(layout.zero_stage))
         if backend is not None and compile_blocks(blocks, backend):
             notes.append(f"torch.compile ({backend}) of {len(blocks)} blocks of this rank")
+    return notes
+
+
+def _materialize(module: nn.Module, kept: nn.Module, layout: ParallelLayout, device: torch.device,
+                 partitioner: Optional[Callable[[nn.Module], Place]]) -> int:
+    """Give this rank's meta parameters their storage and initial values; the number of elements filled."""
     buffers = [name for name, b in kept.named_buffers() if b.is_meta]
     if buffers:
         raise ValueError(f"{type(module).__name__} built buffers on the meta device ({', '.join(buffers[:3])}), which "
@@ -92,12 +113,11 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
                          "build the model on a real device (define no initial_value)")
     missing = meta_parameters(kept)
     if not missing:
-        return Parallelized(kept, notes)
-    value = getattr(module, "initial_value", None)
-    if not callable(value):
+        return 0
+    value = hook(module, "initial_value")
+    if value is None:
         raise ValueError(f"{type(module).__name__} built {len(missing)} parameters on the meta device (e.g. "
                          f"{missing[0]!r}) but defines no initial_value(name, shape, index) to fill them; define it, "
                          "or build the model on a real device")
     place = partitioner(kept) if partitioner is not None else None
-    count = materialize(kept, device, value, lambda name: canonical_name(name, layout), place)
-    return Parallelized(kept, notes, count)
+    return materialize(kept, device, value, lambda name: canonical_name(name, layout), place)

@@ -26,7 +26,6 @@ the attributes DeepSpeed reads to count them once per tensor-parallel group in t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -34,6 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_mgpu.layout import GroupCoordinates
 from lightning_mgpu.parallel.regions import (
     CopyToRegion,
     GatherSequence,
@@ -42,16 +42,6 @@ from lightning_mgpu.parallel.regions import (
     ScaledGather,
     SharedBiasBeforeReduce,
 )
-
-@dataclass(frozen=True)
-class GroupCoordinates:
-    """A tensor-parallel group given by this rank's place in it, without a process group: layers built with it have
-    the shapes of rank ``rank`` of ``size`` and cannot run collectives (the dry run splits a model on the meta device
-    for every rank of a layout this way, in one process)."""
-
-    rank: int
-    size: int
-
 
 def rank_and_size(group: Any) -> tuple[int, int]:
     """(this rank's index, the group's size) of a process group or of :class:`GroupCoordinates`."""

@@ -41,7 +41,7 @@ def test_every_group_option_composes(group):
         cfg = composed(f"{group}={option}", *extra)
         build_model_config(cfg)
         if group == "parallel":
-            assert build_strategy(cfg)._layout_args["zero_stage"] == cfg.parallel.zero_stage
+            assert build_strategy(cfg).layout_request.zero_stage == cfg.parallel.zero_stage
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))

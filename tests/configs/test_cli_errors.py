@@ -114,6 +114,8 @@ COMPOSITION_ERRORS = [  # what a new user mistypes, and the line they get
     (["logger.wandb.project=x"], "needs logger=wandb or logger=[csv,wandb]"),
     (["trainer.devices"], "'trainer.devices' is not an override: missing EQUAL at '<EOF>'"),
     (["data=text", "data.files=a.txt"], "data.files: Invalid value assigned: str is not a ListConfig"),
+    (["parallel.timeout_s=30"], "parallel.timeout_s was renamed parallel.timeout"),  # old keys name the new ones
+    (["checkpoint.consolidated=true"], "checkpoint.consolidated was renamed checkpoint.save_consolidated_weights"),
 ]
 
 

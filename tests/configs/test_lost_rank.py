@@ -1,6 +1,6 @@
 """A lost rank is reported by the survivor for what it is, through ``mgpu-train`` on two processes: a rank that
 raised is named with its exception type and message, at once; a rank that hangs with its sockets open (SIGSTOP)
-is named as unresponsive once the collective timeout (``parallel.timeout_s``) has passed, not before and not much
+is named as unresponsive once the collective timeout (``parallel.timeout``) has passed, not before and not much
 after. Times are measured from the moment the faulty rank prints (the chaos hook ``lightning_mgpu.faults``)
 to the moment the report reaches this process, so start-up time does not blur them."""
 
@@ -36,7 +36,7 @@ def launch(token_file, tmp_path, name, env, timeout_s):
     SIGKILLed at the end: a stopped rank would outlive it."""
     proc = subprocess.Popen(
         [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}", "trainer.max_steps=4",
-         f"parallel.timeout_s={timeout_s}", "trainer.throughput=false", *TINY_ARGS,
+         f"parallel.timeout={timeout_s}", "trainer.throughput=false", *TINY_ARGS,
          f"hydra.run.dir={tmp_path / name}"],
         cwd=tmp_path, env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)

@@ -1,6 +1,6 @@
 """Bring your own model: a small GPT in plain PyTorch, given a tensor-parallel plan, trains at tp=2 at parity.
 
-This file is also the worked example of the README's "Your own model" section.
+This file is also the worked example of docs/how-to/own-model.md.
 """
 
 import lightning as L

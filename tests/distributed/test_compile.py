@@ -2,7 +2,7 @@
 full activation checkpointing and pipeline stages, at parity with one uncompiled process (loss and gradient
 norm to 1e-5 fp32). The tests compile with ``aot_eager`` (dynamo's capture of forward and backward, without inductor's
 code generation, which takes 15-30 s per layout on these CPUs; inductor was measured at parity by hand on the same
-layouts, see the README)."""
+layouts, see docs/concepts/model.md)."""
 
 from dataclasses import replace
 

@@ -20,9 +20,9 @@ def test_registered_names():
     for name, stage in (("mgpu", 0), ("mgpu_zero1", 1), ("mgpu_zero2", 2), ("mgpu_zero3", 3),
                         ("mgpu_zero3_offload", 3)):
         strategy = StrategyRegistry.get(name)
-        assert isinstance(strategy, MGPUStrategy) and strategy._layout_args["zero_stage"] == stage
-    offload = StrategyRegistry.get("mgpu_zero3_offload")._layout_args
-    assert offload["offload_optimizer"] == "cpu" and offload["offload_params"] == "cpu"
+        assert isinstance(strategy, MGPUStrategy) and strategy.layout_request.zero_stage == stage
+    offload = StrategyRegistry.get("mgpu_zero3_offload").layout_request
+    assert offload.offload_optimizer == "cpu" and offload.offload_params == "cpu"
 
 
 def test_unknown_strategy_name_is_clear():
