@@ -1,7 +1,8 @@
 """What verifying a checkpoint's checksums adds to a resume: a ~100M-parameter model's universal checkpoint, saved
 after one optimizer step, loaded by one and by two CPU processes (fp32, ZeRO-1), with and without verification
-(``lightning_mgpu.checkpoint.store.verify`` replaced by a no-op), alternating, ``ROUNDS`` times each. Prints the median time of ``strategy.load_checkpoint`` both ways, the time a full synchronous verification
-takes by itself, and the growth of the load. ``--smoke``: the tiny model, one process, one round, in seconds.
+(``lightning_mgpu.checkpoint.store.verify`` replaced by a no-op), alternating, ``ROUNDS`` times each. Prints the
+median time of ``strategy.load_checkpoint`` both ways, the time a full synchronous verification takes by itself, and
+the growth of the load. ``--smoke``: the tiny model, one process, one round, in seconds.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_mgpu.problems import Problem, format_problems
+from lightning_mgpu.split_rules import stage_count_problems, tied_embedding_problems
 
 AXES = ("tp", "cp", "pp", "dp")
 
@@ -47,34 +48,6 @@ class ModelShape:
                    bool(getattr(config, "tie_embeddings", False)))
 
 
-def context_document_problems(context_parallel_size: int, document_mask: bool) -> list[Problem]:
-    """The rule: context parallelism does not mask documents yet (each rank would need the document boundaries of
-    the chunks it does not hold)."""
-    if context_parallel_size > 1 and document_mask:
-        return [Problem("context_parallel_size", context_parallel_size, "does not support document masking yet (each "
-                        "rank would need the document boundaries of the chunks it does not hold)",
-                        "set document_mask=False (the model's eod_token_id=None) or context_parallel_size=1")]
-    return []
-
-
-def stage_count_problems(stages: int, n_layers: int) -> list[Problem]:
-    """The rule: every pipeline stage (``pipeline_parallel_size x virtual_pipeline_size`` of them) holds a layer."""
-    if stages > n_layers:
-        return [Problem("pipeline_parallel_size*virtual_pipeline_size", stages,
-                        f"stages is more than the model's n_layers={n_layers}",
-                        f"every stage needs at least one layer, so use at most {n_layers}")]
-    return []
-
-
-def tied_embedding_problems(pipeline_parallel_size: int, tie_embeddings: bool) -> list[Problem]:
-    """The rule: a model whose output head shares the embedding's weight cannot be split into pipeline stages (the
-    embedding lives on the first stage, the head on the last)."""
-    if pipeline_parallel_size > 1 and tie_embeddings:
-        return [Problem("tie_embeddings", True, "cannot be split into pipeline stages (the embedding lives on the "
-                        "first stage, the head on the last)", "set tie_embeddings=False or pipeline_parallel_size=1")]
-    return []
-
-
 @dataclass(frozen=True)
 class GroupCoordinates:
     """A process group given by this rank's place in it, without one: layers built with it have the shapes of rank
@@ -98,7 +71,43 @@ def _fmt(options: list[int]) -> str:
 
 
 @dataclass(frozen=True)
-class ParallelLayout:
+class LayoutRequest:
+    """What a run asks of its layout before the world size, the model and the data are known: the strategy's
+    arguments (``MGPUStrategy(...)``, ``parallel.*`` in Hydra). :meth:`problems_with` checks it against what is known so
+    far; :meth:`build` builds the one :class:`ParallelLayout` of a process once its world exists."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
+    zero_stage: int = 0
+    pipeline_schedule: str = "1f1b"
+    virtual_pipeline_size: int = 1
+    num_microbatches: Optional[int] = None
+    sequence_parallel: bool = False
+    offload_optimizer: Optional[str] = None
+    offload_params: Optional[str] = None
+
+    def smallest_world(self) -> int:
+        """The world size of one model replica (1 while a size is invalid: :meth:`problems` names it)."""
+        sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size)
+        return math.prod(sizes) if all(isinstance(n, int) and n > 0 for n in sizes) else 1
+
+    def problems_with(self, world_size: Optional[int] = None, model: Optional[ModelShape] = None,
+                      **known: object) -> list[Problem]:
+        """Every rule the request breaks with the world (default: one replica), model and micro-batches known."""
+        return layout_problems(**self._arguments(world_size or self.smallest_world(), model, known))
+
+    def build(self, world_size: int, devices_per_node: Optional[int] = None, model: Optional[ModelShape] = None,
+              **known: object) -> "ParallelLayout":
+        return ParallelLayout(**self._arguments(world_size, model, known), devices_per_node=devices_per_node)
+
+    def _arguments(self, world_size: int, model: Optional[ModelShape], known: dict) -> dict:
+        fields = {name: getattr(self, name) for name in LayoutRequest.__dataclass_fields__}
+        return {**fields, **known, "world_size": world_size, "model": model}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout(LayoutRequest):
     """World size split into tensor (tp), context (cp), pipeline (pp) and data (dp) parallel axes.
 
     Context-parallel ranks split each sequence of a micro-batch (see ``lightning_mgpu.parallel.context``); they hold
@@ -111,17 +120,7 @@ class ParallelLayout:
     created later, by :meth:`init_groups`, once ``torch.distributed`` is initialised.
     """
 
-    world_size: int
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    zero_stage: int = 0
-    pipeline_schedule: str = "1f1b"
-    virtual_pipeline_size: int = 1
-    num_microbatches: Optional[int] = None
-    sequence_parallel: bool = False
-    offload_optimizer: Optional[str] = None
-    offload_params: Optional[str] = None
-    context_parallel_size: int = 1
+    world_size: int  #: with the request's fields (every axis, ZeRO, schedule, micro-batches, offload)
     devices_per_node: Optional[int] = None
     model: Optional[ModelShape] = None
     _groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -255,7 +254,7 @@ class ParallelLayout:
     @property
     def num_stages(self) -> int:
         """Stages of the whole pipeline: ``pipeline_parallel_size * virtual_pipeline_size`` (2 per rank for V shapes)."""
-        per_rank = 2 if self.pipeline_schedule in V_SCHEDULES else self.virtual_pipeline_size
+        per_rank = chunks_per_rank(self.pipeline_schedule, self.virtual_pipeline_size)
         return self.pipeline_parallel_size * per_rank
 
     def stage_ids(self, pp_rank: int) -> list[int]:
@@ -337,42 +336,6 @@ class ParallelLayout:
         return coords[_check_axis(axis)]
 
 
-@dataclass(frozen=True)
-class LayoutRequest:
-    """What a run asks of its layout before the world size, the model and the data are known: the strategy's
-    arguments (``MGPUStrategy(...)``, ``parallel.*`` in Hydra). :meth:`problems` checks it against what is known so
-    far; :meth:`layout` builds the one :class:`ParallelLayout` of a process once its world exists."""
-
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    context_parallel_size: int = 1
-    zero_stage: int = 0
-    pipeline_schedule: str = "1f1b"
-    virtual_pipeline_size: int = 1
-    num_microbatches: Optional[int] = None
-    sequence_parallel: bool = False
-    offload_optimizer: Optional[str] = None
-    offload_params: Optional[str] = None
-
-    def smallest_world(self) -> int:
-        """The world size of one model replica (1 while a size is invalid: :meth:`problems` names it)."""
-        sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size)
-        return math.prod(sizes) if all(isinstance(n, int) and n > 0 for n in sizes) else 1
-
-    def problems(self, world_size: Optional[int] = None, model: Optional[ModelShape] = None,
-                 **known: object) -> list[Problem]:
-        """Every rule the request breaks with the world (default: one replica), model and micro-batches known."""
-        return layout_problems(**self._arguments(world_size or self.smallest_world(), model, known))
-
-    def layout(self, world_size: int, devices_per_node: Optional[int] = None, model: Optional[ModelShape] = None,
-               **known: object) -> ParallelLayout:
-        return ParallelLayout(**self._arguments(world_size, model, known), devices_per_node=devices_per_node)
-
-    def _arguments(self, world_size: int, model: Optional[ModelShape], known: dict) -> dict:
-        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        return {**fields, **known, "world_size": world_size, "model": model}
-
-
 class _UncheckedLayout(ParallelLayout):
     """A layout that skips validation on construction, so its problems can be listed instead of raised."""
 
@@ -385,6 +348,11 @@ def layout_problems(**kwargs) -> list[Problem]:
     return _UncheckedLayout(**kwargs).problems()
 
 
+def chunks_per_rank(schedule: str, virtual_pipeline_size: int) -> int:
+    """Stage chunks each pipeline rank holds: two in a V for the V schedules, else ``virtual_pipeline_size``."""
+    return 2 if schedule in V_SCHEDULES else virtual_pipeline_size
+
+
 def stage_ids(pipeline_parallel_size: int, virtual_pipeline_size: int, schedule: str, pp_rank: int) -> list[int]:
     """The stages pipeline rank ``pp_rank`` runs: V-shaped (``r, 2P-1-r``) for the V schedules, otherwise looped
     (``r, r+P, ...``, ``virtual_pipeline_size`` of them). The planner places stages with it too."""
@@ -392,25 +360,6 @@ def stage_ids(pipeline_parallel_size: int, virtual_pipeline_size: int, schedule:
     if schedule in V_SCHEDULES:
         return [pp_rank, 2 * P - 1 - pp_rank]
     return [pp_rank + k * P for k in range(virtual_pipeline_size)]
-
-
-def sequence_problems(seq_len: int, context_parallel_size: int = 1, tensor_parallel_size: int = 1,
-                      sequence_parallel: bool = False, key: str = "seq_len") -> list[str]:
-    """The one rule for how a sequence of ``seq_len`` tokens splits: context parallelism gives each of its ``C`` ranks
-    two equal chunks (an early and a late one, which balances causal attention), so ``seq_len`` must be a multiple of
-    ``2 * C``; sequence parallelism then splits each rank's ``seq_len / C`` tokens ``T`` ways, so also of ``C * T``."""
-    C, T = context_parallel_size, tensor_parallel_size if sequence_parallel else 1
-    unit = math.lcm(2 * C if C > 1 else 1, C * T)
-    if unit == 1 or seq_len % unit == 0:
-        return []
-    why = []
-    if C > 1:
-        why.append(f"context_parallel_size={C} gives each rank 2 of {2 * C} equal chunks")
-    if T > 1:
-        why.append(f"sequence parallelism splits each rank's tokens over tensor_parallel_size={T}")
-    lower, upper = seq_len // unit * unit, (seq_len // unit + 1) * unit
-    near = f"{lower} or {upper}" if lower else f"{upper}"
-    return [f"{key}={seq_len} is not a multiple of {unit} ({'; '.join(why)}); use {near}"]
 
 
 def _check_axis(axis: str) -> str:

@@ -12,6 +12,7 @@ from torchmetrics import MeanMetric
 from lightning_mgpu.engine.config import parameter_shape
 from lightning_mgpu.checkpoint.hf import HFWeights, hf_path, load_hf, load_into
 from lightning_mgpu.contract import parallel_context
+from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.layout import ModelShape
 from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
@@ -35,15 +36,29 @@ def lr_multiplier(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: fl
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+#: How the peak LR follows a changed global batch (``optim.lr_scaling``; None: it does not).
+LR_SCALING = ("linear", "sqrt")
+
+
+def lr_scaling_problems(rule: Optional[str], reference_batch_size: Optional[int],
+                        global_batch_size: Optional[int] = 1) -> list[str]:
+    """The rule of ``lr_scaling``: one of :data:`LR_SCALING` (or None), with the batch the LR was tuned for (asked by
+    the module and by ``mgpu-train``'s validation)."""
+    if rule is None:
+        return []
+    if rule not in LR_SCALING:
+        return [f"optim.lr_scaling={rule!r} is unknown; choose null, {' or '.join(LR_SCALING)}"]
+    if not global_batch_size or not reference_batch_size:
+        return [f"optim.lr_scaling={rule!r} needs global_batch_size and optim.reference_batch_size (the batch the LR "
+                f"was tuned for; got {global_batch_size} and {reference_batch_size})"]
+    return []
+
+
 def scaled_lr(lr: float, rule: Optional[str], global_batch_size: Optional[int], reference_batch_size: Optional[int]) -> float:
     """The peak LR after adapting it to a changed global batch (``linear``: x ratio; ``sqrt``: x sqrt(ratio))."""
+    raise_problems("Invalid learning-rate scaling", lr_scaling_problems(rule, reference_batch_size, global_batch_size))
     if rule is None:
         return lr
-    if rule not in ("linear", "sqrt"):
-        raise ValueError(f"optim.lr_scaling={rule!r} is unknown; choose null, 'linear' or 'sqrt'")
-    if not global_batch_size or not reference_batch_size:
-        raise ValueError(f"optim.lr_scaling={rule!r} needs global_batch_size and optim.reference_batch_size "
-                         f"(got {global_batch_size} and {reference_batch_size})")
     ratio = global_batch_size / reference_batch_size
     return lr * (ratio if rule == "linear" else math.sqrt(ratio))
 

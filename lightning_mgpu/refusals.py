@@ -21,7 +21,8 @@ def check_module(module: Any, request: LayoutRequest, world_size: int, num_micro
     """The layout against the module's shape (when it declares ``model_shape``) and the micro-batch count the data
     gives; with pipeline stages, the precision and the hooks the pipeline calls."""
     shape = getattr(module, "model_shape", None)  # a property of the contract, not a callable hook
-    raise_problems("Invalid parallel layout", request.problems(world_size, shape, num_microbatches=num_microbatches))
+    problems = request.problems_with(world_size, shape, num_microbatches=num_microbatches)
+    raise_problems("Invalid parallel layout", problems)
     stages = request.pipeline_parallel_size
     if stages == 1:
         return

@@ -111,7 +111,7 @@ class MGPUStrategy(ParallelStrategy):
             tensor_parallel_size, pipeline_parallel_size, context_parallel_size, zero_stage, pipeline_schedule,
             virtual_pipeline_size, num_microbatches, sequence_parallel, offload_optimizer, offload_params)
         # Everything that does not depend on the world size is checked now, before any process exists.
-        raise_problems("Invalid parallel layout", self.layout_request.problems())
+        raise_problems("Invalid parallel layout", self.layout_request.problems_with())
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
         self.pipeline_timeline = pipeline_timeline
         self.save_consolidated_weights = save_consolidated_weights
@@ -193,7 +193,8 @@ class MGPUStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # The last moment before processes start: the world size is known, so check the layout now.
-        raise_problems("Invalid parallel layout", self.layout_request.problems(self.num_nodes * self.num_processes))
+        world_size = self.num_nodes * self.num_processes
+        raise_problems("Invalid parallel layout", self.layout_request.problems_with(world_size))
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = choose_launcher(self.cluster_environment, self.num_processes, self.num_nodes,
                                              self.worker_command, self.fork_entry,
@@ -212,7 +213,7 @@ class MGPUStrategy(ParallelStrategy):
         self._process_group_backend = backend
         engines.preload()  # while the other ranks start: the rendezvous below waits for them anyway
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.layout = self.layout_request.layout(self.world_size, devices_per_node=self.num_processes)
+        self.layout = self.layout_request.build(self.world_size, devices_per_node=self.num_processes)
         self.layout.init_groups(self.global_rank, timeout=self._timeout)
         engines.init_engine_comm(self._timeout)
         if self.world_size > 1:

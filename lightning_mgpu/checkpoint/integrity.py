@@ -107,7 +107,8 @@ def _share_problems(directory: Path, files: dict, rank: int, world: int) -> list
     return [p for n in mine if (p := _file_problem(directory, n, files[n]))]
 
 
-def checksum_problems(directory: str | Path, rank: int = 0, world: int = 1, gather: Gather = single_process) -> list[str]:
+def checksum_problems(directory: str | Path, rank: int = 0, world: int = 1,
+                      gather: Gather = single_process) -> list[str]:
     """Every damaged or missing file of the checkpoint ``directory``, the same list on every rank (collective); an
     empty list when it is intact. A directory without ``checksums.json`` (written before checksums were recorded)
     gives no problems: see :func:`has_checksums`."""

@@ -44,7 +44,7 @@ def rank_shares(cfg: DictConfig) -> tuple[ParallelLayout, list[RankShare]]:
     the same function in the same order as a launch, with stand-ins for the rank's process groups."""
     model_config = build_model_config(cfg)
     strategy = build_strategy(cfg)
-    layout = strategy.layout_request.layout(cfg.trainer.devices * cfg.trainer.num_nodes,
+    layout = strategy.layout_request.build(cfg.trainer.devices * cfg.trainer.num_nodes,
                                             devices_per_node=cfg.trainer.devices)
     T, P = layout.size("tp"), layout.size("pp")
     shares = []

@@ -100,29 +100,30 @@ def refusal_message(err: BaseException) -> Optional[str]:
         line = f"{group}={name} is not an option of {group}"
         if options:
             line += f"; choose one of {', '.join(options)}{did_you_mean(name, options)}"
-        return f"Invalid command line:\n  - {line}"
+        return format_problems("Invalid command line", [line])
     if isinstance(err, OverrideParseException):
         why = "; ".join(line.strip() for line in err.message.splitlines()
                         if line.strip() not in ("", "^") and not line.startswith(("Error parsing", "See ")))
-        return (f"Invalid command line:\n  - {err.override!r} is not an override: {why}\n"
-                "(overrides are key=value, e.g. trainer.devices=2 or model=tiny; --help lists the options)")
+        return (format_problems("Invalid command line", [f"{err.override!r} is not an override: {why}"])
+                + "\n(overrides are key=value, e.g. trainer.devices=2 or model=tiny; --help lists the options)")
     if isinstance(err, ConfigCompositionException):
         cause = err.__cause__
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key in RENAMED:
-            return (f"Invalid command line:\n  - {cause.full_key} was renamed {RENAMED[cause.full_key]} (the name of "
-                    "the argument it sets); use that")
+            return format_problems("Invalid command line", [
+                f"{cause.full_key} was renamed {RENAMED[cause.full_key]} (the name of the argument it sets); use that"])
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
             parent = cause.full_key.rsplit(".", 1)[0] + "." if "." in cause.full_key else ""
             hint = did_you_mean(str(cause.key), _fields(cause.object_type), parent)
-            return f"Invalid command line:\n  - {cause.full_key} is not a setting{hint}"
+            return format_problems("Invalid command line", [f"{cause.full_key} is not a setting{hint}"])
         if isinstance(cause, ValidationError) and cause.full_key:
-            return f"Invalid command line:\n  - {cause.full_key}: {cause.msg.splitlines()[0]}"
+            return format_problems("Invalid command line", [f"{cause.full_key}: {cause.msg.splitlines()[0]}"])
         detail = f": {cause}" if isinstance(cause, OmegaConfBaseException) else ""
-        return f"Invalid command line:\n  - {err}{detail}"
+        return format_problems("Invalid command line", [f"{err}{detail}"])
     if isinstance(err, AssertionError) and "Unexpected type for root: NoneType" in str(err):
         # OmegaConf's update of a key below a null node, e.g. logger.wandb.project=x while logger=wandb is not selected
-        return ("Invalid command line:\n  - a key is set inside a config node that is null: select its option first "
-                "(logger.wandb.project=x needs logger=wandb or logger=[csv,wandb]), or give the whole node")
+        return format_problems("Invalid command line", [
+            "a key is set inside a config node that is null: select its option first (logger.wandb.project=x needs "
+            "logger=wandb or logger=[csv,wandb]), or give the whole node"])
     return None
 
 

@@ -10,7 +10,8 @@ from omegaconf import DictConfig
 
 from lightning_mgpu.cli.rule_base import _positive, keyed
 from lightning_mgpu.data.batching import batch_problems
-from lightning_mgpu.layout import V_SCHEDULES, ModelShape, context_document_problems, layout_problems, sequence_problems
+from lightning_mgpu.layout import ModelShape, chunks_per_rank, layout_problems
+from lightning_mgpu.split_rules import context_document_problems, sequence_problems
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
 from lightning_mgpu.precision import pipeline_precision_problems
@@ -51,6 +52,6 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
     if isinstance(P, int) and P > 1:
         out += keyed(pipeline_precision_problems(str(t.precision), P), world, t)
         if p.pipeline_boundaries is not None and model is not None and isinstance(p.virtual_pipeline_size, int):
-            stages = P * (2 if p.pipeline_schedule in V_SCHEDULES else p.virtual_pipeline_size)
+            stages = P * chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size)
             out += [f"parallel.{line}" for line in boundary_problems(p.pipeline_boundaries, model.n_layers, stages)]
     return out

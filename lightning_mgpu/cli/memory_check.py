@@ -14,7 +14,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_mgpu.cli.layout_rules import parallel_problems
 from lightning_mgpu.cli.machine import _inside_slurm_job, _wants_gpu
 from lightning_mgpu.cli.rules import model_problems
-from lightning_mgpu.layout import V_SCHEDULES, divisors
+from lightning_mgpu.layout import chunks_per_rank, divisors
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.planner.model_stats import max_rank_parameters
@@ -76,7 +76,7 @@ def run_memory(cfg: DictConfig, model: LlamaConfig, on_gpu: bool) -> ProcessMemo
     tp, pp, cp = p.tensor_parallel_size, p.pipeline_parallel_size, p.context_parallel_size
     dp = t.devices * t.num_nodes // (tp * pp * cp)
     return process_memory(model, d.seq_len, d.micro_batch_size, tp, pp, dp,
-                          p.zero_stage, 2 if p.pipeline_schedule in V_SCHEDULES else p.virtual_pipeline_size,
+                          p.zero_stage, chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size),
                           p.sequence_parallel, model.activation_checkpointing == "full", str(t.precision),
                           host=not on_gpu, builds_whole_model=builds_whole_model(),
                           offload_optimizer=p.offload_optimizer is not None,
@@ -114,7 +114,7 @@ def _memory_refusal(cfg: DictConfig, model: LlamaConfig, need: ProcessMemory, bu
                  f"of {need.total / GB:.1f} GB each = {n * need.total / GB:.1f} GB is more than {limit}"]
     tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
     dp = t.devices * t.num_nodes // (tp * pp)  # the ranks ZeRO partitions over: data x context
-    stages = 2 if p.pipeline_schedule in V_SCHEDULES else p.virtual_pipeline_size
+    stages = chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size)
     held = max_rank_parameters(model, tp, pp, stages)
     parts = [f"{need.baseline / GB:.1f} GB libraries"] if need.baseline else []
     states = "model states" if budget.on_gpu else "model states at the first optimizer step's peak"

@@ -20,7 +20,7 @@ from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
 from lightning_mgpu.cli.rules import plan_problems
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
-from lightning_mgpu.layout import V_SCHEDULES, stage_ids
+from lightning_mgpu.layout import chunks_per_rank, stage_ids
 from lightning_mgpu.planner.memory import stage_memory
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
 
@@ -86,7 +86,7 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
     if world % (T * C * P):
         return ["", f"this configuration: tp {T} x cp {C} x pp {P} does not divide {world} GPUs"]
     bounds = None if p.pipeline_boundaries is None else tuple(p.pipeline_boundaries)
-    virtual = 2 if p.pipeline_schedule in V_SCHEDULES and P > 1 else p.virtual_pipeline_size
+    virtual = chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size) if P > 1 else p.virtual_pipeline_size
     mine = Candidate(T, P, world // (T * C * P), p.zero_stage, cfg.data.micro_batch_size, virtual,
                      cfg.model.activation_checkpointing == "full", p.pipeline_schedule, p.sequence_parallel, cp=C,
                      boundaries=bounds, selective=cfg.model.activation_checkpointing == "selective")

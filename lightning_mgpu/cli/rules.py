@@ -19,6 +19,7 @@ from lightning_mgpu.cli.machine import launch_problems
 from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive
 from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
 from lightning_mgpu.models.llama import activation_checkpointing_problems
+from lightning_mgpu.module import lr_scaling_problems
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.precision import SUPPORTED_PRECISIONS
 
@@ -111,12 +112,7 @@ def optim_problems(cfg: DictConfig) -> list[str]:
         out.append(f"optim.weight_decay={o.weight_decay} must be >= 0")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         out.append(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
-    if o.lr_scaling not in (None, "linear", "sqrt"):
-        out.append(f"optim.lr_scaling={o.lr_scaling!r} is unknown; choose null, linear or sqrt")
-    elif o.lr_scaling and not o.reference_batch_size:
-        out.append(f"optim.lr_scaling={o.lr_scaling!r} needs optim.reference_batch_size (the batch the LR was tuned "
-                   "for)")
-    return out
+    return out + lr_scaling_problems(o.lr_scaling, o.reference_batch_size)
 
 
 def checkpoint_problems(cfg: DictConfig) -> list[str]:

@@ -26,7 +26,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -253,9 +253,30 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
     dtype = dtype_for(tok.vocab_size)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"{TOKENS_FILE}.{os.getpid()}.tmp"
-    digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
     start = time.perf_counter()
     init = (str(tok.path), eod_id, dtype, text_key, [str(f) for f in files])
+    try:
+        digest, tokens, documents, text_bytes, cpu = _tokenise(files, init, workers, tmp, dtype, progress)
+        # Only now, with every input tokenised, is an earlier preparation replaced (--overwrite): the directory has no
+        # manifest from here until the new one is written, so it never describes the wrong token file.
+        (out / MANIFEST_FILE).unlink(missing_ok=True)
+        os.replace(tmp, out / TOKENS_FILE)
+    finally:
+        tmp.unlink(missing_ok=True)
+    seconds = time.perf_counter() - start
+    manifest = Manifest(tokenizer_path=str(tok.path), tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size,
+                        eod_token=eod_name, eod_id=eod_id, dtype=dtype, token_count=tokens,
+                        document_count=documents, text_bytes=text_bytes, text_key=text_key, sources=sources,
+                        tokens_sha256=digest.hexdigest(), tokens_sample_sha256=sampled_sha256(out / TOKENS_FILE))
+    _publish(out, manifest)
+    return PrepareResult(manifest, False, seconds, workers, cpu)
+
+
+def _tokenise(files: list, init: tuple, workers: int, tmp: Path, dtype: str,
+              progress: bool) -> tuple[Any, int, int, int, float]:
+    """Write every input's tokens to ``tmp`` in order; (sha256 of the tokens, tokens, documents, text bytes, CPU
+    seconds of the encoders). Every bad line of every input is found before :class:`PrepareError` is raised."""
+    digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
     bar, problems, cpu = None, [], 0.0
     try:
         with _encoder(workers, init) as encode, open(tmp, "wb") as f:
@@ -272,26 +293,25 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
                 text_bytes += size
                 if bar is not None:
                     bar.update(size)
-        if problems:
-            more = len(problems) - MAX_PROBLEMS
-            raise PrepareError(problems[:MAX_PROBLEMS] + ([f"... and {more} more"] if more > 0 else []))
-        # Only now, with every input tokenised, is an earlier preparation replaced (--overwrite): the directory has no
-        # manifest from here until the new one is written, so it never describes the wrong token file.
-        (out / MANIFEST_FILE).unlink(missing_ok=True)
-        os.replace(tmp, out / TOKENS_FILE)
     finally:
-        tmp.unlink(missing_ok=True)
         if bar is not None:
             bar.close()
-    seconds = time.perf_counter() - start
-    manifest = Manifest(tokenizer_path=str(tok.path), tokenizer_sha256=tok.sha256, vocab_size=tok.vocab_size,
-                        eod_token=eod_name, eod_id=eod_id, dtype=dtype, token_count=tokens,
-                        document_count=documents, text_bytes=text_bytes, text_key=text_key, sources=sources,
-                        tokens_sha256=digest.hexdigest(), tokens_sample_sha256=sampled_sha256(out / TOKENS_FILE))
+    _refuse(problems)
+    return digest, tokens, documents, text_bytes, cpu
+
+
+def _refuse(problems: list[str]) -> None:
+    """Every bad input found (the first ``MAX_PROBLEMS``, then how many more)."""
+    if problems:
+        more = len(problems) - MAX_PROBLEMS
+        raise PrepareError(problems[:MAX_PROBLEMS] + ([f"... and {more} more"] if more > 0 else []))
+
+
+def _publish(out: Path, manifest: Manifest) -> None:
+    """Write the manifest beside the token file by an atomic rename: a directory holds it only when it is whole."""
     written = out / f"{MANIFEST_FILE}.{os.getpid()}.tmp"
     written.write_text(manifest.to_json(), encoding="utf-8")
     os.replace(written, out / MANIFEST_FILE)
-    return PrepareResult(manifest, False, seconds, workers, cpu)
 
 
 def _existing(out: Path, tok: Tokenizer, eod_id: int, text_key: str, sources: tuple[Source, ...],

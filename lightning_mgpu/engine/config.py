@@ -71,24 +71,8 @@ def precision_config(precision: str) -> dict:
     return {}
 
 
-def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int, num_microbatches: int,
-                gradient_clipping: Optional[float], precision: dict, nvme_path: Optional[str] = None,
-                overrides: Optional[dict] = None, overlap: bool = False) -> dict:
-    """The DeepSpeed config of one run.
-
-    Without pipeline parallelism gradient accumulation is unmanaged: the strategy runs every micro-batch's
-    backward through the engine and then calls ``engine.step()`` once, which is the accumulation boundary
-    (one optimizer step per global batch). With it, the schedule runs all micro-batches inside
-    ``engine.coalesce_grad_reduction()``, which DeepSpeed supports (ZeRO 1-3) only with managed
-    accumulation: then the whole schedule counts as one micro-step of ``micro_batch_size * num_microbatches``.
-    ``precision`` is ``precision_config(...)``; ``overrides`` (the user's ``deepspeed_config``) is merged over the
-    result. ``overlap`` (the strategy sets it on CUDA) reduces gradient buckets, and with ZeRO-3 gathers parameters,
-    on DeepSpeed's side streams while backward and forward compute go on, for ZeRO 2 and 3: DeepSpeed refuses it at
-    ZeRO 0 and 1 without managed accumulation ("supports ZeRO overlap_comm only with ZeRO stage 2"). On CPU there are
-    no streams to overlap on, so it stays off there (the same configuration trains at parity on CPU:
-    ``tests/distributed/test_zero_parity.py::test_overlapped_communication_matches_single_process``).
-    """
-    coalesced = layout.pipeline_parallel_size > 1 and layout.zero_stage >= 1
+def _zero_section(layout: ParallelLayout, model: nn.Module, nvme_path: Optional[str], overlap: bool) -> dict:
+    """``zero_optimization``: buckets sized from the model, ZeRO-3's thresholds, offload devices."""
     bucket = bucket_elements(model)
     zero: dict[str, Any] = {
         "stage": layout.zero_stage,
@@ -111,12 +95,33 @@ def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int,
             zero[key] = {"device": device, "pin_memory": torch.cuda.is_available()}
             if device == "nvme":
                 zero[key]["nvme_path"] = nvme_path or "/local_nvme"
+    return zero
+
+
+def zero_config(layout: ParallelLayout, model: nn.Module, micro_batch_size: int, num_microbatches: int,
+                gradient_clipping: Optional[float], precision: dict, nvme_path: Optional[str] = None,
+                overrides: Optional[dict] = None, overlap: bool = False) -> dict:
+    """The DeepSpeed config of one run.
+
+    Without pipeline parallelism gradient accumulation is unmanaged: the strategy runs every micro-batch's
+    backward through the engine and then calls ``engine.step()`` once, which is the accumulation boundary
+    (one optimizer step per global batch). With it, the schedule runs all micro-batches inside
+    ``engine.coalesce_grad_reduction()``, which DeepSpeed supports (ZeRO 1-3) only with managed
+    accumulation: then the whole schedule counts as one micro-step of ``micro_batch_size * num_microbatches``.
+    ``precision`` is ``precision_config(...)``; ``overrides`` (the user's ``deepspeed_config``) is merged over the
+    result. ``overlap`` (the strategy sets it on CUDA) reduces gradient buckets, and with ZeRO-3 gathers parameters,
+    on DeepSpeed's side streams while backward and forward compute go on, for ZeRO 2 and 3: DeepSpeed refuses it at
+    ZeRO 0 and 1 without managed accumulation ("supports ZeRO overlap_comm only with ZeRO stage 2"). On CPU there are
+    no streams to overlap on, so it stays off there (the same configuration trains at parity on CPU:
+    ``tests/distributed/test_zero_parity.py::test_overlapped_communication_matches_single_process``).
+    """
+    coalesced = layout.pipeline_parallel_size > 1 and layout.zero_stage >= 1
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": micro_batch_size * num_microbatches if coalesced else micro_batch_size,
         "gradient_accumulation_steps": 1 if coalesced else num_microbatches,
         "managed_gradient_accumulation": coalesced,
         "gradient_clipping": float(gradient_clipping or 0.0),
-        "zero_optimization": zero,
+        "zero_optimization": _zero_section(layout, model, nvme_path, overlap),
         "zero_allow_untested_optimizer": True,
         # Torch's AdamW needs no compiled op, also when the optimizer state is offloaded.
         "zero_force_ds_cpu_optimizer": False,

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from lightning_mgpu.layout import sequence_problems
+from lightning_mgpu.split_rules import sequence_problems
 from lightning_mgpu.models.llama import apply_rope, expand_kv
 from lightning_mgpu.parallel.regions import GatherSequence
 

@@ -20,13 +20,14 @@ from torch import nn
 
 from lightning_mgpu.checkpoint.universal import canonical_name
 from lightning_mgpu.contract import hook
-from lightning_mgpu.layout import ParallelLayout, context_document_problems
+from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.compile import compile_blocks, compile_layout_problems
 from lightning_mgpu.parallel.context import apply_context_parallel
 from lightning_mgpu.parallel.materialize import Place, materialize, meta_parameters
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
 from lightning_mgpu.problems import raise_problems
+from lightning_mgpu.split_rules import context_document_problems
 
 
 @dataclass

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
-from lightning_mgpu.layout import ModelShape, divisors, layout_problems, sequence_problems
+from lightning_mgpu.layout import ModelShape, divisors, layout_problems
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.hardware import ClusterSpec
 from lightning_mgpu.planner.memory import MemoryEstimate, estimate_memory
 from lightning_mgpu.planner.time import StepTimeEstimate, estimate_step_time
 from lightning_mgpu.precision import pipeline_precision_problems
+from lightning_mgpu.split_rules import sequence_problems
 
 #: Share of GPU memory a plan may fill (the rest: allocator fragmentation, NCCL and CUDA context).
 USABLE_MEMORY = 0.9

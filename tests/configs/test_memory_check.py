@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 import torch
-from test_cli import BIN, composed
+from cli_helpers import BIN, composed
 
 from lightning_mgpu.cli.build import build_model_config
 from lightning_mgpu.cli import memory_check

@@ -22,7 +22,7 @@ from helpers import GLOBAL_BATCH, OPTIM, TINY, datamodule, fit
 
 from lightning_mgpu import LLMModule, MGPUStrategy
 from lightning_mgpu.callbacks import PeriodicCheckpoint
-from lightning_mgpu.checkpoint.formats import CheckpointRefusedError, format_of
+from lightning_mgpu.checkpoint.formats import format_of
 from lightning_mgpu.checkpoint.hf import load_hf, to_hf_config
 from lightning_mgpu.checkpoint.integrity import CHECKSUMS, checksum_problems, record_checksums
 from lightning_mgpu.checkpoint.safe_reader import UnsafeCheckpointError, read_dcp_metadata

@@ -1,6 +1,7 @@
 """A plain LightningModule (not LLMModule) with its own DataLoaders and callbacks trains under MGPUStrategy as it does
 under DDPStrategy, on the same data: per-step losses, samples seen, optimizer steps and LRs; what cannot work is refused
-at setup by name. Run as a script, it prints the conformance table (feature x ZeRO stage) that docs/how-to/own-model.md quotes."""
+at setup by name. Run as a script, it prints the conformance table (feature x ZeRO stage) that
+docs/how-to/own-model.md quotes."""
 
 from __future__ import annotations
 
@@ -186,7 +187,8 @@ def ddp_accumulate():
     return run_distributed(train, 2, "ddp", **ACCUMULATE)
 
 
-# ZeRO-1 and plain ZeRO-3 rows of the table in docs/how-to/own-model.md come from the script run (see conformance_table); the tests run
+# ZeRO-1 and plain ZeRO-3 rows of the table in docs/how-to/own-model.md come from the script run (see
+# conformance_table); the tests run
 # the stages that differ most in how gradients and parameters are held.
 @pytest.mark.parametrize("stage", ["zero0", "zero2", "zero3_offload"])
 def test_plain_module_trains_as_under_ddp(ddp, stage):

@@ -29,7 +29,7 @@ def virtual(schedule):
 
 
 # Each of the seven schedules at pp2 trains and validates at parity through mgpu-train
-# (tests/configs/test_cli.py::test_cli_every_schedule_trains_and_validates_at_parity).
+# (tests/cli/test_cli.py::test_cli_every_schedule_trains_and_validates_at_parity).
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])

@@ -2,7 +2,8 @@
 
 import pytest
 
-from lightning_mgpu.layout import ModelShape, ParallelLayout, sequence_problems
+from lightning_mgpu.layout import ModelShape, ParallelLayout
+from lightning_mgpu.split_rules import sequence_problems
 
 LLAMA_8B = ModelShape(n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, vocab_size=128256)
 

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 from helpers import TEST_EOD, corpus_text, make_tokenizer
-from test_cli import BIN, composed, read_losses, read_metric
+from cli_helpers import BIN, composed, read_losses, read_metric
 
 from lightning_mgpu.cli.build import build_datamodule, build_tokenizer, lost_tokenizer, run_tokenizer
 from lightning_mgpu.cli.prepare import main as prepare_main

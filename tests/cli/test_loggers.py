@@ -17,8 +17,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelSummary, Timer
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
-from test_cli import composed, read_losses
-from test_launch import TINY_ARGS
+from cli_helpers import TINY_ARGS, composed, read_losses
 
 from lightning_mgpu.cli.build import build_loggers
 from lightning_mgpu.cli.train import trainer_arguments

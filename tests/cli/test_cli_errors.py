@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cli import composed
+from cli_helpers import composed
 
 from lightning_mgpu.cli import export, plan, train
 from lightning_mgpu.cli.errors import EXIT_REFUSED, refusal_message

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_launch import TINY_ARGS
+from cli_helpers import TINY_ARGS
 
 from lightning_mgpu.callbacks import newest_checkpoint
 

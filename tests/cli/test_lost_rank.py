@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from test_launch import TINY_ARGS
+from cli_helpers import TINY_ARGS
 
 from lightning_mgpu.parallel.liveness import STALE_S, Heartbeat, LostRankError, name_lost_ranks
 from lightning_mgpu.testing import free_port

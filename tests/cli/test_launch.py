@@ -10,23 +10,10 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
-from test_cli import assert_cli_parity, cli_reference, composed, read_losses
+from cli_helpers import BIN, TINY_ARGS, assert_cli_parity, cli_reference, composed, read_losses, run
 
 from lightning_mgpu.cli.slurm import sbatch_script
 from lightning_mgpu.testing import free_port
-
-BIN = Path(sys.executable).parent
-TINY_ARGS = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64",
-             "model.vocab_size=64", "model.max_seq_len=64", "data.seq_len=16", "data.global_batch_size=8",
-             "data.micro_batch_size=2", "trainer.enable_progress_bar=false", "sample.max_new_tokens=2",
-             "sample.prompt=0", "optim.warmup_steps=2", "seed=7"]
-
-
-def run(args, cwd, timeout=240, env=None):
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
-
 
 def test_multirun_gives_one_directory_and_config_per_job(token_file, tmp_path):
     sweep = tmp_path / "sweep"
@@ -126,3 +113,4 @@ def test_tiny_cpu_recipe_trains_3d_on_four_processes(tmp_path):
                 f"hydra.run.dir={run_dir}"], tmp_path)
     assert "global batch 16 = 4 per micro-batch x 4 micro-batches x 1 data-parallel replicas" in proc.stdout + proc.stderr
     assert len(read_losses(run_dir / "metrics.csv")) == 3
+

@@ -1,0 +1,78 @@
+"""What the configuration tests and the end-to-end CLI tests share: composing a config as ``mgpu-train`` does, the
+tiny run on the test token file with its single-process reference, and reading a run's metrics."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import max_abs_diff, reference
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from lightning_mgpu.cli.config import register_configs
+from lightning_mgpu.cli.paths import conf_dir
+from lightning_mgpu.models import LlamaConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+BIN = Path(sys.executable).parent
+
+
+def composed(*overrides, return_hydra_config=False):
+    GlobalHydra.instance().clear()
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+
+def group_options(group):
+    return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def read_metric(metrics: Path, key: str) -> list[float]:
+    """The values of ``key`` in a run's metrics.csv, in step order."""
+    rows = list(csv.DictReader(metrics.open()))
+    return [float(r[key]) for r in sorted(rows, key=lambda r: int(r["step"])) if r.get(key)]
+
+
+def read_losses(metrics: Path) -> list[float]:
+    return read_metric(metrics, "train/loss")
+
+
+def assert_cli_parity(metrics: Path, expected: dict) -> None:
+    """A run's logged per-step loss and global grad norm equal the single-process reference to 1e-5."""
+    assert max_abs_diff(read_losses(metrics), expected["losses"]) < 1e-5
+    assert max_abs_diff(read_metric(metrics, "train/grad_norm"), expected["grad_norms"]) < 1e-5
+
+
+TINY_MODEL = ["model.dim=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.vocab_size=64",
+              "model.max_seq_len=64"]
+
+
+def cli_args(token_file, steps: int, n_layers: int = 2) -> list[str]:
+    """A tiny run on the test token file, as in tests/helpers.py (seed 7, clip 0.3, 2 warm-up steps)."""
+    return ["trainer.devices=2", "data=tokens", f"data.path={token_file}", "data.seq_len=16", "data.global_batch_size=8",
+            "data.micro_batch_size=2", *TINY_MODEL, f"model.n_layers={n_layers}", f"trainer.max_steps={steps}",
+            "trainer.gradient_clip_val=0.3", "optim.warmup_steps=2", "seed=7", "sample.prompt=0",
+            "sample.max_new_tokens=4", "trainer.enable_progress_bar=false"]
+
+
+def cli_reference(token_file, steps: int, n_layers: int = 2, val_batches: int = 0) -> dict:
+    model = LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64,
+                        max_seq_len=64)
+    return reference(token_file, steps=steps, clip=0.3, model=model, seed=7, val_batches=val_batches,
+                     optim=dict(lr=3e-3, warmup_steps=2, max_steps=steps, min_lr_ratio=0.1, weight_decay=0.1))
+
+
+TINY_ARGS = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64",
+             "model.vocab_size=64", "model.max_seq_len=64", "data.seq_len=16", "data.global_batch_size=8",
+             "data.micro_batch_size=2", "trainer.enable_progress_bar=false", "sample.max_new_tokens=2",
+             "sample.prompt=0", "optim.warmup_steps=2", "seed=7"]
+
+
+def run(args, cwd, timeout=240, env=None):
+    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
