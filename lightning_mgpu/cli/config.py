@@ -106,8 +106,6 @@ class TrainerConfig:
     val_check_interval: Optional[int] = None  #: validate every N batches (steps x accumulate_grad_batches); null: last
     enable_progress_bar: bool = True
     enable_model_summary: bool = True  #: print the module's parameter table before training
-    throughput: bool = True  #: log tokens/s, TFLOP/s per GPU and MFU (lightning_mgpu.callbacks.ThroughputCallback)
-    peak_flops: Optional[float] = None  #: bf16 peak FLOP/s of one device for MFU; null = from the CUDA device name
     max_time: Optional[str] = None  #: stop after this wall time, "DD:HH:MM:SS" (e.g. 00:12:00:00); null = no limit
     max_epochs: Optional[int] = None  #: stop after N epochs of limit_train_batches steps; null = no limit
     limit_train_batches: Optional[int] = None  #: batches per epoch; null = one endless epoch
@@ -118,7 +116,6 @@ class TrainerConfig:
     deterministic: Optional[bool] = None  #: true = torch.use_deterministic_algorithms(True); null = torch's default
     benchmark: Optional[bool] = None  #: torch.backends.cudnn.benchmark; null = leave as it is
     detect_anomaly: bool = False  #: torch.autograd anomaly detection (slow; finds the op that made a NaN)
-    check_memory: bool = True  #: refuse a run whose estimated peak memory per GPU (CPU: per machine) cannot fit
 
 
 @dataclass
@@ -199,6 +196,16 @@ class ClusterConfig:
     #: cluster=local on CPU: fork local ranks 1..N-1 from the first process, which has imported torch, Lightning and
     #: DeepSpeed already (false: start each as a fresh interpreter, as on GPUs)
     fork_on_cpu: bool = True
+    #: refuse a run whose estimated peak memory per GPU (CPU: per machine) cannot fit, before anything starts
+    check_memory: bool = True
+
+
+@dataclass
+class ThroughputConfig:
+    """:class:`lightning_mgpu.callbacks.ThroughputCallback`: tokens/s, TFLOP/s per GPU and MFU, logged every step."""
+
+    enabled: bool = True  #: add the callback
+    peak_flops: Optional[float] = None  #: bf16 peak FLOP/s of one device for MFU; null = from the CUDA device name
 
 
 @dataclass
@@ -244,6 +251,7 @@ class TrainConfig:
     seed: int = 1234
     dry_run: bool = False  #: build every rank's share on the meta device, print it beside the planner's, start nothing
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
 
 
 def _env_int(name: str) -> int:

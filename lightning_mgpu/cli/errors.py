@@ -84,7 +84,10 @@ def _refuse(message: str) -> NoReturn:
 
 
 #: Config keys that were renamed to the constructor argument they set: old key -> new key.
-RENAMED = {"parallel.timeout_s": "parallel.timeout", "checkpoint.consolidated": "checkpoint.save_consolidated_weights"}
+RENAMED = {"parallel.timeout_s": "parallel.timeout", "checkpoint.consolidated": "checkpoint.save_consolidated_weights",
+           # keys that are not lightning.Trainer arguments left the trainer group
+           "trainer.throughput": "throughput.enabled", "trainer.peak_flops": "throughput.peak_flops",
+           "trainer.check_memory": "cluster.check_memory"}
 
 
 def refusal_message(err: BaseException) -> Optional[str]:
@@ -110,7 +113,7 @@ def refusal_message(err: BaseException) -> Optional[str]:
         cause = err.__cause__
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key in RENAMED:
             return format_problems("Invalid command line", [
-                f"{cause.full_key} was renamed {RENAMED[cause.full_key]} (the name of the argument it sets); use that"])
+                f"{cause.full_key} was renamed {RENAMED[cause.full_key]} (where the object it configures takes it); use that"])
         if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and cause.full_key:
             parent = cause.full_key.rsplit(".", 1)[0] + "." if "." in cause.full_key else ""
             hint = did_you_mean(str(cause.key), _fields(cause.object_type), parent)

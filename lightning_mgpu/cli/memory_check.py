@@ -88,8 +88,8 @@ def run_memory(cfg: DictConfig, model: LlamaConfig, on_gpu: bool) -> ProcessMemo
 
 def memory_problems(cfg: DictConfig) -> list[str]:
     """A layout whose estimated peak memory does not fit, refused before any process starts, with the estimate, the
-    limit and the cheapest changes that fit. ``trainer.check_memory=false`` turns the check off."""
-    if not cfg.trainer.check_memory:
+    limit and the cheapest changes that fit. ``cluster.check_memory=false`` turns the check off."""
+    if not cfg.cluster.check_memory:
         return []
     budget = memory_budget(cfg)
     if budget is None:
@@ -143,7 +143,7 @@ def _memory_refusal(cfg: DictConfig, model: LlamaConfig, need: ProcessMemory, bu
                      f"processes per machine fits{': ' + why if why else ''}; use "
                      + ("GPUs with more memory, more GPUs" if budget.on_gpu else "a machine with more memory, more "
                         "machines") + " (trainer.num_nodes) or a smaller model")
-    lines.append("trainer.check_memory=false launches it anyway")
+    lines.append("cluster.check_memory=false launches it anyway")
     return "\n    ".join(lines)
 
 

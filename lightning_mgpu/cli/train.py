@@ -60,7 +60,7 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
         print(dry_run_report(cfg))
         memory = memory_problems(cfg)  # this machine's verdict, as a launch here would give it
         print(format_problems("a launch here would be refused", memory) if memory else
-              "memory: fits on this machine (trainer.check_memory)")
+              "memory: fits on this machine (cluster.check_memory)")
         return {}
     check_run(cfg)
     if not worker and _launch_rank() == 0:
@@ -138,8 +138,8 @@ def resume_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
 
 def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     out: list[L.Callback] = [SameConfigOnEveryRank(cfg)]
-    if cfg.trainer.throughput:
-        out.append(ThroughputCallback(cfg.trainer.peak_flops))
+    if cfg.throughput.enabled:
+        out.append(ThroughputCallback(cfg.throughput.peak_flops))
     if cfg.checkpoint.every_n_steps:
         out.append(PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps,
                                       cfg.checkpoint.keep_last))

@@ -116,6 +116,8 @@ COMPOSITION_ERRORS = [  # what a new user mistypes, and the line they get
     (["data=text", "data.files=a.txt"], "data.files: Invalid value assigned: str is not a ListConfig"),
     (["parallel.timeout_s=30"], "parallel.timeout_s was renamed parallel.timeout"),  # old keys name the new ones
     (["checkpoint.consolidated=true"], "checkpoint.consolidated was renamed checkpoint.save_consolidated_weights"),
+    (["trainer.throughput=false"], "trainer.throughput was renamed throughput.enabled"),
+    (["trainer.check_memory=false"], "trainer.check_memory was renamed cluster.check_memory"),
 ]
 
 

@@ -40,7 +40,7 @@ def attempt(token_file, tmp_path, name, checkpoints, kill=None):
     proc = subprocess.run(
         [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}",
          f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2",
-         f"checkpoint.dir={checkpoints}", "checkpoint.resume=auto", "trainer.throughput=false", *TINY_ARGS,
+         f"checkpoint.dir={checkpoints}", "checkpoint.resume=auto", "throughput.enabled=false", *TINY_ARGS,
          f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
     output = proc.stdout + proc.stderr

@@ -36,7 +36,7 @@ def launch(token_file, tmp_path, name, env, timeout_s):
     SIGKILLed at the end: a stopped rank would outlive it."""
     proc = subprocess.Popen(
         [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}", "trainer.max_steps=4",
-         f"parallel.timeout={timeout_s}", "trainer.throughput=false", *TINY_ARGS,
+         f"parallel.timeout={timeout_s}", "throughput.enabled=false", *TINY_ARGS,
          f"hydra.run.dir={tmp_path / name}"],
         cwd=tmp_path, env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)

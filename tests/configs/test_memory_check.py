@@ -79,7 +79,7 @@ def test_a_layout_that_cannot_fit_is_refused_before_launch(tmp_path):
     for fragment in (f"per process: {PROCESS_BASELINE_BYTES / 1e9:.1f} GB libraries",
                      f"({max_rank_parameters(build_model_config(cfg), 1, 1) / 1e6:,.0f}M parameters on the fullest "
                      "rank, 32-true, ZeRO-1 over 2 data-parallel ranks)",
-                     "activations (micro-batch 4 x 128 tokens)", "trainer.check_memory=false launches it anyway"):
+                     "activations (micro-batch 4 x 128 tokens)", "cluster.check_memory=false launches it anyway"):
         assert fragment in proc.stderr
 
 
@@ -95,7 +95,7 @@ def test_an_expert_can_turn_the_check_off(machine_of_25_gb):
     cfg = composed(*LLAMA3_1B_TP2)
     with pytest.raises(ConfigError, match="memory: trainer.devices=2 processes"):
         check_run(cfg)
-    check_run(composed(*LLAMA3_1B_TP2, "trainer.check_memory=false"))  # nothing else is wrong with it
+    check_run(composed(*LLAMA3_1B_TP2, "cluster.check_memory=false"))  # nothing else is wrong with it
 
 
 def test_memory_is_estimated_only_for_a_run_without_other_problems(machine_of_25_gb):
