@@ -4,7 +4,8 @@
 ``weights_only`` for the rest). ``deepspeed`` directories are read by DeepSpeed itself with unrestricted unpickling,
 so anything in them runs: they are read only when the run says it trusts them (``trust_deepspeed_checkpoints``). A
 directory of periodic checkpoints (``step-NNNNNNNN`` folders) is searched newest first, and there a checkpoint of a
-format other than the run's own is skipped unless the run trusts DeepSpeed checkpoints.
+format other than the run's own is skipped unless the run trusts DeepSpeed checkpoints, and so is one that records no
+checksums (named explicitly, it loads with a warning that it is unverified).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS
+from lightning_mgpu.checkpoint.integrity import CHECKSUMS
 
 FORMATS = ("universal", "deepspeed")
 #: The trainer state written beside DCP's ``.metadata`` (``lightning_mgpu.checkpoint.universal``).
@@ -85,6 +87,9 @@ def read_refusal(path: str | Path, settings: CheckpointSettings, searching: bool
     if found == "deepspeed" and not settings.trust_deepspeed_checkpoints:
         return (f"{path} is in DeepSpeed's format, which DeepSpeed reads by unrestricted unpickling: code inside its "
                 f"files would run. Load it only if you trust whoever wrote it, with {TRUST_SETTING}")
+    if searching and not (Path(path) / CHECKSUMS).is_file():
+        return (f"{path} records no checksums, so its files cannot be verified (every checkpoint this version publishes "
+                "records them); name it explicitly to load it unverified")
     if searching and found != settings.format and not settings.trust_deepspeed_checkpoints:
         return (f"{path} is in the {found} format and this run writes {settings.format}; name it explicitly, or "
                 f"accept either format with {TRUST_SETTING}")

@@ -86,7 +86,7 @@ def _file_problem(directory: Path, name: str, entry: Any) -> Optional[str]:
         size, expected = int(entry["bytes"]), str(entry[ALGORITHM])
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise ValueError("outside the checkpoint")
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):
         return f"{directory / CHECKSUMS} has a malformed entry for {name}"
     if not path.is_file():
         return f"{path} is missing"
@@ -116,6 +116,9 @@ def checksum_problems(directory: str | Path, rank: int = 0, world: int = 1,
         return []
     files, problems = recorded_checksums(directory)
     mine = [] if files is None else _share_problems(Path(directory), files, rank, world)
+    if rank == 0 and files is not None:  # a file nobody recorded would be read unverified
+        mine += [f"{Path(directory) / n} was not written with the checkpoint (it has no recorded checksum)"
+                 for n in checkpoint_files(directory) if n not in files]
     return problems + [p for part in gather(mine) for p in part]
 
 

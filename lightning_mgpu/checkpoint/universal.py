@@ -19,6 +19,8 @@ checkpoint runs no code from it, whoever wrote it.
 
 from __future__ import annotations
 
+import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_mgpu.checkpoint.formats import TRAINER_STATE
-from lightning_mgpu.checkpoint.safe_reader import SafeFileSystemReader, read_dcp_metadata
+from lightning_mgpu.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
 from lightning_mgpu.engine import MOMENTS, ParameterState
 from lightning_mgpu.layout import ParallelLayout
 
@@ -107,7 +109,17 @@ def read_trainer_state(path: str | Path) -> dict:
     numbers: a file holding any other object (which plain unpickling would construct, running its code) is refused
     with ``pickle.UnpicklingError``. Explicit, because torch only defaults to it from 2.6 and an environment
     variable (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``) turns the default off."""
-    return torch.load(Path(path) / TRAINER_STATE, weights_only=True)
+    file = Path(path) / TRAINER_STATE
+    try:
+        return torch.load(file, weights_only=True)
+    except pickle.UnpicklingError as error:  # torch's message names the type, not the file, and suggests unsafe loading
+        found = re.search(r"unsupported GLOBAL (\S+)|Unsupported global: GLOBAL (\S+)", str(error))
+        if found is None:  # not a pickle of plain data at all: garbage or a torn write
+            raise UnsafeCheckpointError(f"{file} is not a readable trainer state ({str(error).splitlines()[-1][:200]}"
+                                        "): the checkpoint is damaged") from error
+        raise UnsafeCheckpointError(f"{file} names {found.group(1) or found.group(2)}, which only unrestricted "
+                                    "unpickling would build: refused. The file was not written by lightning_mgpu's "
+                                    "universal format or has been altered; do not load it") from error
 
 
 def load_universal(engine: Any, layout: ParallelLayout, path: str | Path) -> dict:

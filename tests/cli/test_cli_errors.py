@@ -91,12 +91,21 @@ def test_plan_and_export_refuse_the_same_way(tmp_path, capsys):
         assert exit_.value.code == EXIT_REFUSED and all(f in stderr for f in fragments), stderr
 
 
-def test_a_real_crash_is_not_a_refusal(tmp_path):
-    """A directory that looks like a universal checkpoint but holds garbage: reading it raises, and the error
-    leaves ``main`` as it is (the interpreter prints its traceback and exits 1)."""
+def test_a_real_crash_is_not_a_refusal(tmp_path, monkeypatch, capfd):
+    """A directory that looks like a universal checkpoint but holds garbage is refused as damaged, naming the file
+    (exit 2); an error that is not a refusal (here the reader failing) leaves ``main`` as it is (the interpreter
+    prints its traceback and exits 1)."""
     (tmp_path / "torn").mkdir()
     for name in (".metadata", "trainer_state.pt"):
         (tmp_path / "torn" / name).write_bytes(b"not a checkpoint")
+    with pytest.raises(SystemExit) as exit_:
+        export.main([str(tmp_path / "torn"), str(tmp_path / "out")])
+    assert exit_.value.code == EXIT_REFUSED and "trainer_state.pt is not a readable trainer state" in capfd.readouterr().err
+
+    def crash(path):
+        raise RuntimeError("the disk went away")
+
+    monkeypatch.setattr(export, "read_model_weights", crash)
     with pytest.raises(Exception) as err:
         export.main([str(tmp_path / "torn"), str(tmp_path / "out")])
     assert not isinstance(err.value, SystemExit) and refusal_message(err.value) is None

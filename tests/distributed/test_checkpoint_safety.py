@@ -184,3 +184,82 @@ def test_hugging_face_pickles_are_never_loaded(tmp_path):
     with pytest.raises(FileNotFoundError, match="pickled .bin files are not loaded"):
         load_hf(tmp_path)
     assert not (tmp_path / "code_ran").exists()
+
+
+def test_metadata_that_rewrites_an_allowed_class_or_declares_byte_entries_is_refused(run, tmp_path):
+    """Two attacks that name only allowed types: a BUILD that sets ``PosixPath.exists`` for the whole process (the
+    class is left as it was), and a tensor declared a byte entry whose bytes unpickle to code (DCP would load them
+    with unrestricted unpickling). Also refused: storage that points outside the checkpoint directory."""
+    import pathlib
+    from pickle import BINUNICODE, BUILD, EMPTY_DICT, GLOBAL, PROTO, SETITEM, STOP
+
+    checkpoint = _copy(run["steps"][2], tmp_path / "rewrites")
+
+    def text(s: str) -> bytes:
+        data = s.encode()
+        return BINUNICODE + len(data).to_bytes(4, "little") + data
+
+    # PosixPath, then {"exists": torch.Size} as its BUILD state: would make every Path.exists() return torch.Size()
+    rewrite = (PROTO + b"\x02" + GLOBAL + b"pathlib\nPosixPath\n" + EMPTY_DICT + text("exists")
+               + GLOBAL + b"torch\nSize\n" + SETITEM + BUILD + STOP)
+    (checkpoint / ".metadata").write_bytes(rewrite)
+    before = pathlib.PosixPath.exists
+    with pytest.raises(UnsafeCheckpointError, match="sets attributes of a type"):
+        read_dcp_metadata(checkpoint)
+    assert pathlib.PosixPath.exists is before
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    marker = tmp_path / "code_ran"
+    byte_entry = _copy(run["steps"][2], tmp_path / "byte_entry")
+    metadata = read_dcp_metadata(byte_entry)
+    payload = byte_entry / "evil.distcp"
+    torch.save(RunsCode(marker), payload)
+    metadata.state_dict_metadata["step"] = BytesStorageMetadata()
+    metadata.storage_data = {MetadataIndex("step"): _StorageInfo("evil.distcp", 0, payload.stat().st_size)}
+    (byte_entry / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpointError, match="BytesStorageMetadata"):
+        read_dcp_metadata(byte_entry)
+    assert not marker.exists()
+
+    outside = _copy(run["steps"][2], tmp_path / "outside")
+    metadata = read_dcp_metadata(outside)
+    metadata.storage_data = {k: _StorageInfo("../elsewhere/" + v.relative_path, v.offset, v.length)
+                             for k, v in metadata.storage_data.items()}
+    (outside / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(UnsafeCheckpointError, match="outside its directory"):
+        read_dcp_metadata(outside)
+
+
+def test_every_file_is_recorded_and_a_missing_unlisted_or_unverified_one_is_named(run, token_file, tmp_path, capfd):
+    """The checksums list every file a 2-rank save wrote (each rank recorded its share); a deleted file and a file
+    added afterwards are named; ``mgpu-export`` refuses a flipped tensor file (DCP alone would load it silently);
+    a run writing the DeepSpeed format skips universal checkpoints when searching, and any search skips a checkpoint
+    without checksums."""
+    import json
+
+    from lightning_mgpu.checkpoint.integrity import checkpoint_files
+
+    step = run["steps"][4]
+    assert sorted(json.loads((step / CHECKSUMS).read_text())["files"]) == checkpoint_files(step)
+    missing = _copy(step, tmp_path / "missing")
+    shard = max(missing.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    shard.unlink()
+    (missing / "extra.bin").write_bytes(b"x")
+    assert checksum_problems(missing) == [f"{shard} is missing",
+                                          f"{missing / 'extra.bin'} was not written with the checkpoint (it has no "
+                                          "recorded checksum)"]
+    flipped = _copy(step, tmp_path / "flipped")
+    name = _flip_byte(flipped).name
+    with pytest.raises(SystemExit) as exit_info:
+        export_main([str(flipped), str(tmp_path / "hf")])
+    assert exit_info.value.code == 2 and f"{name} does not match its recorded checksum" in capfd.readouterr().err
+    directory = tmp_path / "checkpoints"
+    _copy(run["steps"][2], directory / "step-00000002")
+    unverified = _copy(run["steps"][4], directory / "step-00000004")
+    (unverified / CHECKSUMS).unlink()
+    with pytest.raises(Exception, match=r"step-00000002 is in the universal format and this run writes deepspeed"):
+        run_distributed(_resume, 2, token_file, directory, checkpoint_format="deepspeed", zero_stage=1)
+    with pytest.raises(Exception, match=r"step-00000004 records no checksums"):
+        run_distributed(_resume, 2, token_file, directory, checkpoint_format="deepspeed", zero_stage=1)
