@@ -1,8 +1,8 @@
 """Pipeline parallelism: ``torch.distributed.pipelining`` schedules over stage chunks owned by a DeepSpeed engine.
 
-The recipe measured in FIELD-NOTES: this rank's stage chunks sit in one ``ModuleDict`` that is the
-engine's module (even for one chunk: with ZeRO-3 and a stage as the engine's root, ranks deadlock); each
-``PipelineStage`` wraps ``engine.module[str(stage_id)]``; the schedule runs inside
+The recipe that worked when measured (torch 2.13, DeepSpeed 0.19.8): this rank's stage chunks sit in one
+``ModuleDict`` that is the engine's module (even for one chunk: with ZeRO-3 and a stage as the engine's root, ranks
+deadlock); each ``PipelineStage`` wraps ``engine.module[str(stage_id)]``; the schedule runs inside
 ``lightning_mgpu.engine.deferred_grad_reduction`` (ZeRO 1-3: the per-parameter hooks do nothing, one
 data-parallel reduction on exit), the loss is divided by the number of micro-batches and the schedule does not scale
 gradients; then ``engine.step()`` clips by the global norm and updates.

@@ -12,7 +12,8 @@ ZeRO      parameters  gradients    fp32 master                Adam        buffer
 3         w / N       w / N        4 / N                      8 / N       one bucket of w-byte elements
 ========  ==========  ===========  =========================  ==========  =========================
 
-DeepSpeed keeps a separate fp32 master partition even in fp32 training (FIELD-NOTES), hence the 4 / N.
+DeepSpeed keeps a separate fp32 master partition even in fp32 training (measured with DeepSpeed 0.19.8: ZeRO-3 fp32
+is 20 bytes per parameter over N, not 12), hence the 4 / N.
 
 Activations are this Llama's, derived tensor by tensor for the run's precision, tensor and sequence parallelism and
 activation-checkpointing mode (:func:`block_activation_bytes`, :func:`head_activation_bytes`); they match what the
