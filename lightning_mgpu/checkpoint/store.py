@@ -55,7 +55,7 @@ def verify(path: str | Path) -> None:
     when nothing was recorded: a checkpoint written before checksums existed is loaded unverified)."""
     problems = checksum_problems(path, *_rank_world(), gather=_gather)
     if problems:
-        raise CheckpointRefusedError(format_problems(f"checkpoint {path} is damaged", problems))
+        raise CheckpointRefusedError(f"checkpoint {path} is damaged: " + "; ".join(problems))
     if not has_checksums(path):
         rank_zero_warn(f"checkpoint {path} records no checksums (written by an older lightning_mgpu): its files "
                        "are loaded unverified")
