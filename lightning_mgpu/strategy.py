@@ -12,12 +12,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
@@ -39,6 +34,7 @@ from lightning_mgpu.parallel.applied import applied_layout
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.parallel.pipeline import Pipeline
+from lightning_mgpu.parallel.process_group import start_process_group
 from lightning_mgpu.parallel.plan import TensorParallelPlan
 from lightning_mgpu.parallel.step import DataParallelStep, PipelineStep
 from lightning_mgpu.parallel.timeline import PipelineTimeline
@@ -47,6 +43,17 @@ from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.refusals import check_module, check_optimizers, check_trainer
 
 log = logging.getLogger(__name__)
+
+
+#: The strategy names registered in Lightning's ``StrategyRegistry`` when the package is imported, with the
+#: ``MGPUStrategy`` arguments each stands for.
+REGISTERED_NAMES = {
+    "mgpu": {},
+    "mgpu_zero1": {"zero_stage": 1},
+    "mgpu_zero2": {"zero_stage": 2},
+    "mgpu_zero3": {"zero_stage": 3},
+    "mgpu_zero3_offload": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+}
 
 
 class MGPUStrategy(ParallelStrategy):
@@ -144,14 +151,7 @@ class MGPUStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        entries = {
-            "mgpu": {},
-            "mgpu_zero1": {"zero_stage": 1},
-            "mgpu_zero2": {"zero_stage": 2},
-            "mgpu_zero3": {"zero_stage": 3},
-            "mgpu_zero3_offload": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
-        }
-        for name, kwargs in entries.items():
+        for name, kwargs in REGISTERED_NAMES.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"MGPUStrategy {kwargs or '(ZeRO-0)'}", **kwargs)
 
@@ -209,15 +209,9 @@ class MGPUStrategy(ParallelStrategy):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
-        self._process_group_backend = backend
-        engines.preload()  # while the other ranks start: the rendezvous below waits for them anyway
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        self.layout = self.layout_request.build(self.world_size, devices_per_node=self.num_processes)
-        self.layout.init_groups(self.global_rank, timeout=self._timeout)
-        engines.init_engine_comm(self._timeout)
-        if self.world_size > 1:
-            self._heartbeat = Heartbeat.for_default_group()
+        self._process_group_backend, self.layout, self._heartbeat = start_process_group(
+            self.cluster_environment, self.root_device, self._process_group_backend, self._timeout,
+            self.layout_request, self.num_processes, self.global_rank)
 
     @property
     @override
