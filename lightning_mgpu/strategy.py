@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 from datetime import timedelta
-from typing import Any, Callable, Generator, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
@@ -23,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from typing_extensions import override
 
-from lightning_mgpu.checkpoint import store as checkpoints
+from lightning_mgpu.checkpoint.hooks import EngineCheckpointHooks
 from lightning_mgpu.checkpoint.formats import CheckpointSettings, format_name_problems
 from lightning_mgpu import engine as engines
 from lightning_mgpu.allocator import return_freed_memory
@@ -47,16 +46,12 @@ log = logging.getLogger(__name__)
 
 #: The strategy names registered in Lightning's ``StrategyRegistry`` when the package is imported, with the
 #: ``MGPUStrategy`` arguments each stands for.
-REGISTERED_NAMES = {
-    "mgpu": {},
-    "mgpu_zero1": {"zero_stage": 1},
-    "mgpu_zero2": {"zero_stage": 2},
-    "mgpu_zero3": {"zero_stage": 3},
-    "mgpu_zero3_offload": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
-}
+REGISTERED_NAMES = {"mgpu": {}, "mgpu_zero1": {"zero_stage": 1}, "mgpu_zero2": {"zero_stage": 2},
+                    "mgpu_zero3": {"zero_stage": 3},
+                    "mgpu_zero3_offload": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}}
 
 
-class MGPUStrategy(ParallelStrategy):
+class MGPUStrategy(EngineCheckpointHooks, ParallelStrategy):
     """Tensor, pipeline and ZeRO data parallelism for ``lightning.Trainer``.
 
     Every process holds one DeepSpeed engine whose ZeRO stage partitions over the ranks holding the same model shard:
@@ -382,53 +377,6 @@ class MGPUStrategy(ParallelStrategy):
         if isinstance(tensor, torch.Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    # ---------------------------------------------------------------------------------- checkpoints
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        return True
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # DeepSpeed writes the (possibly partitioned) weights itself
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}  # DeepSpeed writes the ZeRO partitions itself
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a checkpoint directory: DeepSpeed's model and ZeRO shards plus Lightning's state as client state."""
-        if storage_options is not None:
-            raise TypeError("storage_options is not supported by MGPUStrategy: DeepSpeed writes the checkpoint")
-        filepath = self.broadcast(str(filepath))
-        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        with name_lost_ranks(self._heartbeat):
-            extra = functools.partial(checkpoints.write_consolidated_weights, self.model, self.layout,
-                                      self.lightning_module) if self.save_consolidated_weights else None
-            checkpoints.save(self.model, self.layout, filepath, client_state, self.checkpoints, extra)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read ``checkpoint_path`` (one checkpoint, or a directory of periodic ones: the newest this run may read
-        and that is intact) into the engine; see ``lightning_mgpu.checkpoint.store``."""
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        return checkpoints.load(self.model, self.layout, checkpoint_path, self.checkpoints, fitting,
-                                strict=self.lightning_module.strict_loading)
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Weights were loaded by DeepSpeed in ``load_checkpoint``."""
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """ZeRO partitions were loaded by DeepSpeed in ``load_checkpoint``."""
 
     @override
     def teardown(self) -> None:

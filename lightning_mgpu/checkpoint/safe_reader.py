@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
@@ -50,11 +52,7 @@ _BUILDABLE_NAMES = ("Metadata", "MetadataIndex", "ChunkStorageMetadata", "Tensor
                     "StorageMeta")
 
 
-def _buildable() -> tuple[type, ...]:
-    from torch.distributed.checkpoint import metadata
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-    return tuple(getattr(metadata, name) for name in _BUILDABLE_NAMES) + (_StorageInfo,)
+_BUILDABLE = tuple(getattr(dcp_metadata, name) for name in _BUILDABLE_NAMES) + (_StorageInfo,)
 
 
 class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # the pure-Python unpickler, see above
@@ -68,7 +66,7 @@ class _MetadataUnpickler(pickle._Unpickler):  # type: ignore[name-defined]  # th
         fields = getattr(type(target), "__dataclass_fields__", {})
         plain = isinstance(state, dict) and set(state) <= set(fields)
         own = isinstance(state, tuple) and "__setstate__" in vars(type(target))
-        if not (isinstance(target, _buildable()) and (plain or own)):
+        if not (isinstance(target, _BUILDABLE) and (plain or own)):
             raise UnsafeCheckpointError(
                 f"{self.path} sets attributes of a {type(target).__name__} ({target!r:.80}) while it loads: refused "
                 "(a checkpoint's metadata only fills the fields of its own records). The file was not written by "

@@ -38,7 +38,7 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
                           pipeline_schedule=p.pipeline_schedule, virtual_pipeline_size=p.virtual_pipeline_size,
                           num_microbatches=micro, sequence_parallel=p.sequence_parallel, context_parallel_size=C,
                           offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape)
-    out = keyed(raw, world, t) + batch
+    out = keyed(raw, t) + batch
     if isinstance(T, int) and isinstance(C, int) and T > 0 and C > 0 and isinstance(d.seq_len, int):
         out += sequence_problems(d.seq_len, C, T, bool(p.sequence_parallel), key="data.seq_len")
     if cfg.model.compile and isinstance(p.zero_stage, int):
@@ -46,11 +46,11 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
 
         out += compile_layout_problems(p.zero_stage, key="model.compile")
     if isinstance(C, int):
-        out += keyed(context_document_problems(C, bool(d.get("document_mask"))), world, t)
+        out += keyed(context_document_problems(C, bool(d.get("document_mask"))), t)
     if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
         out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
     if isinstance(P, int) and P > 1:
-        out += keyed(pipeline_precision_problems(str(t.precision), P), world, t)
+        out += keyed(pipeline_precision_problems(str(t.precision), P), t)
         if p.pipeline_boundaries is not None and model is not None and isinstance(p.virtual_pipeline_size, int):
             stages = P * chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size)
             out += [f"parallel.{line}" for line in boundary_problems(p.pipeline_boundaries, model.n_layers, stages)]

@@ -41,7 +41,7 @@ CONFIG_KEYS = {
 }
 
 
-def keyed(problems: Sequence, world: int, t: DictConfig) -> list[str]:
+def keyed(problems: Sequence, t: DictConfig) -> list[str]:
     """Problems of the layout (and the rules beside it) as the lines the command line prints, named by their config
     keys (:data:`CONFIG_KEYS`)."""
     out = []

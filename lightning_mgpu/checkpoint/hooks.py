@@ -1,0 +1,69 @@
+"""Lightning's checkpoint hooks for a strategy whose engine writes and reads its own state.
+
+Mixed into :class:`~lightning_mgpu.MGPUStrategy` (which provides ``model``, the engine; ``layout``; ``checkpoints``,
+the :class:`~lightning_mgpu.checkpoint.formats.CheckpointSettings`; ``save_consolidated_weights``; ``broadcast``):
+Lightning's own state goes into the checkpoint as client state beside the engine's, and both are written and read
+by :mod:`lightning_mgpu.checkpoint.store` (formats, checksums, the trust rule, the fallback of a directory). Lightning
+restores after ``setup``, once the engine exists, and never restores the optimizer itself.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping, Optional
+
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_mgpu.checkpoint import store as checkpoints
+from lightning_mgpu.parallel.liveness import name_lost_ranks
+
+
+class EngineCheckpointHooks:
+    """The checkpoint half of ``MGPUStrategy``'s Lightning hooks."""
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # DeepSpeed writes the (possibly partitioned) weights itself
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # DeepSpeed writes the ZeRO partitions itself
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write a checkpoint directory: DeepSpeed's model and ZeRO shards plus Lightning's state as client state."""
+        if storage_options is not None:
+            raise TypeError("storage_options is not supported by MGPUStrategy: DeepSpeed writes the checkpoint")
+        filepath = self.broadcast(str(filepath))
+        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        with name_lost_ranks(self._heartbeat):
+            extra = functools.partial(checkpoints.write_consolidated_weights, self.model, self.layout,
+                                      self.lightning_module) if self.save_consolidated_weights else None
+            checkpoints.save(self.model, self.layout, filepath, client_state, self.checkpoints, extra)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Read ``checkpoint_path`` (one checkpoint, or a directory of periodic ones: the newest this run may read
+        and that is intact) into the engine; see ``lightning_mgpu.checkpoint.store``."""
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        return checkpoints.load(self.model, self.layout, checkpoint_path, self.checkpoints, fitting,
+                                strict=self.lightning_module.strict_loading)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Weights were loaded by DeepSpeed in ``load_checkpoint``."""
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """ZeRO partitions were loaded by DeepSpeed in ``load_checkpoint``."""
