@@ -27,6 +27,17 @@ def composed(*overrides, return_hydra_config=False):
         return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
+def resolved(cfg):
+    """The run of a composed config as a launch resolves it, without its rules (some tests ask only the memory check
+    of a run that could not launch here, e.g. a SLURM job at submission)."""
+    from lightning_mgpu.cli.run_data import resolve_data
+    from lightning_mgpu.cli.run_model import resolve_model
+    from lightning_mgpu.cli.run_spec import RunSpec
+
+    data = resolve_data(cfg)
+    return RunSpec.of(cfg, data, resolve_model(cfg, data))
+
+
 def group_options(group):
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
 

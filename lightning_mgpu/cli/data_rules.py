@@ -1,5 +1,6 @@
 """The rules of the ``data`` group: sources, paths, token files, document masks and vocabularies against the model.
-They read the file system for data paths; nothing is loaded."""
+They read the run's data as resolved once (:class:`~lightning_mgpu.cli.run_data.RunData`: manifests read, the tokenizer
+loaded) and the file system for data paths."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from lightning_mgpu.cli.run_data import RunData
 from lightning_mgpu.cli.rule_base import DATA_SOURCES, TOKEN_DTYPES, _positive
 from lightning_mgpu.data import BYTE_VOCAB_SIZE
 from lightning_mgpu.models import LlamaConfig
@@ -18,13 +20,13 @@ from lightning_mgpu.models import LlamaConfig
 Vocabulary = tuple[int, str]
 
 
-def data_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:
+def data_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig]) -> list[str]:
     d = cfg.data
     out = _positive("data.seq_len", d.seq_len) + _positive("data.val_batches", d.val_batches)
     if d.source not in DATA_SOURCES:
         out.append(f"data.source={d.source!r} is unknown; choose one of {', '.join(DATA_SOURCES)} (or data=NAME)")
     elif d.source == "tokens":
-        out += token_source_problems(cfg)
+        out += token_source_problems(cfg, data)
     elif d.source == "text":
         if not d.files:
             out.append("data.files is empty; give glob patterns of .txt/.jsonl files, e.g. 'data.files=[books/*.txt]'")
@@ -35,8 +37,8 @@ def data_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:
         out.append(f"data.sources is set but data.source={d.source}: blends are of token sources; use data=tokens")
     if not 0.0 < d.val_fraction < 1.0:
         out.append(f"data.val_fraction={d.val_fraction} must be between 0 and 1 (exclusive), e.g. 0.01")
-    vocabularies, problems = data_vocabularies(cfg)
-    out += problems + document_mask_problems(cfg)
+    vocabularies, problems = data_vocabularies(data)
+    out += problems + document_mask_problems(cfg, data)
     if model is not None:
         if vocabularies:  # the largest one: every id of the data must have an embedding row
             out += vocabulary_problems(cfg, model, *max(vocabularies))
@@ -52,113 +54,81 @@ def seq_len_problems(seq_len: object, model: LlamaConfig) -> list[str]:
     return []
 
 
-def token_source_problems(cfg: DictConfig) -> list[str]:
+def token_source_problems(cfg: DictConfig, data: RunData) -> list[str]:
     """``data=tokens``: one ``data.path`` or ``data.sources`` (each a prepared directory or a flat token file, with a
     weight > 0)."""
-    from lightning_mgpu.cli.build import data_sources
     from lightning_mgpu.data.blend import weight_problems
 
     d, out = cfg.data, []
-    sources = data_sources(cfg)
+    unreadable = {s.path: s.error for s in data.prepared if s.error is not None}
     if d.dtype not in TOKEN_DTYPES:
         out.append(f"data.dtype={d.dtype!r} is not a token dtype; choose {' or '.join(TOKEN_DTYPES)}")
-    if sources and d.path:
+    if data.sources and d.path:
         return out + [f"data.path={d.path!r} and data.sources are both set; give one: data.path for one source, "
                       "data.sources for a blend"]
-    if not sources:
+    if not data.sources:
         if not d.path:
             return out + ["data.path is not set: data=tokens reads a flat token file or a directory written by "
                           "mgpu-prepare; give data.path=DIR, or a blend: 'data.sources=[{path: DIR1, weight: 0.7}, "
                           "{path: DIR2, weight: 0.3}]'"]
-        return out + _token_path_problems("data.path", d.path)
-    for i, (path, weight) in enumerate(sources):
+        return out + _token_path_problems("data.path", d.path, unreadable)
+    for i, (path, weight) in enumerate(data.sources):
         key = f"data.sources[{i}]"
         if not path or path == "???":
             out.append(f"{key} has no path; give each source as {{path: DIR, weight: W}}")
             continue
-        out += _token_path_problems(f"{key}.path", path)
+        out += _token_path_problems(f"{key}.path", path, unreadable)
         out += weight_problems([weight], [f"{key} ({path})"])
     return out
 
 
-def document_mask_problems(cfg: DictConfig) -> list[str]:
+def document_mask_problems(cfg: DictConfig, data: RunData) -> list[str]:
     """``data.document_mask=true`` needs tokens with an end-of-document id (a prepared directory's manifest, or a
     tokenizer that has one; not bytes), the same in every prepared source."""
     if not cfg.data.get("document_mask"):
         return []
-    from lightning_mgpu.cli.build import run_eod_token_id, token_paths
-    from lightning_mgpu.data.manifest import PreparedDataError, is_prepared, read_manifest
-
-    eod, origin = run_eod_token_id(cfg)
+    eod, origin = data.eod_token_id()
     if eod is None:
         return [f"data.document_mask=true needs tokens that end every document with an end-of-document id, but "
                 f"{origin}; prepare the data with mgpu-prepare (data=tokens data.path=DIR), or give "
                 "data.tokenizer=PATH of a tokenizer with an end-of-document token, or set data.document_mask=false"]
-    out = []
-    for path in token_paths(cfg):
-        if not is_prepared(path):
-            continue
-        try:
-            manifest = read_manifest(path)
-        except PreparedDataError:  # named by token_source_problems
-            continue
-        if manifest.eod_id != eod:
-            out.append(f"data.document_mask=true: {path} ends documents with id {manifest.eod_id} "
-                       f"({manifest.eod_token!r}), but {origin} says {eod}; prepare every source with the same "
-                       "--eod-token")
-    return out
+    return [f"data.document_mask=true: {path} ends documents with id {manifest.eod_id} ({manifest.eod_token!r}), but "
+            f"{origin} says {eod}; prepare every source with the same --eod-token"
+            for path, manifest in data.readable_manifests() if manifest.eod_id != eod]
 
 
-def _token_path_problems(key: str, path: str) -> list[str]:
-    from lightning_mgpu.data.manifest import PreparedDataError, read_manifest
-
-    if Path(path).is_dir():
-        try:
-            read_manifest(path)
-        except PreparedDataError as err:
-            return [f"{key}: {err}"]
-        return []
-    if not Path(path).is_file():
+def _token_path_problems(key: str, path: str, unreadable: dict[str, str]) -> list[str]:
+    """A token source that does not exist, or a prepared one whose manifest cannot be read (``unreadable``)."""
+    if path in unreadable:
+        return [f"{key}: {unreadable[path]}"]
+    if not Path(path).exists():
         return [f"{key}={path!r} does not exist; give a directory written by mgpu-prepare or a token file "
                 "(data=tokens)"]
     return []
 
 
-def data_vocabularies(cfg: DictConfig) -> tuple[list[Vocabulary], list[str]]:
+def data_vocabularies(data: RunData) -> tuple[list[Vocabulary], list[str]]:
     """(the vocabularies the data's token ids come from, problems with the tokenizer and the prepared tokens).
 
     Byte tokens when no tokenizer is given (corpus, text); the run's tokenizer; every prepared directory's manifest,
     whose tokenizer must be the run's. A flat token file says nothing about its ids.
     """
-    from lightning_mgpu.cli.build import run_tokenizer, token_paths
-    from lightning_mgpu.data.manifest import PreparedDataError, read_manifest, tokenizer_match_problems
-    from lightning_mgpu.data.tokenizer import Tokenizer, TokenizerError
+    from lightning_mgpu.data.manifest import tokenizer_match_problems
 
     out: list[Vocabulary] = []
     problems: list[str] = []
-    found = run_tokenizer(cfg)
-    sha, name = None, ""
-    if found is not None:
-        path, name = found
-        try:
-            tok = Tokenizer(path)
-            sha = tok.sha256
-            out.append((tok.vocab_size, f"the {tok.vocab_size:,} token ids of {name}"))
-        except TokenizerError as err:
-            problems.append(f"{name}: {err}")
-    elif cfg.data.source in ("corpus", "text"):
-        out.append((BYTE_VOCAB_SIZE, f"the {BYTE_VOCAB_SIZE} byte tokens of data.source={cfg.data.source}"))
-    prepared = []
-    for path in token_paths(cfg):
-        if Path(path).is_dir():
-            try:
-                manifest = read_manifest(path)
-            except PreparedDataError:  # named by token_source_problems
-                continue
-            prepared.append((path, manifest))
-            out.append((manifest.vocab_size, f"the {manifest.vocab_size:,} token ids of the tokenizer {path} was "
-                                             f"prepared with"))
-    return out, problems + tokenizer_match_problems(prepared, sha, name)
+    tok = data.tokenizer
+    if tok is not None and tok.error is not None:
+        problems.append(f"{tok.name}: {tok.error}")
+    elif tok is not None:
+        out.append((tok.vocab_size, f"the {tok.vocab_size:,} token ids of {tok.name}"))
+    elif data.source in ("corpus", "text"):
+        out.append((BYTE_VOCAB_SIZE, f"the {BYTE_VOCAB_SIZE} byte tokens of data.source={data.source}"))
+    prepared = data.readable_manifests()
+    out += [(m.vocab_size, f"the {m.vocab_size:,} token ids of the tokenizer {path} was prepared with")
+            for path, m in prepared]
+    sha = None if tok is None else tok.sha256
+    return out, problems + tokenizer_match_problems(prepared, sha, "" if tok is None else tok.name)
 
 
 def vocabulary_problems(cfg: DictConfig, model: LlamaConfig, size: int, what: str) -> list[str]:

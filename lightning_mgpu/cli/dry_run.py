@@ -15,9 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
-
-from lightning_mgpu.cli.build import build_model_config, build_module, build_strategy
+from lightning_mgpu.cli.build import build_module, build_strategy
+from lightning_mgpu.cli.run_spec import RunSpec
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.planner.memory import model_state_bytes
@@ -38,20 +37,18 @@ class RankShare:
     bytes: dict[str, float]
 
 
-def rank_shares(cfg: DictConfig) -> tuple[ParallelLayout, list[RankShare]]:
-    """The layout of ``cfg`` and, for each pipeline rank (tensor ranks first and last), its built share: the module
+def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
+    """The layout of the run and, for each pipeline rank (tensor ranks first and last), its built share: the module
     built on the meta device and split by :func:`~lightning_mgpu.parallel.parallelize.parallelize` for that rank,
     the same function in the same order as a launch, with stand-ins for the rank's process groups."""
-    model_config = build_model_config(cfg)
-    strategy = build_strategy(cfg)
-    layout = strategy.layout_request.build(cfg.trainer.devices * cfg.trainer.num_nodes,
-                                            devices_per_node=cfg.trainer.devices)
+    cfg, model_config, strategy = spec.config, spec.model, build_strategy(spec)
+    layout = spec.layout.build(spec.world_size, devices_per_node=cfg.trainer.devices)
     T, P = layout.size("tp"), layout.size("pp")
     shares = []
     for tp_rank in sorted({0, T - 1}):
         for pp_rank in range(P):
             with torch.device("meta"):
-                module = build_module(cfg, model_config)
+                module = build_module(spec)
                 module.configure_model()
             view = layout.planned_at(layout.global_rank_of(tp=tp_rank, pp=pp_rank))
             kept = parallelize(module, view, torch.device("meta"), strategy.tensor_parallel_plan,
@@ -67,10 +64,11 @@ def rank_shares(cfg: DictConfig) -> tuple[ParallelLayout, list[RankShare]]:
     return layout, shares
 
 
-def dry_run_report(cfg: DictConfig) -> str:
+def dry_run_report(spec: RunSpec) -> str:
     """The per-rank table; raises ``RuntimeError`` when a built count differs from the planner's."""
-    layout, shares = rank_shares(cfg)
-    whole = build_model_config(cfg).num_parameters()
+    cfg = spec.config
+    layout, shares = rank_shares(spec)
+    whole = spec.model.num_parameters()
     context = f" x cp {layout.size('cp')}" if layout.size("cp") > 1 else ""
     zero_ranks = f" (over dp x cp = {layout.size('dp_cp')} ranks)" if context else ""
     lines = [f"dry run: {layout.world_size} processes = tp {layout.size('tp')}{context} x pp {layout.size('pp')} x dp "

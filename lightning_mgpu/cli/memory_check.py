@@ -4,18 +4,15 @@ the cheapest changes that fit, each a set of config overrides checked against th
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from typing import Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from lightning_mgpu.cli.layout_rules import parallel_problems
 from lightning_mgpu.cli.machine import _inside_slurm_job, _wants_gpu
-from lightning_mgpu.cli.rules import model_problems
+from lightning_mgpu.cli.run_spec import RunSpec
 from lightning_mgpu.layout import chunks_per_rank, divisors
-from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.planner.model_stats import max_rank_parameters
 from lightning_mgpu.planner.process import ProcessMemory, host_memory, process_memory
@@ -69,10 +66,10 @@ def builds_whole_model() -> bool:
     return not builds_on_meta(LLMModule)
 
 
-def run_memory(cfg: DictConfig, model: LlamaConfig, on_gpu: bool) -> ProcessMemory:
-    """Peak memory of one process of ``cfg`` (its fullest rank), as
+def run_memory(spec: RunSpec, on_gpu: bool) -> ProcessMemory:
+    """Peak memory of one process of the run (its fullest rank), as
     :func:`lightning_mgpu.planner.process.process_memory` estimates it: on its GPU, or in host memory on CPU."""
-    p, t, d = cfg.parallel, cfg.trainer, cfg.data
+    p, t, d, model = spec.layout, spec.config.trainer, spec.config.data, spec.model
     tp, pp, cp = p.tensor_parallel_size, p.pipeline_parallel_size, p.context_parallel_size
     dp = t.devices * t.num_nodes // (tp * pp * cp)
     return process_memory(model, d.seq_len, d.micro_batch_size, tp, pp, dp,
@@ -82,29 +79,26 @@ def run_memory(cfg: DictConfig, model: LlamaConfig, on_gpu: bool) -> ProcessMemo
                           offload_optimizer=p.offload_optimizer is not None,
                           offload_params=p.offload_params is not None, context=cp,
                           mode=model.activation_checkpointing, schedule=p.pipeline_schedule,
-                          boundaries=p.pipeline_boundaries,
+                          boundaries=spec.config.parallel.pipeline_boundaries,
                           microbatches=max(1, d.global_batch_size // (d.micro_batch_size * max(1, dp))))
 
 
-def memory_problems(cfg: DictConfig) -> list[str]:
+def memory_problems(spec: RunSpec) -> list[str]:
     """A layout whose estimated peak memory does not fit, refused before any process starts, with the estimate, the
     limit and the cheapest changes that fit. ``cluster.check_memory=false`` turns the check off."""
-    if not cfg.cluster.check_memory:
+    if not spec.config.cluster.check_memory:
         return []
-    budget = memory_budget(cfg)
+    budget = memory_budget(spec.config)
     if budget is None:
         return []
-    from lightning_mgpu.cli.build import build_model_config
-
-    model = build_model_config(cfg)
-    need = run_memory(cfg, model, budget.on_gpu)
+    need = run_memory(spec, budget.on_gpu)
     if budget.processes * need.total <= budget.usable:
         return []
-    return [_memory_refusal(cfg, model, need, budget)]
+    return [_memory_refusal(spec, need, budget)]
 
 
-def _memory_refusal(cfg: DictConfig, model: LlamaConfig, need: ProcessMemory, budget: MemoryBudget) -> str:
-    p, t, d = cfg.parallel, cfg.trainer, cfg.data
+def _memory_refusal(spec: RunSpec, need: ProcessMemory, budget: MemoryBudget) -> str:
+    p, t, d, model = spec.layout, spec.config.trainer, spec.config.data, spec.model
     n = budget.processes
     limit = f"the {budget.usable / GB:.1f} GB usable of the {budget.total / GB:.1f} GB of {budget.name}"
     if budget.on_gpu:
@@ -127,7 +121,7 @@ def _memory_refusal(cfg: DictConfig, model: LlamaConfig, need: ProcessMemory, bu
                 "filled)" if p.zero_stage == 3 else "its tensor/pipeline shard whole")
         breakdown += f"; before that, every rank builds {held}: {need.whole_model / GB:.1f} GB"
     lines.append(breakdown)
-    fits, together = _memory_fixes(cfg, budget)
+    fits, together = _memory_fixes(spec, budget)
     unit = "per GPU" if budget.on_gpu else "per machine"
     if fits:
         lines.append("fixes, cheapest first: "
@@ -154,28 +148,28 @@ def _overrides(overrides: dict) -> str:
 Fix = tuple[dict, float]  # (overrides, estimated bytes per GPU, or per machine on CPU)
 
 
-def _memory_fixes(cfg: DictConfig, budget: MemoryBudget) -> tuple[list[Fix], Optional[Fix]]:
+def _memory_fixes(spec: RunSpec, budget: MemoryBudget) -> tuple[list[Fix], Optional[Fix]]:
     """(single changes that fit: each kind's mildest setting that does, cheapest kind first; when none does, changes
     of several kinds that fit together, or None).
 
     Together: kind by kind, the mildest setting that makes the run fit, else the one that saves most; then every
     kind whose change is not needed for the run to fit is left out again.
     """
-    kinds = _fix_kinds(cfg, budget)
+    kinds = _fix_kinds(spec.config, budget)
     fits = []
     for kind in kinds:
         for overrides in kind:
-            need = _need_with(cfg, overrides, budget)
+            need = _need_with(spec, overrides, budget)
             if need is not None and need <= budget.usable:
                 fits.append((overrides, need))
                 break
     if fits:
         return fits, None
     chosen: list[dict] = []
-    best = _need_with(cfg, {}, budget)
+    best = _need_with(spec, {}, budget)
     for kind in kinds:
         tried = [(need, overrides) for overrides in kind
-                 if (need := _need_with(cfg, _merged(*chosen, overrides), budget)) is not None]
+                 if (need := _need_with(spec, _merged(*chosen, overrides), budget)) is not None]
         fitting = [(need, overrides) for need, overrides in tried if need <= budget.usable]
         need, overrides = fitting[0] if fitting else min(tried, key=lambda pair: pair[0], default=(best, {}))
         if overrides and need < best:
@@ -184,7 +178,7 @@ def _memory_fixes(cfg: DictConfig, budget: MemoryBudget) -> tuple[list[Fix], Opt
         if best <= budget.usable:
             for change in list(chosen[:-1]):  # drop what the fit does not need
                 rest = [c for c in chosen if c is not change]
-                need = _need_with(cfg, _merged(*rest), budget)
+                need = _need_with(spec, _merged(*rest), budget)
                 if need is not None and need <= budget.usable:
                     chosen, best = rest, need
             return [], (_merged(*chosen), best)
@@ -217,12 +211,9 @@ def _fix_kinds(cfg: DictConfig, budget: MemoryBudget) -> list[list[dict]]:
     return [kind for kind in kinds if kind]
 
 
-def _need_with(cfg: DictConfig, overrides: dict, budget: MemoryBudget) -> Optional[float]:
-    """Estimated bytes per GPU (CPU: per machine) of ``cfg`` changed by ``overrides``; None if that breaks a rule."""
-    changed = copy.deepcopy(cfg)
-    for key, value in overrides.items():
-        OmegaConf.update(changed, key, value, merge=False)
-    model, problems = model_problems(changed)
-    if problems or model is None or parallel_problems(changed, model):
+def _need_with(spec: RunSpec, overrides: dict, budget: MemoryBudget) -> Optional[float]:
+    """Estimated bytes per GPU (CPU: per machine) of the run changed by ``overrides``; None if that breaks a rule."""
+    changed = spec.replaced(overrides)
+    if changed is None:
         return None
-    return (1 if budget.on_gpu else changed.trainer.devices) * run_memory(changed, model, budget.on_gpu).total
+    return (1 if budget.on_gpu else changed.config.trainer.devices) * run_memory(changed, budget.on_gpu).total

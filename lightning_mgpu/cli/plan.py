@@ -13,7 +13,6 @@ from typing import Sequence
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from lightning_mgpu.cli.build import build_model_config
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
@@ -29,10 +28,9 @@ GB = 1e9
 
 def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     """The planner's table and suggested command lines for a composed config."""
-    problems = plan_problems(cfg)
+    model, problems = plan_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    model = build_model_config(cfg)
     gpu = GPUS[cfg.plan.gpu]
     cluster = ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices, gpu)
     seq, batch = cfg.data.seq_len, cfg.data.global_batch_size

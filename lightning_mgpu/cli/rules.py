@@ -1,7 +1,8 @@
 """The config's own rules, group by group, before any process or process group exists: ``config_problems`` returns
 one line per problem, each naming the key, its value, the rule and a fix, so ``mgpu-train`` refuses a bad run in one
-message instead of failing minutes later inside DeepSpeed or torch. It only reads the config (and the file system for
-data paths); it builds no model. ``plan_problems`` does the same for ``mgpu-plan``."""
+message instead of failing minutes later inside DeepSpeed or torch. They read the config and the run's resolved data
+(:class:`~lightning_mgpu.cli.run_data.RunData`); they build no model. ``lightning_mgpu.cli.run_spec.resolve_run`` asks
+them all; ``plan_problems`` does the same for ``mgpu-plan``."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from lightning_mgpu.checkpoint.formats import CheckpointSettings, complete_check
 from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
 from lightning_mgpu.cli.errors import did_you_mean
 from lightning_mgpu.cli.layout_rules import parallel_problems
-from lightning_mgpu.cli.machine import launch_problems
+from lightning_mgpu.cli.run_data import RunData, resolve_data
+from lightning_mgpu.cli.run_model import resolve_model
 from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive
 from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
 from lightning_mgpu.models.llama import activation_checkpointing_problems
@@ -24,7 +26,7 @@ from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.precision import SUPPORTED_PRECISIONS
 
 
-def model_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
+def model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaConfig], list[str]]:
     """(the model config when it can be built, its problems)."""
     m = cfg.model
     if m.init_from:
@@ -46,15 +48,12 @@ def model_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
         out += compile_backend_problems(m.compile_backend, "model.compile_backend")
     if out:
         return None, out
-    from lightning_mgpu.cli.build import build_model_config
-
     try:
-        return build_model_config(cfg), []
+        return resolve_model(cfg, data), []
     except ValueError as err:  # LlamaConfig lists its own rules (head_dim, heads vs kv heads, ...)
         return None, [f"model: {line.strip(' -')}" for line in str(err).splitlines()[1:]]
 
 
-#: (vocabulary size, what has it) of the data, e.g. (256, "the 256 byte tokens of data.source=corpus").
 def trainer_problems(cfg: DictConfig) -> list[str]:
     t = cfg.trainer
     out = _positive("trainer.devices", t.devices) + _positive("trainer.num_nodes", t.num_nodes)
@@ -152,29 +151,20 @@ def _key_problems(node: DictConfig, prefix: str) -> list[str]:
     return out
 
 
-def config_problems(cfg: DictConfig, launching: bool = True) -> list[str]:
-    """Every problem of a composed ``mgpu-train`` config itself (empty when it can run on suitable machines).
-
-    What this machine lacks to run it is :func:`machine_problems`; :func:`check_run` asks both. With
-    ``launching=False`` (the dry run, which starts nothing) how the job would be launched is not checked.
-    """
-    keys = key_problems(cfg)
-    if keys:  # reading a ??? value raises, and an unknown key means the rest was not what the user meant
-        return keys
-    launch = launch_problems(cfg) if launching else []
-    if launch:  # sizes of torchrun/SLURM jobs come from the launcher's environment; nothing else can be checked
-        return launch
-    model, out = model_problems(cfg)
-    return (out + data_problems(cfg, model) + trainer_problems(cfg) + logger_problems(cfg) + optim_problems(cfg)
+def group_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig]) -> list[str]:
+    """The rules of every group but ``model`` (:func:`model_problems`), for a config whose keys are all known and
+    set (:func:`key_problems`); ``lightning_mgpu.cli.run_spec.resolve_run`` asks them all."""
+    return (data_problems(cfg, data, model) + trainer_problems(cfg) + logger_problems(cfg) + optim_problems(cfg)
             + parallel_problems(cfg, model) + checkpoint_problems(cfg))
 
 
-def plan_problems(cfg: DictConfig) -> list[str]:
-    """Every problem of a composed ``mgpu-plan`` config: the model, the cluster size, the batch and ``plan.*``."""
+def plan_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
+    """(the model to plan for, every problem of a composed ``mgpu-plan`` config: the model, the cluster size, the
+    batch and ``plan.*``)."""
     keys = key_problems(cfg)
     if keys:
-        return keys
-    model, out = model_problems(cfg)
+        return None, keys
+    model, out = model_problems(cfg, resolve_data(cfg))
     t, d, plan = cfg.trainer, cfg.data, cfg.plan
     out += seq_len_problems(d.seq_len, model) if model is not None else []
     out += _positive("trainer.devices", t.devices) + _positive("trainer.num_nodes", t.num_nodes)
@@ -184,4 +174,5 @@ def plan_problems(cfg: DictConfig) -> list[str]:
                    + did_you_mean(str(plan.gpu), GPUS))
     if plan.achievable is not None and not 0.0 < plan.achievable <= 1.0:
         out.append(f"plan.achievable={plan.achievable} must be a fraction of the peak in (0, 1], e.g. 0.5")
-    return out + _positive("plan.top", plan.top) + _positive("plan.commands", plan.commands, allow_zero=True)
+    out += _positive("plan.top", plan.top) + _positive("plan.commands", plan.commands, allow_zero=True)
+    return model, out

@@ -16,22 +16,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.callbacks import PeriodicCheckpoint, ThroughputCallback, newest_checkpoint
-from lightning_mgpu.cli.build import (
-    build_datamodule,
-    build_loggers,
-    build_model_config,
-    build_module,
-    build_strategy,
-    build_tokenizer,
-    lost_tokenizer,
-)
+from lightning_mgpu.cli.build import build_datamodule, build_loggers, build_module, build_strategy, build_tokenizer
 from lightning_mgpu.cli.config import TrainConfig, register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.dry_run import dry_run_report
-from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal, refusal_exits
+from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.memory_check import memory_problems
-from lightning_mgpu.cli.rules import config_problems
+from lightning_mgpu.cli.run_spec import RunSpec, run_spec
 from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
 from lightning_mgpu.faults import fault_callbacks
@@ -54,31 +46,27 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
     workers that load it (``worker=True``), so every rank trains from the same config in the same directory.
     """
     if cfg.dry_run:  # no GPU, no process group, no memory for weights: the config's own problems only
-        problems = config_problems(cfg, launching=False)
-        if problems:
-            raise ConfigError(problems)
-        print(dry_run_report(cfg))
-        memory = memory_problems(cfg)  # this machine's verdict, as a launch here would give it
+        spec = run_spec(cfg, launching=False)
+        print(dry_run_report(spec))
+        memory = memory_problems(spec)  # this machine's verdict, as a launch here would give it
         print(format_problems("a launch here would be refused", memory) if memory else
               "memory: fits on this machine (cluster.check_memory)")
         return {}
-    check_run(cfg)
+    spec = check_run(cfg)
     if not worker and _launch_rank() == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / CONFIG_NAME, resolve=True)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    model_config = build_model_config(cfg)
-    strategy = build_strategy(cfg)  # validates the parallel settings before any process starts
+    strategy = build_strategy(spec)
     if cfg.cluster.launcher == "local" and not worker:
         strategy.worker_command = [sys.executable, "-m", "lightning_mgpu.cli.worker", str(run_dir.resolve())]
         if cfg.cluster.fork_on_cpu:
             strategy.fork_entry = functools.partial(train_worker, str(run_dir.resolve()))
-    datamodule = build_datamodule(cfg)
-    module = build_module(cfg, model_config)
+    datamodule, module = build_datamodule(spec), build_module(spec)
     launch_env = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
     trainer = L.Trainer(strategy=strategy, callbacks=_callbacks(cfg, run_dir), **trainer_arguments(cfg, run_dir))
     try:
-        return _fit(cfg, run_dir, trainer, strategy, module, datamodule)
+        return _fit(spec, run_dir, trainer, strategy, module, datamodule)
     finally:  # leave the process as it was, so that the next job of a multirun sweep starts its own ranks
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -173,15 +161,16 @@ class SameConfigOnEveryRank(L.Callback):
                                "overrides (with cluster=torchrun, the same --rdzv-id on every node)")
 
 
-def _fit(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, strategy, module, datamodule) -> dict:
+def _fit(spec: RunSpec, run_dir: Path, trainer: L.Trainer, strategy, module, datamodule) -> dict:
     """Fit, then optionally save, report the pipeline timeline and print a sample."""
+    cfg = spec.config
     trainer.fit(module, datamodule, ckpt_path=resume_path(cfg, run_dir))
     if cfg.checkpoint.save_last:
         PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), 1, cfg.checkpoint.keep_last).save(trainer,
                                                                                           trainer.global_step)
     if cfg.parallel.pipeline_timeline and strategy.pipeline is not None:
         report_timeline(strategy, trainer.global_step - 1, run_dir)
-    lost = lost_tokenizer(cfg) if cfg.data.source == "tokens" else None
+    lost = spec.data.lost_tokenizer
     if cfg.parallel.pipeline_parallel_size > 1 or cfg.parallel.context_parallel_size > 1:
         if trainer.is_global_zero:
             split = "pipeline stages" if cfg.parallel.pipeline_parallel_size > 1 else "context-parallel sequence chunks"
@@ -192,7 +181,7 @@ def _fit(cfg: DictConfig, run_dir: Path, trainer: L.Trainer, strategy, module, d
             print(f"(no sample: the tokens were prepared with the tokenizer {lost}, which is missing or changed; set "
                   "data.tokenizer=PATH to decode them)")
     else:
-        sample = generate_sample(module, cfg)
+        sample = generate_sample(module, spec)
         if trainer.is_global_zero:
             print(f"\n--- sample after {trainer.global_step} steps ---\n{sample}\n---")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -213,11 +202,11 @@ def report_timeline(strategy, step: int, run_dir: Path) -> None:
     print(f"pipeline timeline of step {step}: {path} ({title})")
 
 
-def generate_sample(module, cfg: DictConfig) -> str:
+def generate_sample(module, spec: RunSpec) -> str:
     """A short continuation of ``sample.prompt``, encoded and decoded with the run's tokenizer (bytes without one).
     Every rank runs it (ZeRO-3 gathers parameters collectively) with the same generator, so all ranks produce the
     same text."""
-    tokenizer = build_tokenizer(cfg)
+    cfg, tokenizer = spec.config, build_tokenizer(spec)
     model = module.model
     model.eval()
     device = next(model.parameters()).device

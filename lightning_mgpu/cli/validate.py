@@ -1,5 +1,5 @@
-"""Everything wrong with a launch, found before any process or process group exists: :func:`check_run` asks the
-config's own rules (``lightning_mgpu.cli.rules``), what this machine lacks (``lightning_mgpu.cli.machine``) and the
+"""Everything wrong with a launch, found before any process or process group exists: :func:`check_run` resolves the
+run once (``lightning_mgpu.cli.run_spec``), which asks the config's own rules (``lightning_mgpu.cli.rules``), what this machine lacks (``lightning_mgpu.cli.machine``) and the
 memory check (``lightning_mgpu.cli.memory_check``), and raises one :class:`~lightning_mgpu.cli.errors.ConfigError`
 with every problem; ``lightning_mgpu.cli.errors`` turns it into exit status 2.
 """
@@ -11,19 +11,22 @@ from omegaconf import DictConfig
 from lightning_mgpu.cli.errors import ConfigError
 from lightning_mgpu.cli.machine import launch_problems, machine_problems
 from lightning_mgpu.cli.memory_check import memory_problems
-from lightning_mgpu.cli.rules import config_problems, key_problems
+from lightning_mgpu.cli.rules import key_problems
+from lightning_mgpu.cli.run_spec import RunSpec, resolve_run
 
 
-def check_run(cfg: DictConfig) -> None:
-    """Raise :class:`ConfigError` listing every reason ``cfg`` cannot run here, before anything starts.
+def check_run(cfg: DictConfig) -> RunSpec:
+    """The run of ``cfg``, resolved once; raises :class:`ConfigError` listing every reason it cannot run here,
+    before anything starts.
 
     Memory is estimated only for a configuration without other problems (it needs a valid layout and a machine
     that can run it).
     """
-    problems = config_problems(cfg)
+    spec, problems = resolve_run(cfg)
     if not (key_problems(cfg) or launch_problems(cfg)):  # else the sizes cannot be read
         problems += machine_problems(cfg)
     if not problems:
-        problems = memory_problems(cfg)
+        problems = memory_problems(spec)
     if problems:
         raise ConfigError(problems)
+    return spec

@@ -10,9 +10,10 @@ import torch
 from helpers import TEST_EOD, corpus_text, make_tokenizer
 from cli_helpers import BIN, composed, read_losses, read_metric
 
-from lightning_mgpu.cli.build import build_datamodule, build_tokenizer, lost_tokenizer, run_tokenizer
+from lightning_mgpu.cli.build import build_datamodule, build_tokenizer
+from lightning_mgpu.cli.run_data import resolve_data
 from lightning_mgpu.cli.prepare import main as prepare_main
-from lightning_mgpu.cli.rules import config_problems
+from lightning_mgpu.cli.run_spec import config_problems, run_spec
 from lightning_mgpu.data.tokenizer import Tokenizer
 
 
@@ -120,10 +121,10 @@ def test_prepared_tokens_whose_tokenizer_moved_are_not_decoded_as_bytes(tmp_path
     shutil.copytree(tokenizer_dir, tok)
     out = prepared(tmp_path, tok, corpus, "data", str(corpus / "a.txt"))
     cfg = composed("data=tokens", f"data.path={out}")
-    assert run_tokenizer(cfg)[0] == tok / "tokenizer.json" and lost_tokenizer(cfg) is None
+    assert resolve_data(cfg).tokenizer_path == tok / "tokenizer.json" and resolve_data(cfg).lost_tokenizer is None
     shutil.rmtree(tok)
-    assert run_tokenizer(cfg) is None and lost_tokenizer(cfg) == str(tok / "tokenizer.json")
-    assert lost_tokenizer(composed("data=tokens", f"data.path={out}", f"data.tokenizer={tokenizer_dir}")) is None
+    assert resolve_data(cfg).tokenizer is None and resolve_data(cfg).lost_tokenizer == str(tok / "tokenizer.json")
+    assert resolve_data(composed("data=tokens", f"data.path={out}", f"data.tokenizer={tokenizer_dir}")).lost_tokenizer is None
 
 
 def test_a_hugging_face_directory_brings_its_tokenizer(tmp_path, tokenizer_dir):
@@ -133,15 +134,14 @@ def test_a_hugging_face_directory_brings_its_tokenizer(tmp_path, tokenizer_dir):
     hf = tmp_path / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps(to_hf_config(LlamaConfig(vocab_size=256))))
-    assert run_tokenizer(composed(f"model.init_from=hf:{hf}")) is None  # no tokenizer.json: bytes
+    assert resolve_data(composed(f"model.init_from=hf:{hf}")).tokenizer is None  # no tokenizer.json: bytes
     (hf / "tokenizer.json").write_bytes((tokenizer_dir / "tokenizer.json").read_bytes())
     cfg = composed(f"model.init_from=hf:{hf}")
-    assert run_tokenizer(cfg)[0] == hf / "tokenizer.json"
-    assert build_datamodule(cfg).tokenizer == hf / "tokenizer.json"
+    assert resolve_data(cfg).tokenizer_path == hf / "tokenizer.json"
     assert any(f"the vocab_size=256 of model.init_from='hf:{hf}' (its config.json) is smaller than the 512 token ids"
                f" of the tokenizer of model.init_from" in p and "use the tokenizer that came with the checkpoint" in p
                for p in config_problems(cfg))
-    assert run_tokenizer(composed(f"model.init_from=hf:{hf}", f"data.tokenizer={tokenizer_dir}"))[0] == tokenizer_dir
+    assert resolve_data(composed(f"model.init_from=hf:{hf}", f"data.tokenizer={tokenizer_dir}")).tokenizer_path == tokenizer_dir
 
 
 def test_generated_sample_is_encoded_and_decoded_with_the_tokenizer(tokenizer_dir):
@@ -150,15 +150,16 @@ def test_generated_sample_is_encoded_and_decoded_with_the_tokenizer(tokenizer_di
 
     cfg = composed(f"data.tokenizer={tokenizer_dir}", "model.vocab_size=512", "sample.max_new_tokens=12",
                    "sample.prompt='def __init__(self'")
-    module = build_module(cfg)
+    spec = run_spec(cfg)
+    module = build_module(spec)
     module.configure_model()
     tok = Tokenizer(tokenizer_dir)
     prompt = torch.tensor([tok.encode(cfg.sample.prompt)])
     ids = module.generate(prompt, 12, temperature=cfg.sample.temperature,
                           generator=torch.Generator().manual_seed(cfg.seed))[0].tolist()
-    assert generate_sample(module, cfg) == tok.decode(ids) and tok.decode(ids).startswith("def __init__(self")
+    assert generate_sample(module, spec) == tok.decode(ids) and tok.decode(ids).startswith("def __init__(self")
     assert len(ids) == len(prompt[0]) + 12 and len(prompt[0]) < len("def __init__(self")
-    assert build_tokenizer(composed()) is None  # bytes by default
+    assert build_tokenizer(run_spec(composed())) is None  # bytes by default
 
 
 def test_blend_from_the_command_line(tmp_path, tokenizer_dir, corpus):
@@ -167,7 +168,7 @@ def test_blend_from_the_command_line(tmp_path, tokenizer_dir, corpus):
     cfg = composed("data=tokens", f"data.sources=[{{path: {one}, weight: 0.7}}, {{path: {two}, weight: 0.3}}]",
                    "model.vocab_size=512")
     assert config_problems(cfg) == []
-    dm = build_datamodule(cfg)
+    dm = build_datamodule(run_spec(cfg))
     assert dm.sources == [(one, 0.7), (two, 0.3)] and dm.tokenizer == tokenizer_dir / "tokenizer.json"
     assert json.loads((one / "manifest.json").read_text())["eod_token"] == TEST_EOD
     problems = config_problems(composed("data=tokens", f"data.sources=[{{path: {one}, weight: 0}}, {{weight: 1}}]"))
@@ -178,8 +179,6 @@ def test_blend_from_the_command_line(tmp_path, tokenizer_dir, corpus):
 def test_document_mask_needs_an_end_of_document_id(tmp_path, tokenizer_dir, corpus):
     """One rule: the mask needs tokens with an end-of-document id (a manifest's, or a tokenizer's), not bytes; the
     model then carries that id."""
-    from lightning_mgpu.cli.build import build_model_config
-
     problems = config_problems(composed("data.document_mask=true"))
     assert ["data.document_mask=true needs tokens that end every document with an end-of-document id, but "
             "data.source=corpus without a tokenizer gives byte tokens, which mark no document ends; prepare the data "
@@ -187,11 +186,11 @@ def test_document_mask_needs_an_end_of_document_id(tmp_path, tokenizer_dir, corp
             "end-of-document token, or set data.document_mask=false"] == problems
     eod = Tokenizer(tokenizer_dir).token_id(TEST_EOD)
     with_tokenizer = composed("data.document_mask=true", f"data.tokenizer={tokenizer_dir}", "model.vocab_size=512")
-    assert config_problems(with_tokenizer) == [] and build_model_config(with_tokenizer).eod_token_id == eod
+    assert config_problems(with_tokenizer) == [] and run_spec(with_tokenizer).model.eod_token_id == eod
     out = prepared(tmp_path, tokenizer_dir, corpus, "data", str(corpus / "a.txt"))
     from_manifest = composed("data=tokens", f"data.path={out}", "data.document_mask=true", "model.vocab_size=512")
-    assert config_problems(from_manifest) == [] and build_model_config(from_manifest).eod_token_id == eod
-    assert build_model_config(composed("data=tokens", f"data.path={out}", "model.vocab_size=512")).eod_token_id is None
+    assert config_problems(from_manifest) == [] and run_spec(from_manifest).model.eod_token_id == eod
+    assert run_spec(composed("data=tokens", f"data.path={out}", "model.vocab_size=512")).model.eod_token_id is None
     other = prepared(tmp_path, tokenizer_dir, corpus, "other", "--eod-token", "e", str(corpus / "b.txt"))
     blend = composed("data=tokens", f"data.sources=[{{path: {out}}}, {{path: {other}}}]", "data.document_mask=true",
                      "model.vocab_size=512")

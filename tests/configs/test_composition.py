@@ -2,13 +2,13 @@
 and its every rank built on the meta device by a launch's own ``parallelize()``), typos and wrong types refused."""
 
 import pytest
-from cli_helpers import composed, group_options
+from cli_helpers import composed, group_options, resolved
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from lightning_mgpu.cli.build import build_datamodule, build_model_config, build_strategy
+from lightning_mgpu.cli.build import build_datamodule, build_strategy
 from lightning_mgpu.cli.paths import recipes_dir
-from lightning_mgpu.cli.rules import config_problems
+from lightning_mgpu.cli.run_spec import run_spec
 from lightning_mgpu.models import LlamaConfig
 
 
@@ -17,9 +17,9 @@ def test_every_group_option_composes(group):
     for option in group_options(group):
         extra = ["data.path=/dev/null"] if (group, option) == ("data", "tokens") else []
         cfg = composed(f"{group}={option}", *extra)
-        build_model_config(cfg)
+        spec = resolved(cfg)
         if group == "parallel":
-            assert build_strategy(cfg).layout_request.zero_stage == cfg.parallel.zero_stage
+            assert build_strategy(spec).layout_request.zero_stage == cfg.parallel.zero_stage
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
@@ -27,10 +27,9 @@ def test_every_recipe_composes_and_validates(recipe):
     cfg = composed(f"recipe={recipe}")
     if cfg.cluster.launcher == "slurm":  # as inside the submitted job
         cfg = composed(f"recipe={recipe}", "cluster=local")
-    assert config_problems(cfg) == []
-    build_model_config(cfg)
-    build_strategy(cfg)
-    build_datamodule(cfg)
+    spec = run_spec(cfg)  # raises with every problem
+    build_strategy(spec)
+    build_datamodule(spec)
 
 
 def test_typo_and_wrong_type_fail_at_composition():
@@ -44,7 +43,7 @@ def test_typo_and_wrong_type_fail_at_composition():
 
 def test_named_model_and_overrides_build_the_shape():
     cfg = composed("model=llama3_8b", "model.n_layers=4")
-    assert build_model_config(cfg) == LlamaConfig.from_name("llama3_8b", n_layers=4, activation_checkpointing="full")
+    assert run_spec(cfg).model == LlamaConfig.from_name("llama3_8b", n_layers=4, activation_checkpointing="full")
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml") if "405b" not in p.stem))
@@ -54,8 +53,8 @@ def test_dry_run_builds_every_rank_of_every_recipe_on_meta_as_planned(recipe):  
 
     cfg = composed(f"recipe={recipe}", *(["cluster=local"] if composed(f"recipe={recipe}").cluster.launcher == "slurm"
                                          else []))
-    layout, shares = rank_shares(cfg)
+    layout, shares = rank_shares(run_spec(cfg, launching=False))
     assert sorted({s.pp_rank for s in shares}) == list(range(layout.size("pp")))
     assert all(s.parameters == s.planned for s in shares)
     assert sum(s.parameters for s in shares if s.tp_rank == 0) * layout.size("tp") >= \
-        build_model_config(cfg).num_parameters()  # the ranks together hold the whole model (plus vocab padding)
+        resolved(cfg).model.num_parameters()  # the ranks together hold the whole model (plus vocab padding)

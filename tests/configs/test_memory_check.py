@@ -8,9 +8,8 @@ import subprocess
 
 import pytest
 import torch
-from cli_helpers import BIN, composed
+from cli_helpers import BIN, composed, resolved
 
-from lightning_mgpu.cli.build import build_model_config
 from lightning_mgpu.cli import memory_check
 from lightning_mgpu.cli.paths import recipes_dir
 from lightning_mgpu.cli.errors import EXIT_REFUSED, ConfigError
@@ -35,7 +34,7 @@ GPU_70B = ["model=llama3_70b", "trainer=gpu", "cluster=slurm", "trainer.num_node
 def needs_of(cfg) -> float:
     """Estimated bytes of a composed run on what it shares: one GPU, or this machine for all its processes."""
     budget = memory_budget(cfg)
-    return budget.processes * run_memory(cfg, build_model_config(cfg), budget.on_gpu).total
+    return budget.processes * run_memory(resolved(cfg), budget.on_gpu).total
 
 
 #: Too big for any machine's host memory (fp32 70B on 2 processes): refused wherever the suite runs.
@@ -77,7 +76,7 @@ def test_a_layout_that_cannot_fit_is_refused_before_launch(tmp_path):
     assert total == pytest.approx(needs_of(cfg) / 1e9, abs=0.06) == pytest.approx(2 * each, abs=0.11)
     assert (usable, ram) == (pytest.approx(budget.usable / 1e9, abs=0.06), pytest.approx(budget.total / 1e9, abs=0.06))
     for fragment in (f"per process: {PROCESS_BASELINE_BYTES / 1e9:.1f} GB libraries",
-                     f"({max_rank_parameters(build_model_config(cfg), 1, 1) / 1e6:,.0f}M parameters on the fullest "
+                     f"({max_rank_parameters(resolved(cfg).model, 1, 1) / 1e6:,.0f}M parameters on the fullest "
                      "rank, 32-true, ZeRO-1 over 2 data-parallel ranks)",
                      "activations (micro-batch 4 x 128 tokens)", "cluster.check_memory=false launches it anyway"):
         assert fragment in proc.stderr
@@ -112,11 +111,11 @@ def test_the_default_run_and_every_recipe_fit(recipe, request):
     cfg = composed() if recipe is None else composed(f"recipe={recipe}", "cluster=local")  # as inside the job
     if cfg.trainer.accelerator != "cpu":
         request.getfixturevalue("at_submission")
-    assert memory_problems(cfg) == []
+    assert memory_problems(resolved(cfg)) == []
 
 
 def test_a_gpu_refusal_names_the_gpu_and_fixes_that_each_fit(at_submission):
-    [problem] = memory_problems(composed(*GPU_8B))
+    [problem] = memory_problems(resolved(composed(*GPU_8B)))
     assert re.search(r"memory: an estimated peak of [\d.]+ GB per GPU is more than the 72.0 GB usable of the 80.0 GB "
                      r"of a H100-SXM5-80GB \(plan.gpu=h100_80gb; no GPU is visible here\)", problem), problem
     assert "per GPU: " in problem and "bf16-mixed, ZeRO-0 over 8 data-parallel ranks" in problem
@@ -125,19 +124,19 @@ def test_a_gpu_refusal_names_the_gpu_and_fixes_that_each_fit(at_submission):
     for fix in fixes:
         overrides, gb = re.fullmatch(r"(.*) \(([\d.]+) GB per GPU\)", fix).groups()
         fixed = composed(*GPU_8B, *overrides.split())
-        assert memory_problems(fixed) == [], fix
+        assert memory_problems(resolved(fixed)) == [], fix
         assert needs_of(fixed) / 1e9 == pytest.approx(float(gb), abs=0.06)
     milder = int(fixes[0].split()[0].split("=")[1]) - 1  # the mildest ZeRO stage that fits is the one named
-    assert milder == 0 or memory_problems(composed(*GPU_8B, f"parallel.zero_stage={milder}"))
+    assert milder == 0 or memory_problems(resolved(composed(*GPU_8B, f"parallel.zero_stage={milder}")))
 
 
 def test_when_no_single_change_fits_changes_that_fit_together_are_named(at_submission):
-    [problem] = memory_problems(composed(*GPU_70B))
+    [problem] = memory_problems(resolved(composed(*GPU_70B)))
     overrides, gb = re.search(r"no single change fits; together: (.*) \(([\d.]+) GB per GPU\)", problem).groups()
     changes = overrides.split()
-    assert len(changes) >= 2 and memory_problems(composed(*GPU_70B, *changes)) == []
+    assert len(changes) >= 2 and memory_problems(resolved(composed(*GPU_70B, *changes))) == []
     for change in changes:  # each is needed
-        assert memory_problems(composed(*GPU_70B, *(c for c in changes if c != change)))
+        assert memory_problems(resolved(composed(*GPU_70B, *(c for c in changes if c != change))))
 
 
 def test_every_rank_building_the_whole_model_is_a_peak_of_its_own():

@@ -7,15 +7,15 @@ import shlex
 
 import pytest
 import yaml
+from cli_helpers import resolved
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from lightning_mgpu.cli.build import build_model_config
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.plan import plan_report
-from lightning_mgpu.cli.rules import config_problems
+from lightning_mgpu.cli.run_spec import config_problems
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
 
 MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
@@ -50,7 +50,7 @@ def _with(cfg, overrides):
 
 def _plan(overrides):
     cfg = composed(overrides)
-    model = build_model_config(cfg)
+    model = resolved(cfg).model
     cluster = ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices, GPUS[cfg.plan.gpu])
     return cfg, plan_layouts(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, str(cfg.trainer.precision))
 

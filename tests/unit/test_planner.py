@@ -5,9 +5,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from cli_helpers import resolved
 
 from lightning_mgpu.callbacks import throughput
-from lightning_mgpu.cli.build import build_model_config
 from lightning_mgpu.cli.plan import compose_plan_config, main, plan_report
 from lightning_mgpu.models import Llama, LlamaConfig
 from lightning_mgpu.models.llama_plan import llama_stages
@@ -75,7 +75,7 @@ def test_mgpu_plan_evaluates_the_configured_layout_itself():
     cfg = compose_plan_config(["recipe=llama3_70b_8node"])
     line = next(x for x in plan_report(cfg).splitlines() if x.startswith("this configuration:"))
     assert "tp 8 x pp 4 (V 5, interleaved_1f1b) x dp 2, ZeRO-1, micro-batch 1, full recompute, sequence parallel" in line
-    own = evaluate(build_model_config(cfg), ClusterSpec(8, 8, GPUS["h100_80gb"]), 8192, 512,
+    own = evaluate(resolved(cfg).model, ClusterSpec(8, 8, GPUS["h100_80gb"]), 8192, 512,
                    Candidate(8, 4, 2, 1, 1, 5, True, "interleaved_1f1b", True))
     assert f"{own.memory.total / 1e9:.1f} GB per GPU" in line and f"step {own.time.total:.2f} s" in line
     assert own.fits and "fits;" in line

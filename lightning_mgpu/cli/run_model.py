@@ -1,0 +1,40 @@
+"""The ``model`` group of a run resolved into its :class:`~lightning_mgpu.models.LlamaConfig`: a named shape with
+overrides, or the shape of ``model.init_from``'s checkpoint, with the data's end-of-document id where the run masks
+documents."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from omegaconf import DictConfig
+
+from lightning_mgpu.cli.run_data import RunData
+from lightning_mgpu.models import LlamaConfig
+
+#: ``model.<key>`` overrides of a named shape.
+MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
+                   "tie_embeddings")
+
+
+def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:
+    """The model of ``cfg``; with ``data.document_mask`` it carries the data's end-of-document id
+    (``LlamaConfig.eod_token_id``), which is what turns the document mask on in the model, the loss and the planner.
+    Left without one where the data has none, or an id the vocabulary lacks: validation refuses such a run before it
+    starts (``document_mask_problems``, ``vocabulary_problems``), naming the data rather than this field."""
+    m = cfg.model
+    if m.init_from:  # the checkpoint's shape, whatever model.name says
+        from lightning_mgpu.checkpoint.hf import from_hf_config, hf_path
+
+        hf = json.loads((hf_path(m.init_from) / "config.json").read_text())
+        model = replace(from_hf_config(hf), activation_checkpointing=m.activation_checkpointing, compile=m.compile,
+                        compile_backend=m.compile_backend)
+    else:
+        overrides = {k: m[k] for k in MODEL_OVERRIDES if m[k] is not None}
+        model = LlamaConfig.from_name(m.name, activation_checkpointing=m.activation_checkpointing, compile=m.compile,
+                                      compile_backend=m.compile_backend, **overrides)
+    if cfg.data.get("document_mask"):  # .get: a schema without the key reads as false
+        eod = data.eod_token_id()[0]
+        if eod is not None and eod < model.vocab_size:
+            model = replace(model, eod_token_id=eod)
+    return model
