@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import logging
+import functools
 from datetime import timedelta
 from typing import Any, Callable, Generator, Optional, Union
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -25,23 +22,23 @@ from typing_extensions import override
 from lightning_mgpu.checkpoint.hooks import EngineCheckpointHooks
 from lightning_mgpu.checkpoint.formats import CheckpointSettings, format_name_problems
 from lightning_mgpu import engine as engines
+from lightning_mgpu.engine.lightning_hooks import EngineHooks
 from lightning_mgpu.allocator import return_freed_memory
 from lightning_mgpu.contract import ParallelContext, builds_on_meta
 from lightning_mgpu.launcher import choose_launcher
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.parallel.applied import applied_layout
+from lightning_mgpu.parallel.collectives import WorldCollectives
+from lightning_mgpu.parallel.evaluation import EvaluationSteps
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
-from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.process_group import start_process_group
 from lightning_mgpu.parallel.plan import TensorParallelPlan
-from lightning_mgpu.parallel.step import DataParallelStep, PipelineStep
+from lightning_mgpu.parallel.split_once import SplitOnce
+from lightning_mgpu.parallel.step import layout_step
 from lightning_mgpu.parallel.timeline import PipelineTimeline
-from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
 from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.refusals import check_module, check_optimizers, check_trainer
-
-log = logging.getLogger(__name__)
 
 
 #: The strategy names registered in Lightning's ``StrategyRegistry`` when the package is imported, with the
@@ -51,40 +48,35 @@ REGISTERED_NAMES = {"mgpu": {}, "mgpu_zero1": {"zero_stage": 1}, "mgpu_zero2": {
                     "mgpu_zero3_offload": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}}
 
 
-class MGPUStrategy(EngineCheckpointHooks, ParallelStrategy):
+class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCollectives, ParallelStrategy):
     """Tensor, pipeline and ZeRO data parallelism for ``lightning.Trainer``.
 
-    Every process holds one DeepSpeed engine whose ZeRO stage partitions over the ranks holding the same model shard:
-    the data-parallel group, times the context-parallel group when sequences are split. One Lightning batch is this
-    rank's share of one global batch: ``training_step`` runs its micro-batches (forward and backward through the
-    engine) and the optimizer step is one
-    ``engine.step()`` — gradient clipping (``Trainer(gradient_clip_val=...)``) by the global norm included.
+    Every process holds one DeepSpeed engine whose ZeRO stage partitions over the ranks holding the same model shard
+    (data x context parallel). One Lightning batch is this rank's share of one global batch: ``training_step`` runs
+    its micro-batches (forward and backward through the engine); the optimizer step is one ``engine.step()``, with
+    gradient clipping (``Trainer(gradient_clip_val=...)``) by the global norm. The class is Lightning's hooks, each
+    delegating: the engine's (``engine.lightning_hooks``), checkpoints (``checkpoint.hooks``), evaluation
+    (``parallel.evaluation``) and collectives (``parallel.collectives``).
 
     Args:
         zero_stage: ZeRO stage 0-3 over the data-parallel group.
         tensor_parallel_size: ranks that split each layer's matmuls (innermost axis).
         pipeline_parallel_size: ranks that split the stack of layers into stages.
-        context_parallel_size: ranks that split each sequence of a micro-batch (long context; see
-            ``lightning_mgpu.parallel.context``): each holds two of ``2 x context_parallel_size`` equal chunks and
-            attends over the keys and values of all of them. Needs a module whose attention kernel can be replaced
-            (``LLMModule``).
-        sequence_parallel: run norms on sequence shards, with all-gather / reduce-scatter in place of
-            all-reduce inside tensor-parallel groups (needs ``tensor_parallel_size > 1``).
-        tensor_parallel_plan: ``{module name pattern: style}`` that splits the LightningModule's layers (see
-            ``lightning_mgpu.parallel.plan``); default: the module's ``tensor_parallel_plan()``.
-        pipeline_boundaries: ``stages + 1`` block indices from 0 to ``n_layers`` where stages start; default:
-            balanced by block count.
+        context_parallel_size: ranks that split each sequence (long context, ``lightning_mgpu.parallel.context``):
+            each holds two of ``2 x context_parallel_size`` chunks; needs a replaceable attention (``LLMModule``).
+        sequence_parallel: norms on sequence shards, all-gather / reduce-scatter in place of all-reduce inside
+            tensor-parallel groups (needs ``tensor_parallel_size > 1``).
+        tensor_parallel_plan: ``{module name pattern: style}`` that splits the module's layers
+            (``lightning_mgpu.parallel.plan``); default: the module's ``tensor_parallel_plan()``.
+        pipeline_boundaries: ``stages + 1`` block indices from 0 to ``n_layers``; default: balanced by blocks.
         pipeline_timeline: record when each pipeline action ran on this rank (``strategy.pipeline.timeline``).
-        save_consolidated_weights: every checkpoint also holds the whole model's weights gathered from all ranks
-            (``model.safetensors`` + ``model_config.json``, any layout), which ``mgpu-export`` turns into a
-            Hugging Face checkpoint. Rank 0 holds the whole model in CPU memory while saving.
-        checkpoint_format: ``"universal"``: layout-independent (any other layout, ZeRO stage or schedule can resume
-            from it; ``lightning_mgpu.checkpoint.universal``); ``"deepspeed"``: DeepSpeed's own directories, which
-            resume on the same layout only.
-        trust_deepspeed_checkpoints: allow loading DeepSpeed-format directories, which DeepSpeed reads by
-            unrestricted unpickling (code inside them runs): only for checkpoints whose writer you trust. Universal
-            checkpoints are always read without running code. ``ckpt_path`` may also be a directory of periodic
-            checkpoints: the newest intact one of the run's format (either format, with this set) is loaded.
+        save_consolidated_weights: every checkpoint also holds the whole model's weights (``model.safetensors``, any
+            layout) for ``mgpu-export``; rank 0 holds the whole model in CPU memory while saving.
+        checkpoint_format: ``"universal"`` (any layout, ZeRO stage or schedule can resume from it) or
+            ``"deepspeed"`` (DeepSpeed's own directories: the same layout only).
+        trust_deepspeed_checkpoints: allow loading DeepSpeed-format directories, which DeepSpeed unpickles (code in
+            them runs); universal checkpoints are always read without running code. ``ckpt_path`` may be a directory
+            of periodic checkpoints: the newest intact one this run may read is loaded.
         pipeline_schedule: pipeline schedule name (see ``lightning_mgpu.layout.SCHEDULES``).
         virtual_pipeline_size: stage chunks per pipeline rank (interleaved schedules).
         num_microbatches: micro-batches per global batch; ``None`` derives it from the data module.
@@ -136,9 +128,7 @@ class MGPUStrategy(EngineCheckpointHooks, ParallelStrategy):
         self._heartbeat: Optional[Heartbeat] = None
         self.num_nodes = 1
         self.context: Optional[ParallelContext] = None
-        #: The LightningModule already split by the plan and the stage split (a Trainer runs setup once per stage).
-        self._split_module: Optional[pl.LightningModule] = None
-        self._stage_container: Optional[torch.nn.Module] = None
+        self._split = SplitOnce()
         #: Parameter elements this rank gave storage to after building on the meta device (0: built for real).
         self.materialized_elements = 0
 
@@ -172,20 +162,6 @@ class MGPUStrategy(EngineCheckpointHooks, ParallelStrategy):
         return True
 
     @override
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Nothing to block: on the batches ``accumulate_grad_batches`` accumulates over, the engine's backward keeps
-        accumulating (it is scaled by 1 / (micro-batches x N), its boundary is ``engine.step()``, called by Lightning's
-        optimizer step only at the end of each group of N batches or of the epoch, as under DDP). Lightning's
-        default would enter DeepSpeed's ``no_sync``, which ZeRO 2 and 3 refuse."""
-        yield
-
-    @property
-    def engine(self):
-        """The DeepSpeed engine (available after ``setup``)."""
-        return self.model
-
-    @override
     def _configure_launcher(self) -> None:
         # The last moment before processes start: the world size is known, so check the layout now.
         world_size = self.num_nodes * self.num_processes
@@ -208,17 +184,6 @@ class MGPUStrategy(EngineCheckpointHooks, ParallelStrategy):
             self.cluster_environment, self.root_device, self._process_group_backend, self._timeout,
             self.layout_request, self.num_processes, self.global_rank)
 
-    @property
-    @override
-    def precision_plugin(self) -> MGPUPrecision:
-        return self._precision_plugin if self._precision_plugin is not None else MGPUPrecision()
-
-    @precision_plugin.setter
-    @override
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        # Lightning picks a torch-autocast plugin for strategies it does not know; DeepSpeed owns precision here.
-        self._precision_plugin = None if plugin is None else as_mgpu_precision(plugin)
-
     # ---------------------------------------------------------------------------------- model setup
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -232,13 +197,14 @@ class MGPUStrategy(EngineCheckpointHooks, ParallelStrategy):
         check_module(module, self.layout_request, self.world_size, micro_batches, self.precision_plugin.precision)
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
 
-        def engine_config(wrapped: torch.nn.Module) -> dict:
-            return engines.run_config(self.layout, wrapped, plan.micro_batch_size if plan else 1,
-                                      micro_batches * accumulate, trainer.gradient_clip_val,
-                                      self.precision_plugin.precision, self.nvme_path, self.deepspeed_config_overrides,
-                                      overlap=self.root_device.type == "cuda", fitting=fitting)
-
-        wrapped = self._parallelize(engine_config)
+        engine_config = functools.partial(
+            engines.run_config, self.layout, micro_batch_size=plan.micro_batch_size if plan else 1,
+            num_microbatches=micro_batches * accumulate, gradient_clipping=trainer.gradient_clip_val,
+            precision=self.precision_plugin.precision, nvme_path=self.nvme_path,
+            overrides=self.deepspeed_config_overrides, overlap=self.root_device.type == "cuda", fitting=fitting)
+        wrapped = self._split(self.lightning_module, self.layout, self.root_device, self.tensor_parallel_plan,
+                              self.pipeline_boundaries, self._partitioner(engine_config))
+        self.tensor_parallel_notes, self.materialized_elements = self._split.notes, self._split.materialized
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         wrapped = self.model if self.layout.size("pp") == 1 else wrapped
@@ -253,43 +219,18 @@ class MGPUStrategy(EngineCheckpointHooks, ParallelStrategy):
         self.model, engine_optimizer = engines.initialize_engine(wrapped, optimizer, config, self.layout)
         if optimizer is not None:
             self.optimizers = [engines.EngineOwnedOptimizer(engine_optimizer, optimizer)]
-        self._start_steps(module, micro_batches)
-        rank_zero_info(applied_layout(self.model, self.layout, self.pipeline, self.global_rank))
-
-    def _parallelize(self, engine_config: Callable[[torch.nn.Module], dict]) -> Optional[torch.nn.Module]:
-        """Split the module for this rank, once (a Trainer runs ``setup`` again for a later validate/test/predict);
-        the stage container with pipeline stages. Under ZeRO-3 each module's parameters are partitioned as they are
-        filled."""
-        if self._split_module is not self.lightning_module:
-            def partitioner(kept: torch.nn.Module) -> Callable[[list[torch.nn.Parameter]], None]:
-                return engines.zero3_partitioner(engine_config(kept), self.layout)
-
-            done = parallelize(self.lightning_module, self.layout, self.root_device, self.tensor_parallel_plan,
-                               self.pipeline_boundaries, partitioner if self.layout.zero_stage == 3 else None)
-            self.tensor_parallel_notes, self.materialized_elements = done.notes, done.materialized
-            for note in done.notes:
-                rank_zero_info(note)
-            self._stage_container = done.module if self.layout.size("pp") > 1 else None
-            self._split_module = self.lightning_module
-        return self._stage_container
-
-    def _start_steps(self, module: "pl.LightningModule", micro_batches: int) -> None:
-        """The step object of the layout (pipeline or data-parallel, one interface) and the module's context."""
-        self.pipeline = None
-        if self.layout.size("pp") > 1:
-            self.pipeline = Pipeline(self.model, self.layout, self.root_device, module.pipeline_loss, micro_batches,
-                                     PipelineTimeline() if self.pipeline_timeline else None)
-            self._step = PipelineStep(self.pipeline, module, self.layout)
-        else:
-            self._step = DataParallelStep(self.model, module, self.layout, micro_batches,
-                                          self.precision_plugin.train_step_context, self._forward_redirection)
+        self._step, self.pipeline = layout_step(self.model, module, self.layout, self.root_device, micro_batches,
+                                                PipelineTimeline() if self.pipeline_timeline else None,
+                                                self.precision_plugin.train_step_context, self._forward_redirection)
         module.parallel_context = self.context = ParallelContext(self.layout, micro_batches, self.engine_step,
                                                                  self.pipeline)
+        rank_zero_info(applied_layout(self.model, self.layout, self.pipeline, self.global_rank))
 
-    @property
-    def last_grad_norm(self) -> Optional[float]:
-        """The global gradient norm (before clipping) of the last optimizer step, ``None`` after a batch without one."""
-        return self.context.last_grad_norm if self.context is not None else None
+    def _partitioner(self, engine_config: Callable[[torch.nn.Module], dict]) -> Optional[Callable]:
+        """Under ZeRO-3, each module's parameters are partitioned as they are filled."""
+        if self.layout.zero_stage != 3:
+            return None
+        return lambda kept: engines.zero3_partitioner(engine_config(kept), self.layout)
 
     @override
     @contextlib.contextmanager
@@ -314,69 +255,9 @@ class MGPUStrategy(EngineCheckpointHooks, ParallelStrategy):
         Returns the loss averaged over the whole global batch (all micro-batches of all data-parallel
         ranks), detached: the backward has already run.
         """
-        with name_lost_ranks(self._heartbeat):
-            return self._training_step(*args, **kwargs)
-
-    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.context.last_grad_norm = None  # set again only by a batch that ends with an optimizer step
-        return self._step(*args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with name_lost_ranks(self._heartbeat):
-            if self.pipeline is None:
-                return super().validation_step(*args, **kwargs)
-            with self.precision_plugin.val_step_context():  # the module's loss() runs the pipeline forward-only
-                return self.lightning_module.validation_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is not None:
-            raise NotImplementedError("predict is not supported with pipeline parallelism (pipeline_parallel_size > 1): "
-                                      "a prediction needs outputs of the last stage on every rank; use validation "
-                                      "or pipeline_parallel_size=1")
-        return super().predict_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.pipeline is None:
-            return super().test_step(*args, **kwargs)
-        with self.precision_plugin.test_step_context():
-            return self.lightning_module.test_step(*args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Automatic optimization: nothing to do, ``training_step`` already ran each micro-batch's backward through
-        the engine. Manual optimization (``self.manual_backward(loss)``): the engine's backward."""
-        if not self.lightning_module.automatic_optimization:
-            with name_lost_ranks(self._heartbeat):
-                engines.backward(self.model, closure_loss, *args, **kwargs)
-        return closure_loss
-
-    def engine_step(self) -> None:
-        """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
-        with name_lost_ranks(self._heartbeat):
-            self.context.last_grad_norm = engines.step(self.model)
-
-    # ---------------------------------------------------------------------------------- collectives
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Union[str, Any]] = "mean") -> Any:
-        if isinstance(tensor, torch.Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+            return self._step(*args, **kwargs)
 
     @override
     def teardown(self) -> None:

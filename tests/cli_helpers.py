@@ -32,7 +32,7 @@ def resolved(cfg):
     of a run that could not launch here, e.g. a SLURM job at submission)."""
     from lightning_mgpu.cli.run_data import resolve_data
     from lightning_mgpu.cli.run_model import resolve_model
-    from lightning_mgpu.cli.run_spec import RunSpec
+    from lightning_mgpu.cli.spec import RunSpec
 
     data = resolve_data(cfg)
     return RunSpec.of(cfg, data, resolve_model(cfg, data))

@@ -34,3 +34,12 @@ def token_file(tmp_path_factory):
     from helpers import make_token_file
 
     return make_token_file(tmp_path_factory.mktemp("tokens"))
+
+
+@pytest.fixture(scope="session")
+def ref(token_file):
+    """The one single-process reference of the parity tests: the tiny model, 10 steps, clipping at 0.3, then one
+    validation batch (``val_loss``); every layout of ZeRO, tensor and context parallelism is compared with it."""
+    from helpers import reference
+
+    return reference(token_file, steps=10, clip=0.3, val_batches=1)

@@ -1,4 +1,4 @@
-"""Turn a resolved run (:class:`~lightning_mgpu.cli.run_spec.RunSpec`) into the Python objects it mirrors."""
+"""Turn a resolved run (:class:`~lightning_mgpu.cli.spec.RunSpec`) into the Python objects it mirrors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.cli.run_spec import RunSpec
+from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.data import StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
 from lightning_mgpu.layout import LayoutRequest
 from lightning_mgpu.module import LLMModule

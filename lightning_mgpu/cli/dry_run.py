@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from lightning_mgpu.cli.build import build_module, build_strategy
-from lightning_mgpu.cli.run_spec import RunSpec
+from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.planner.memory import model_state_bytes

@@ -11,7 +11,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from lightning_mgpu.cli.machine import _inside_slurm_job, _wants_gpu
-from lightning_mgpu.cli.run_spec import RunSpec
+from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.layout import chunks_per_rank, divisors
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.planner.model_stats import max_rank_parameters

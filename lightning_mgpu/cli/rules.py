@@ -1,7 +1,7 @@
 """The config's own rules, group by group, before any process or process group exists: ``config_problems`` returns
 one line per problem, each naming the key, its value, the rule and a fix, so ``mgpu-train`` refuses a bad run in one
 message instead of failing minutes later inside DeepSpeed or torch. They read the config and the run's resolved data
-(:class:`~lightning_mgpu.cli.run_data.RunData`); they build no model. ``lightning_mgpu.cli.run_spec.resolve_run`` asks
+(:class:`~lightning_mgpu.cli.run_data.RunData`); they build no model. ``lightning_mgpu.cli.spec.resolve_run`` asks
 them all; ``plan_problems`` does the same for ``mgpu-plan``."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def _key_problems(node: DictConfig, prefix: str) -> list[str]:
 
 def group_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig]) -> list[str]:
     """The rules of every group but ``model`` (:func:`model_problems`), for a config whose keys are all known and
-    set (:func:`key_problems`); ``lightning_mgpu.cli.run_spec.resolve_run`` asks them all."""
+    set (:func:`key_problems`); ``lightning_mgpu.cli.spec.resolve_run`` asks them all."""
     return (data_problems(cfg, data, model) + trainer_problems(cfg) + logger_problems(cfg) + optim_problems(cfg)
             + parallel_problems(cfg, model) + checkpoint_problems(cfg))
 

@@ -23,7 +23,7 @@ from lightning_mgpu.cli.dry_run import dry_run_report
 from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.memory_check import memory_problems
-from lightning_mgpu.cli.run_spec import RunSpec, run_spec
+from lightning_mgpu.cli.spec import RunSpec, run_spec
 from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
 from lightning_mgpu.faults import fault_callbacks

@@ -1,5 +1,5 @@
 """Everything wrong with a launch, found before any process or process group exists: :func:`check_run` resolves the
-run once (``lightning_mgpu.cli.run_spec``), which asks the config's own rules (``lightning_mgpu.cli.rules``), what this machine lacks (``lightning_mgpu.cli.machine``) and the
+run once (``lightning_mgpu.cli.spec``), which asks the config's own rules (``lightning_mgpu.cli.rules``), what this machine lacks (``lightning_mgpu.cli.machine``) and the
 memory check (``lightning_mgpu.cli.memory_check``), and raises one :class:`~lightning_mgpu.cli.errors.ConfigError`
 with every problem; ``lightning_mgpu.cli.errors`` turns it into exit status 2.
 """
@@ -12,7 +12,7 @@ from lightning_mgpu.cli.errors import ConfigError
 from lightning_mgpu.cli.machine import launch_problems, machine_problems
 from lightning_mgpu.cli.memory_check import memory_problems
 from lightning_mgpu.cli.rules import key_problems
-from lightning_mgpu.cli.run_spec import RunSpec, resolve_run
+from lightning_mgpu.cli.spec import RunSpec, resolve_run
 
 
 def check_run(cfg: DictConfig) -> RunSpec:

@@ -9,7 +9,7 @@ step (``engine.step()``) is Lightning's, at the end of each group of ``accumulat
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -18,6 +18,7 @@ from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.microbatch import split_microbatches
 from lightning_mgpu.parallel.pipeline import Pipeline
+from lightning_mgpu.parallel.timeline import PipelineTimeline
 
 
 class TrainStep(Protocol):
@@ -65,3 +66,13 @@ class PipelineStep:
 
     def __call__(self, batch: Any, *rest: Any, **kwargs: Any) -> torch.Tensor:
         return mean_over_replicas(self.pipeline.train_step(*self.module.pipeline_batch(batch)), self.layout)
+
+
+def layout_step(engine: Any, module: Any, layout: ParallelLayout, device: Any, micro_batches: int,
+                timeline: Optional[PipelineTimeline], step_context: Callable[[], Any],
+                forward: Callable[..., Any]) -> tuple[TrainStep, Optional[Pipeline]]:
+    """The step of the layout (the pipeline's, or micro-batches through the engine) and the pipeline, if any."""
+    if layout.size("pp") > 1:
+        pipeline = Pipeline(engine, layout, device, module.pipeline_loss, micro_batches, timeline)
+        return PipelineStep(pipeline, module, layout), pipeline
+    return DataParallelStep(engine, module, layout, micro_batches, step_context, forward), None

@@ -13,7 +13,7 @@ from cli_helpers import BIN, composed, read_losses, read_metric
 from lightning_mgpu.cli.build import build_datamodule, build_tokenizer
 from lightning_mgpu.cli.run_data import resolve_data
 from lightning_mgpu.cli.prepare import main as prepare_main
-from lightning_mgpu.cli.run_spec import config_problems, run_spec
+from lightning_mgpu.cli.spec import config_problems, run_spec
 from lightning_mgpu.data.tokenizer import Tokenizer
 
 

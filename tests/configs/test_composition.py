@@ -8,7 +8,7 @@ from omegaconf.errors import ValidationError
 
 from lightning_mgpu.cli.build import build_datamodule, build_strategy
 from lightning_mgpu.cli.paths import recipes_dir
-from lightning_mgpu.cli.run_spec import run_spec
+from lightning_mgpu.cli.spec import run_spec
 from lightning_mgpu.models import LlamaConfig
 
 

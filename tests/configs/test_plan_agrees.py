@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from lightning_mgpu.cli.config import register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.plan import plan_report
-from lightning_mgpu.cli.run_spec import config_problems
+from lightning_mgpu.cli.spec import config_problems
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
 
 MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))

@@ -11,7 +11,7 @@ from cli_helpers import composed
 from lightning_mgpu.cli.train import train
 from lightning_mgpu.cli.errors import ConfigError
 from lightning_mgpu.cli.machine import machine_problems
-from lightning_mgpu.cli.run_spec import config_problems
+from lightning_mgpu.cli.spec import config_problems
 from lightning_mgpu.cli.validate import check_run
 
 PP2 = ["parallel.pipeline_parallel_size=2"]

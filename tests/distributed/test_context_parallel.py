@@ -2,14 +2,10 @@
 one process (loss and gradient norm, 1e-5 fp32, 10 steps, then the validation loss)."""
 
 import pytest
-from helpers import assert_parity, fit, reference
+from helpers import assert_parity, fit
 
 from lightning_mgpu.testing import run_distributed
 
-
-@pytest.fixture(scope="module")
-def ref(token_file):
-    return reference(token_file, steps=10, clip=0.3, val_batches=1)
 
 
 LAYOUTS = {

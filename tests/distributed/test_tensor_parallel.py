@@ -14,10 +14,6 @@ from lightning_mgpu.testing import run_distributed
 TINY_KV4 = replace(TINY, n_kv_heads=4, vocab_size=66)
 
 
-@pytest.fixture(scope="module")
-def ref(token_file):
-    return reference(token_file, steps=10, clip=0.3)
-
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
 def test_tp2_matches_single_process(token_file, ref, sequence_parallel):

@@ -8,10 +8,6 @@ from lightning_mgpu import LLMModule
 from lightning_mgpu.testing import run_distributed
 
 
-@pytest.fixture(scope="module")
-def ref(token_file):
-    return reference(token_file, steps=10, clip=0.3)
-
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_zero_matches_single_process(token_file, ref, zero_stage):

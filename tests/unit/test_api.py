@@ -1,5 +1,6 @@
 """Public names, registered strategies, precision and constructor errors: no processes needed."""
 
+import ast
 import math
 from pathlib import Path
 
@@ -133,8 +134,6 @@ def test_llm_module_declares_every_hook_of_the_contract_and_builds_shards_from_n
 
 def _imports(path: Path) -> list[str]:
     """The absolute module names a source file imports, at any depth (module level or inside functions)."""
-    import ast
-
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -193,3 +192,17 @@ def test_no_import_cycle_between_modules():
         if name not in done:
             visit(name, [name], done)
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_package_stays_small_enough_to_read():
+    """No module over 400 lines, no function over 50, and the strategy (Lightning's hooks, each delegating) at most
+    300."""
+    too_long, functions = [], []
+    for name, path in _package_files().items():
+        lines = path.read_text().splitlines()
+        if len(lines) > (300 if name == "lightning_mgpu.strategy" else 400):
+            too_long.append(f"{name}: {len(lines)} lines")
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50:
+                functions.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not too_long and not functions, too_long + functions

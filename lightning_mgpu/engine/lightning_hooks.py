@@ -1,0 +1,59 @@
+"""The Lightning hooks of the strategy that hand work to the engine: precision, backward, the optimizer step and
+gradient accumulation are the engine's (DeepSpeed's), not torch's or Lightning's."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Generator, Optional
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+
+from lightning_mgpu.engine.runtime import backward, step
+from lightning_mgpu.parallel.liveness import name_lost_ranks
+from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
+
+
+class EngineHooks:
+    """For a strategy whose ``model`` is the engine after ``setup``, with ``context`` (the module's parallel context)
+    and ``_heartbeat`` (which names a lost rank)."""
+
+    @property
+    def engine(self):
+        """The DeepSpeed engine (available after ``setup``)."""
+        return self.model
+
+    @property
+    def precision_plugin(self) -> MGPUPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else MGPUPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        # Lightning picks a torch-autocast plugin for strategies it does not know; DeepSpeed owns precision here.
+        self._precision_plugin = None if plugin is None else as_mgpu_precision(plugin)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Nothing to block: on the batches ``accumulate_grad_batches`` accumulates over, the engine's backward keeps
+        accumulating (it is scaled by 1 / (micro-batches x N), its boundary is ``engine.step()``, called by Lightning's
+        optimizer step only at the end of each group of N batches or of the epoch, as under DDP). Lightning's
+        default would enter DeepSpeed's ``no_sync``, which ZeRO 2 and 3 refuse."""
+        yield
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Automatic optimization: nothing to do, ``training_step`` already ran each micro-batch's backward through
+        the engine. Manual optimization (``self.manual_backward(loss)``): the engine's backward."""
+        if not self.lightning_module.automatic_optimization:
+            with name_lost_ranks(self._heartbeat):
+                backward(self.model, closure_loss, *args, **kwargs)
+        return closure_loss
+
+    def engine_step(self) -> None:
+        """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
+        with name_lost_ranks(self._heartbeat):
+            self.context.last_grad_norm = step(self.model)
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """The global gradient norm (before clipping) of the last optimizer step, ``None`` after a batch without one."""
+        return self.context.last_grad_norm if self.context is not None else None
