@@ -101,7 +101,7 @@ def _token_path_problems(key: str, path: str, unreadable: dict[str, str]) -> lis
     """A token source that does not exist, or a prepared one whose manifest cannot be read (``unreadable``)."""
     if path in unreadable:
         return [f"{key}: {unreadable[path]}"]
-    if not Path(path).exists():
+    if not (Path(path).is_dir() or Path(path).is_file()):  # a device or a pipe is no token file either
         return [f"{key}={path!r} does not exist; give a directory written by mgpu-prepare or a token file "
                 "(data=tokens)"]
     return []

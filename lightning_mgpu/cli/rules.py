@@ -16,7 +16,7 @@ from lightning_mgpu.checkpoint.formats import CheckpointSettings, complete_check
 from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
 from lightning_mgpu.cli.errors import did_you_mean
 from lightning_mgpu.cli.layout_rules import parallel_problems
-from lightning_mgpu.cli.run_data import RunData, resolve_data
+from lightning_mgpu.cli.run_data import RunData, resolve_data, unread_data
 from lightning_mgpu.cli.run_model import resolve_model
 from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive
 from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
@@ -164,7 +164,8 @@ def plan_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
     keys = key_problems(cfg)
     if keys:
         return None, keys
-    model, out = model_problems(cfg, resolve_data(cfg))
+    data = resolve_data(cfg) if cfg.data.get("document_mask") else unread_data(cfg)  # the eod id is all it needs
+    model, out = model_problems(cfg, data)
     t, d, plan = cfg.trainer, cfg.data, cfg.plan
     out += seq_len_problems(d.seq_len, model) if model is not None else []
     out += _positive("trainer.devices", t.devices) + _positive("trainer.num_nodes", t.num_nodes)

@@ -79,6 +79,12 @@ class RunData:
         return eod, f"{self.tokenizer.name} ({token!r})"
 
 
+def unread_data(cfg: DictConfig) -> RunData:
+    """The data of a run that reads none (``mgpu-plan`` without document masks: the model's shape needs nothing from
+    the data, whose files may not even be on the machine that plans)."""
+    return RunData(cfg.data.source, (), (), (), None, None)
+
+
 def resolve_data(cfg: DictConfig) -> RunData:
     """The ``data`` group of ``cfg`` resolved: every manifest read once, the tokenizer found and loaded once."""
     sources = _blend(cfg)

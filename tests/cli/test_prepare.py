@@ -176,6 +176,37 @@ def test_blend_from_the_command_line(tmp_path, tokenizer_dir, corpus):
     assert "data.sources[1] has no path; give each source as {path: DIR, weight: W}" in problems
 
 
+def test_a_run_reads_each_manifest_and_its_tokenizer_once(tmp_path, tokenizer_dir, corpus, monkeypatch):
+    """Validation, the model's end-of-document id, the data module and the memory check's fixes all read the one
+    resolved ``RunData``: one manifest read per source and one tokenizer load for a whole ``check_run``."""
+    from lightning_mgpu.cli import run_data
+    from lightning_mgpu.cli.validate import check_run
+    from lightning_mgpu.data import tokenizer as tokenizer_module
+
+    one = prepared(tmp_path, tokenizer_dir, corpus, "one", str(corpus / "a.txt"))
+    two = prepared(tmp_path, tokenizer_dir, corpus, "two", str(corpus / "b.txt"))
+    counts = {"manifests": 0, "tokenizers": 0}
+    read, load = run_data.read_manifest, tokenizer_module.Tokenizer.__init__
+
+    def counted_read(path):
+        counts["manifests"] += 1
+        return read(path)
+
+    def counted_load(self, path):
+        counts["tokenizers"] += 1
+        load(self, path)
+
+    monkeypatch.setattr(run_data, "read_manifest", counted_read)
+    monkeypatch.setattr(tokenizer_module.Tokenizer, "__init__", counted_load)
+    spec = check_run(composed("data=tokens", f"data.sources=[{{path: {one}}}, {{path: {two}}}]",
+                              "data.document_mask=true", "model.vocab_size=512"))
+    assert counts == {"manifests": 2, "tokenizers": 1}
+    assert spec.model.eod_token_id == Tokenizer(tokenizer_dir).token_id(TEST_EOD)
+    changed = spec.replaced({"parallel.zero_stage": 3, "data.micro_batch_size": 1})
+    assert changed.data is spec.data and changed.layout.zero_stage == 3 and changed.config.data.micro_batch_size == 1
+    assert spec.replaced({"parallel.tensor_parallel_size": 3}) is None  # 3 does not divide the heads: a broken rule
+
+
 def test_document_mask_needs_an_end_of_document_id(tmp_path, tokenizer_dir, corpus):
     """One rule: the mask needs tokens with an end-of-document id (a manifest's, or a tokenizer's), not bytes; the
     model then carries that id."""

@@ -38,6 +38,7 @@ BAD_INPUTS = [
     (["trainer.devices=0"], "trainer.devices=0 must be an integer >= 1"),
     (["data.micro_batch_size=0"], "data.micro_batch_size=0 must be a positive integer"),
     (["data=tokens", "data.path=/no/such/tokens.u16"], "data.path='/no/such/tokens.u16' does not exist"),
+    (["data=tokens", "data.path=/dev/null"], "data.path='/dev/null' does not exist"),  # a device is no token file
     (["model.vocab_size=64"], "model.vocab_size=64 is smaller than the 256 byte tokens"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel=True needs parallel.tensor_parallel_size > 1"),
     (["parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "data.seq_len=127"],
