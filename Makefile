@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install train test benchmarks clean
+.PHONY: install train test benchmarks gpu-check clean
 
 install: $(STAMP)
 
@@ -22,17 +22,16 @@ train: install
 test: install
 	$(PY) -m pytest -q tests
 
+# Every CPU benchmark in full (hours on 2 cores); `make test` runs each in its --smoke mode.
+CPU_BENCHMARKS := overhead zero_memory tp_vs_dtensor pipeline_bubble pipeline_in_flight checkpoint_io \
+	checkpoint_verify context_parallel activation_memory planner_calibration compile_blocks document_mask setup_memory
+
 benchmarks: install
-	$(PY) benchmarks/overhead.py
-	$(PY) benchmarks/zero_memory.py
-	$(PY) benchmarks/tp_vs_dtensor.py
-	$(PY) benchmarks/pipeline_bubble.py
-	$(PY) benchmarks/checkpoint_io.py
-	$(PY) benchmarks/checkpoint_verify.py
-	$(PY) benchmarks/context_parallel.py
-	$(PY) benchmarks/activation_memory.py
-	$(PY) benchmarks/planner_calibration.py
-	$(PY) benchmarks/compile_blocks.py
+	set -e; for b in $(CPU_BENCHMARKS); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py; done
+
+# On one CUDA GPU: the CUDA tests and the GPU benchmarks, one table (refuses without CUDA).
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) outputs multirun build *.egg-info

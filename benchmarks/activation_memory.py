@@ -21,11 +21,13 @@ from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.planner.memory import block_activation_bytes, head_activation_bytes  # noqa: E402
 from lightning_mgpu.planner.measure import kept_forward_bytes  # noqa: E402
 from lightning_mgpu.testing import parallel_saved_bytes, run_distributed  # noqa: E402
+from smoke import sized  # noqa: E402
 
 SHAPES = [(LlamaConfig(dim=96, n_heads=6, n_kv_heads=2, ffn_hidden=160, vocab_size=50, max_seq_len=128), 40),
           (LlamaConfig(dim=128, n_heads=4, n_kv_heads=4, ffn_hidden=352, vocab_size=300, max_seq_len=128), 64),
           (LlamaConfig(dim=64, n_heads=8, n_kv_heads=2, ffn_hidden=256, vocab_size=64, max_seq_len=128), 96)]
-DTYPES = (torch.float32, torch.bfloat16)
+SHAPES = sized(SHAPES, SHAPES[:1])
+DTYPES = sized((torch.float32, torch.bfloat16), (torch.float32,))
 
 
 def _name(cfg: LlamaConfig, seq: int) -> str:

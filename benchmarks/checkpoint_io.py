@@ -23,10 +23,12 @@ from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.data import TokenFileDataModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from smoke import sized  # noqa: E402
 
 MODELS = {"tiny": LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=256),
           "100M": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden=2048, vocab_size=8192,
                               max_seq_len=256)}
+MODELS = sized(MODELS, {"tiny": MODELS["tiny"]})
 LAYOUTS = {"dp2-zero1": dict(zero_stage=1), "tp2": dict(tensor_parallel_size=2)}
 
 

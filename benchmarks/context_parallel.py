@@ -25,10 +25,12 @@ import torch.nn.functional as F  # noqa: E402
 from lightning_mgpu.models import Llama, LlamaConfig  # noqa: E402
 from lightning_mgpu.parallel.context import apply_context_parallel, shard_sequence  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from smoke import sized  # noqa: E402
 
-MODEL = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=768, vocab_size=1024,
-                    max_seq_len=2048)
-SEQ, WARMUP, STEPS = 2048, 1, 4
+MODEL = sized(LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=768, vocab_size=1024,
+                          max_seq_len=2048),
+              LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64))
+SEQ, WARMUP, STEPS = sized((2048, 1, 4), (64, 0, 1))
 
 
 def _rank(rank: int, size: int, balanced: bool) -> dict:
@@ -71,7 +73,7 @@ def main() -> None:
           f"{SEQ}-token sequence; fp32, 1 thread per rank, forward + backward; median of {STEPS} steps")
     print(f"{'cp':>3} {'split':>10} {'step s':>7} {'CPU s per rank':>24} {'slowest/fastest':>15} "
           f"{'MB sent per rank':>16}")
-    for size, balanced in ((1, True), (2, True), (2, False), (4, True), (4, False)):
+    for size, balanced in sized(((1, True), (2, True), (2, False), (4, True), (4, False)), ((1, True), (2, True))):
         results = run_distributed(_rank, size, size, balanced, timeout=900)
         cpu = [r["cpu"] for r in results]
         split = "-" if size == 1 else ("balanced" if balanced else "contiguous")

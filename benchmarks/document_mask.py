@@ -18,10 +18,13 @@ torch.set_num_threads(1)
 
 from lightning_mgpu import LLMModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
+from smoke import sized  # noqa: E402
 
 EOD = 0
-MODEL = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=1024, max_seq_len=512)
-BATCH, WARMUP, STEPS = 4, 2, 10
+MODEL = sized(LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=1024,
+                          max_seq_len=512),
+              LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=512))
+BATCH, WARMUP, STEPS = sized((4, 2, 10), (1, 0, 1))
 
 
 def packed_batch(seq_len: int, seed: int = 0) -> torch.Tensor:
@@ -54,7 +57,7 @@ def trainer(cfg: LlamaConfig):
 def main() -> None:
     print(f"{MODEL.n_layers} blocks, dim {MODEL.dim}, batch {BATCH}, fp32, 1 thread; median of {STEPS} steps")
     print(f"{'seq':>5} {'causal ms':>10} {'document mask ms':>17} {'ratio':>6}")
-    for seq in (256, 512):
+    for seq in sized((256, 512), (256,)):
         batch = packed_batch(seq)
         steps = {"causal": trainer(MODEL), "mask": trainer(replace(MODEL, eod_token_id=EOD))}
         times: dict[str, list[float]] = {name: [] for name in steps}

@@ -2,7 +2,8 @@
 
 Both train the same model on the same batches with AdamW, gradient clipping and a LR schedule. Each
 is timed per optimizer step after a warm-up; the two alternate in rounds so that machine noise hits
-both. Prints the median step-time ratio (goal: <= 1.03).
+both. Prints the median step-time ratio (goal: <= 1.03). ``--return-freed-memory``: the strategy with its memory-lean
+CPU setting (``MGPUStrategy(return_freed_memory=True)``), to see what it costs.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ from lightning_mgpu.data import TokenFileDataModule  # noqa: E402
 from lightning_mgpu.data.tokens import sample_starts  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from smoke import sized  # noqa: E402
 
-MODEL = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=256, max_seq_len=256)
-SEQ, BATCH, STEPS, WARMUP, ROUNDS = 128, 8, 25, 5, 3
+MODEL = sized(LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=256,
+                          max_seq_len=256),
+              LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=256, max_seq_len=32))
+SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((128, 8, 25, 5, 3), (16, 2, 3, 1, 1))
 OPTIM = dict(lr=1e-3, warmup_steps=5, max_steps=1000)
+LEAN = "--return-freed-memory" in sys.argv[1:]
 
 
 def hand_loop(token_file: Path) -> list[float]:
@@ -78,8 +83,8 @@ class SilentLLMModule(LLMModule):
 
 def trainer_run(rank: int, token_file: Path, module_cls: type = LLMModule) -> list[float]:
     timer = StepTimer()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MGPUStrategy(), max_steps=STEPS + 1,
-                        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MGPUStrategy(return_freed_memory=LEAN),
+                        max_steps=STEPS + 1, gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
     dm = TokenFileDataModule(token_file, seq_len=SEQ, global_batch_size=BATCH, micro_batch_size=BATCH, seed=0,
                              val_fraction=0.001)

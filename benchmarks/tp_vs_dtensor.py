@@ -37,9 +37,12 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from smoke import sized  # noqa: E402
 
-MODEL = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=4096, max_seq_len=256)
-SEQ, BATCH, STEPS, WARMUP, ROUNDS = 128, 8, 15, 3, 3
+MODEL = sized(LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=4096,
+                          max_seq_len=256),
+              LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=256, max_seq_len=32))
+SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((128, 8, 15, 3, 3), (16, 2, 2, 1, 1))
 OPTIM = dict(lr=1e-3, warmup_steps=5, max_steps=1000)
 LOSS_RTOL = 1e-5  # fp32; both sides sum the same products in different orders
 
@@ -92,8 +95,9 @@ class DTensorLLMModule(LLMModule):
         for layer in self.model.layers:
             parallelize_module(layer, mesh, {
                 "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                desired_input_layouts=(Replicate(), None, None)),
+                # the attention's inputs: x, cos, sin and the document-mask bias (None without documents)
+                "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None, None),
+                                                desired_input_layouts=(Replicate(), None, None, None)),
                 "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
                 "ffn_norm": SequenceParallel(),

@@ -1,4 +1,6 @@
-"""Make a CPU training process hand freed tensor memory back to the operating system.
+"""Make a CPU training process hand freed tensor memory back to the operating system: the memory-lean setting
+``MGPUStrategy(return_freed_memory=True)`` (``parallel.return_freed_memory=true``), off by default because it costs
+step time.
 
 torch allocates CPU tensors with glibc's ``malloc``. glibc serves a large block with its own ``mmap`` (returned to
 the OS on ``free``), but after the first such block is freed it raises that threshold to the block's size, up to
@@ -12,9 +14,14 @@ Written by hand because neither torch nor Lightning sets it; glibc reads the sam
 
 It costs CPU time: every block of 1 MiB or more is fresh memory the kernel maps and zeroes. Measured on one process
 of a 39M-parameter Llama (ZeRO-0, one thread): 2.27-2.41M minor page faults over 8 steps against 0.48M, and a median
-step of 2.80-2.96 s against 2.29-2.60 s (+10-25%). A 4 MiB threshold cost less (2.84 s) but let the 401M-parameter
-8-process run's first step peak at 2.04-2.22 GB per rank instead of 1.80-1.92. ``MALLOC_MMAP_THRESHOLD_=33554432``
-(glibc's own ceiling) gives the speed back, and the memory check then counts glibc's default behaviour.
+step of 2.80-2.96 s against 2.29-2.60 s (+10-25%); ``benchmarks/overhead.py`` measured 1.187 x a hand-written loop with
+it and 1.029 without. A 4 MiB threshold cost less (2.84 s) but let the 401M-parameter 8-process run's first step peak
+at 2.04-2.22 GB per rank instead of 1.80-1.92. Handing back only between steps does not replace it: ``malloc_trim(0)``
+after setup and after every optimizer step left that run's first-step peaks at 2.55-3.16 GB per rank, as high as
+glibc's default (2.46-2.91 GB), because the growth is fragmentation inside the step. So the fast behaviour is the
+default and this one a setting, which the memory check counts (``CPU_STATE_FACTOR`` with it, the larger
+``CPU_STATE_FACTOR_KEPT_HEAP`` without) and proposes as a fix when a CPU run does not fit. A user's own
+``MALLOC_MMAP_THRESHOLD_`` keeps precedence either way.
 """
 
 from __future__ import annotations
@@ -42,9 +49,10 @@ def _mallopt() -> Optional[Callable[[int, int], int]]:
     return mallopt
 
 
-def returns_freed_memory() -> bool:
-    """Whether a CPU training process started from here will fix the threshold (what the memory check assumes)."""
-    return _mallopt() is not None
+def returns_freed_memory(asked: bool) -> bool:
+    """Whether a CPU training process started from here with ``return_freed_memory=asked`` will fix the threshold
+    (what the memory check counts): asked, and glibc lets it (the user set no ``MALLOC_MMAP_THRESHOLD_``)."""
+    return asked and _mallopt() is not None
 
 
 def return_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:

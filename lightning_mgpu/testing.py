@@ -145,11 +145,11 @@ def reset_peak_resident() -> None:
 
 
 def setup_and_first_step_peaks(rank: int, config: Any, token_file: str, devices: int, layout: dict,
-                               seq_len: int = 16, global_batch: int = 4) -> dict:
-    """Train ``LLMModule(config)`` for one step on ``devices`` CPU processes (``run_distributed``) and report this
-    rank's resident memory: its import baseline (after torch, Lightning and DeepSpeed are loaded, before the model
-    exists), its peak during setup (the model built, split, materialised and the engine created) and its peak during the
-    first step, with the setup time and where the rank sits in the layout."""
+                               seq_len: int = 16, global_batch: int = 4, steps: int = 1) -> dict:
+    """Train ``LLMModule(config)`` for ``steps`` steps on ``devices`` CPU processes (``run_distributed``) and report
+    this rank's resident memory: its import baseline (after torch, Lightning and DeepSpeed are loaded, before the model
+    exists), its peak during setup (the model built, split, materialised and the engine created), its peak during the
+    first step and during each step (``"steps"``), with the setup time and where the rank sits in the layout."""
     import lightning as L
 
     from lightning_mgpu import LLMModule, MGPUStrategy
@@ -167,12 +167,14 @@ def setup_and_first_step_peaks(rank: int, config: Any, token_file: str, devices:
 
         def on_train_batch_end(self, *args) -> None:
             peaks.setdefault("step", resident_bytes("VmHWM"))
+            peaks.setdefault("steps", []).append(resident_bytes("VmHWM"))
+            reset_peak_resident()
 
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**layout), max_steps=1,
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**layout), max_steps=steps,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Peaks()])
     data = TokenFileDataModule(token_file, seq_len=seq_len, global_batch_size=global_batch, micro_batch_size=1, seed=0)
-    module = LLMModule(config, lr=1e-4, warmup_steps=0, max_steps=1)
+    module = LLMModule(config, lr=1e-4, warmup_steps=0, max_steps=steps)
     reset_peak_resident()
     start = time.perf_counter()
     trainer.fit(module, data)

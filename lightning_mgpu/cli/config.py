@@ -85,6 +85,8 @@ class ParallelConfig:
     pipeline_boundaries: Optional[list[int]] = None
     pipeline_timeline: bool = False
     timeout: Optional[float] = None  #: collective timeout in seconds (MGPUStrategy(timeout=...)); null = torch's default
+    #: CPU processes hand the memory a step frees back to the OS: a lower host-memory peak for 10-25% more step time
+    return_freed_memory: bool = False
 
 
 @dataclass

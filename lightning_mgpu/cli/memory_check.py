@@ -80,6 +80,7 @@ def run_memory(spec: RunSpec, on_gpu: bool) -> ProcessMemory:
                           offload_params=p.offload_params is not None, context=cp,
                           mode=model.activation_checkpointing, schedule=p.pipeline_schedule,
                           boundaries=spec.config.parallel.pipeline_boundaries,
+                          return_freed_memory=spec.config.parallel.return_freed_memory,
                           microbatches=max(1, d.global_batch_size // (d.micro_batch_size * max(1, dp))))
 
 
@@ -205,7 +206,9 @@ def _fix_kinds(cfg: DictConfig, budget: MemoryBudget) -> list[list[dict]]:
     if budget.on_gpu:
         if p.offload_optimizer is None:
             kinds.append([{"parallel.zero_stage": max(1, p.zero_stage), "parallel.offload_optimizer": "cpu"}])
-    else:  # fewer processes per machine: the same layout over more machines, or fewer processes in all
+    else:  # memory handed back; fewer processes per machine: the same layout over more machines, or fewer in all
+        if not p.return_freed_memory:
+            kinds.insert(0, [{"parallel.return_freed_memory": True}])
         kinds.append([{"trainer.devices": n, "trainer.num_nodes": t.num_nodes * t.devices // n} for n in fewer])
         kinds.append([{"trainer.devices": n} for n in fewer])
     return [kind for kind in kinds if kind]

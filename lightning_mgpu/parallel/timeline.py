@@ -93,6 +93,82 @@ def bubble_fraction(per_rank: Sequence[Sequence[Action]]) -> float:
     return 1.0 - busy / (len(per_rank) * span)
 
 
+def replayed_bubble(per_rank: Sequence[Sequence[Action]]) -> float:
+    """The bubble the same step would have had if every action took the time it measured and every message between
+    stages arrived at once: each rank replays its own actions in the order it ran them, each starting when its rank
+    is free and what it needs is done (a forward needs the previous stage's forward of its micro-batch; an input
+    gradient, the next stage's, or the last stage's own forward; a weight gradient, its own input gradient).
+
+    Measured minus replayed is what the messages and the time between actions cost (point-to-point latency, Python);
+    replayed minus :func:`theoretical_bubble` is what unequal action times cost (a backward that is not twice a
+    forward, a first or last stage with more work)."""
+    last_stage = max(a.stage for rank in per_rank for a in rank)
+    queues = [sorted(rank, key=lambda a: a.start) for rank in per_rank]
+    done: dict[tuple[str, int, int], float] = {}
+    free, busy, position = [0.0] * len(queues), 0.0, [0] * len(queues)
+    while any(position[r] < len(q) for r, q in enumerate(queues)):
+        progressed = False
+        for r, queue in enumerate(queues):
+            while position[r] < len(queue):
+                a = queue[position[r]]
+                need = _dependency(a, last_stage)
+                if need is not None and need not in done:
+                    break
+                start = max(free[r], done[need] if need is not None else 0.0)
+                free[r] = done[(a.kind, a.stage, a.microbatch)] = start + (a.end - a.start)
+                busy += a.end - a.start
+                position[r] += 1
+                progressed = True
+        if not progressed:
+            raise ValueError("the recorded actions wait on one another: not one step of one pipeline")
+    return 1.0 - busy / (len(queues) * max(free))
+
+
+def message_waits(per_rank: Sequence[Sequence[Action]]) -> list[float]:
+    """Seconds between the end of an action on one rank and the start of the action on another rank that needed it,
+    where that rank had nothing else to do meanwhile: what a point-to-point message (and the Python between the two
+    actions) cost in that step, one figure per such wait."""
+    by_key = {(a.kind, a.stage, a.microbatch): (r, a) for r, rank in enumerate(per_rank) for a in rank}
+    last_stage = max(a.stage for rank in per_rank for a in rank)
+    waits = []
+    for r, rank in enumerate(per_rank):
+        ordered = sorted(rank, key=lambda a: a.start)
+        for before, a in zip([None] + ordered[:-1], ordered):
+            need = _dependency(a, last_stage)
+            if need is None or need not in by_key or by_key[need][0] == r:
+                continue
+            sent = by_key[need][1].end
+            if before is None or before.end <= sent:  # idle from when the input was ready until it started
+                waits.append(a.start - sent)
+    return waits
+
+
+def start_delays(per_rank: Sequence[Sequence[Action]]) -> dict[str, float]:
+    """Mean seconds, per action kind, between the moment an action could have started (its rank free and its input
+    done, on any rank) and its start: the cost of messages and of the code between actions, which a replay with
+    instant messages (:func:`replayed_bubble`) removes."""
+    ends = {(a.kind, a.stage, a.microbatch): a.end for rank in per_rank for a in rank}
+    last_stage = max(a.stage for rank in per_rank for a in rank)
+    first = min(a.start for rank in per_rank for a in rank)  # every rank is free from the step's first action on
+    delays: dict[str, list[float]] = {}
+    for rank in per_rank:
+        ordered = sorted(rank, key=lambda a: a.start)
+        for before, a in zip([None] + ordered[:-1], ordered):
+            need = _dependency(a, last_stage)
+            ready = max(before.end if before is not None else first, ends.get(need, first) if need else first)
+            delays.setdefault(a.kind, []).append(max(0.0, a.start - ready))
+    return {kind: sum(d) / len(d) for kind, d in delays.items()}
+
+
+def _dependency(a: Action, last_stage: int) -> tuple[str, int, int] | None:
+    """The action whose result ``a`` needs (None for the first stage's forwards)."""
+    if a.kind == "F":
+        return None if a.stage == 0 else ("F", a.stage - 1, a.microbatch)
+    if a.kind == "B":
+        return ("F", a.stage, a.microbatch) if a.stage == last_stage else ("B", a.stage + 1, a.microbatch)
+    return ("B", a.stage, a.microbatch)
+
+
 def theoretical_bubble(schedule: str, P: int, M: int, V: int = 1) -> float:
     """The schedule's bubble under the usual unit-cost model.
 

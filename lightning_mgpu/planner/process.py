@@ -42,8 +42,9 @@ PROCESS_BASELINE_BYTES = 0.6e9
 #: 401M-parameter Llama at tp2 x pp2 x dp2 with ZeRO-3 1.36 (``benchmarks/setup_memory.py``); with margin above the
 #: largest.
 CPU_STATE_FACTOR = 1.5
-#: The same where glibc keeps freed memory (the user set ``MALLOC_MMAP_THRESHOLD_``, or another C library): measured
-#: before that setting and the fused optimizer, 1.33 (ZeRO-1 dp2) to 2.22 (ZeRO-1 tp2), with margin.
+#: The same where glibc keeps freed memory (the default, ``return_freed_memory=False``; or the user set
+#: ``MALLOC_MMAP_THRESHOLD_``, or another C library): measured before that setting and the fused optimizer, 1.33
+#: (ZeRO-1 dp2) to 2.22 (ZeRO-1 tp2), with margin.
 CPU_STATE_FACTOR_KEPT_HEAP = 2.4
 #: Host memory for activations over the planner's figure. The planner's activation bytes are what this Llama keeps for
 #: backward, derived per tensor for the run's precision and checked to 10% (measured 0.99-1.00 at tp 1 and 2, with and
@@ -79,13 +80,15 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
                    precision: str = "32-true", host: bool = True, builds_whole_model: bool = True,
                    offload_optimizer: bool = False, offload_params: bool = False, context: int = 1,
                    mode: str | None = None, schedule: str = "1f1b",
-                   boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None) -> ProcessMemory:
+                   boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None,
+                   return_freed_memory: bool = False) -> ProcessMemory:
     """Peak memory of the fullest rank: in host memory (``host=True``, a CPU process) or on its GPU.
 
     ``builds_whole_model``: every rank first builds the whole model on its device (fp32; bf16 under ``bf16-true``)
     and then keeps its shard, as a module built off the meta device does; otherwise it holds its whole tensor/pipeline
     shard before the engine starts, or under ZeRO-3 (partitioned as it is filled) its largest tensor. On a GPU, ZeRO offload moves the
     optimizer state (``offload_optimizer``) and ZeRO-3's parameter partitions (``offload_params``) to host memory.
+    ``return_freed_memory``: the CPU process hands freed memory back (``lightning_mgpu.allocator``).
     """
     planned = estimate_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, stages_per_rank, sequence_parallel,
                               recompute, precision, overlap=not host,  # the engine overlaps on GPUs only
@@ -99,7 +102,7 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
     else:
         whole = max_rank_parameters(cfg, tp, pp, stages_per_rank) * w
     if host:
-        factor = CPU_STATE_FACTOR if returns_freed_memory() else CPU_STATE_FACTOR_KEPT_HEAP
+        factor = CPU_STATE_FACTOR if returns_freed_memory(return_freed_memory) else CPU_STATE_FACTOR_KEPT_HEAP
         return ProcessMemory(PROCESS_BASELINE_BYTES, whole, factor * planned.model_states,
                              CPU_ACTIVATION_FACTOR * planned.activations)
     states = planned.model_states

@@ -1,5 +1,5 @@
-"""Every benchmark given a smoke mode runs in it here, so none can rot: it must finish and print its figure (timings
-are never asserted). Their full runs are ``make benchmarks``."""
+"""Every benchmark runs in its smoke mode here, so none can rot: it must finish and print its figure (timings are never
+asserted). Their full runs are ``make benchmarks`` (CPU) and ``make gpu-check`` (one GPU)."""
 
 import subprocess
 import sys
@@ -8,14 +8,52 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-#: benchmark -> a line its output must hold (its table's header)
-SMOKE = {"checkpoint_verify.py": "verify alone"}
+#: benchmark -> a line its output must hold (its table's header, or the line with its figure)
+SMOKE = {
+    "activation_memory.py": "| shape | precision | checkpointing |",
+    "checkpoint_io.py": "save s",
+    "checkpoint_verify.py": "verify alone",
+    "context_parallel.py": "MB sent per rank",
+    "document_mask.py": "document mask ms",
+    "overhead.py": "overhead ratio (ours / hand-written)",
+    "pipeline_bubble.py": "worst excess over theory",
+    "pipeline_in_flight.py": "planned >= measured",
+    "planner_calibration.py": "| run | GPUs | layout |",
+    "setup_memory.py": "first-step peak GB",
+    "tp_vs_dtensor.py": "ratio ours/theirs",
+    "zero_memory.py": "worst measured / paper ratio",
+    # runs gpu_llama_mfu.py, gpu_planner_check.py and compile_blocks.py in their smoke modes and tabulates them
+    "gpu_check.py": "| check | figure | expectation | verdict |",
+}
+#: run by gpu_check.py (its smoke table shows each ran), or not a benchmark
+COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "smoke.py"}
+
+
+def test_every_benchmark_has_a_smoke_run():
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")}
+    assert scripts - COVERED == set(SMOKE), "add the new benchmark's --smoke run to SMOKE"
 
 
 @pytest.mark.parametrize("script", sorted(SMOKE))
 def test_benchmark_smoke_mode_runs_and_prints_its_figure(script):
     proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke"], capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    header, *rows = [line for line in proc.stdout.splitlines() if SMOKE[script] in line or "%" in line]
-    assert SMOKE[script] in header and rows, proc.stdout[-3000:]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    marked = [i for i, line in enumerate(lines) if SMOKE[script] in line]
+    assert marked, proc.stdout[-3000:]
+    figures = [line for line in lines[marked[0]:] if any(c.isdigit() for c in line)]
+    assert figures, proc.stdout[-3000:]
+    if script == "gpu_check.py":  # every check ran and read its figure
+        rows = [line for line in lines if line.startswith("| ") and "expectation" not in line and "---" not in line]
+        assert len(rows) == 5 and all("ran (smoke)" in row or "skipped" in row for row in rows), proc.stdout
+
+
+def test_gpu_check_refuses_without_cuda_naming_what_is_missing():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: gpu-check would run")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_check.py")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "gpu-check needs CUDA" in proc.stdout and "--smoke" in proc.stdout, proc.stdout

@@ -166,12 +166,14 @@ def test_host_and_gpu_estimates_follow_the_planner(monkeypatch):
                                offload_params=True)  # ZeRO-3 offload: what stays on the GPU
     assert offloaded.model_states == pytest.approx(planned.gradients + planned.buffers)
     planned = estimate_memory(cfg, **kw)  # a CPU process does not overlap
-    host = process_memory(cfg, **kw, host=True, builds_whole_model=False)
+    host = process_memory(cfg, **kw, host=True, builds_whole_model=False, return_freed_memory=True)
     assert host.baseline == PROCESS_BASELINE_BYTES
     assert host.model_states == pytest.approx(CPU_STATE_FACTOR * planned.model_states)
-    # where the processes keep glibc's heap (the user's own threshold), the factor measured for that
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
+    # where the processes keep glibc's heap (the default, or the user's own threshold), the factor measured for that
     kept = process_memory(cfg, **kw, host=True, builds_whole_model=False)
+    assert kept.model_states == pytest.approx(CPU_STATE_FACTOR_KEPT_HEAP * planned.model_states)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "33554432")
+    kept = process_memory(cfg, **kw, host=True, builds_whole_model=False, return_freed_memory=True)
     assert kept.model_states == pytest.approx(CPU_STATE_FACTOR_KEPT_HEAP * planned.model_states)
     assert host.activations == pytest.approx(CPU_ACTIVATION_FACTOR * planned.activations)
 
