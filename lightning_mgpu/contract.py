@@ -30,8 +30,13 @@ class ParallelContext:
 
     @property
     def replicas(self) -> int:
-        """Data-parallel replicas: the ranks that train on different samples."""
+        """Data-parallel ranks of this rank's replica: those whose gradients average together every step."""
         return self.layout.size("dp")
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that train on different samples: the data-parallel ranks of every replica."""
+        return self.layout.size("data")
 
 
 def parallel_context(module: object) -> Optional[ParallelContext]:

@@ -1,11 +1,5 @@
-"""The one validated object that owns the parallel layout: rank coordinates, rules and process groups.
-
-Rank ``r`` has coordinates ``tp = r % T``, ``cp = (r // T) % C``, ``pp = (r // (T * C)) % P`` and
-``dp = r // (T * C * P)``: tensor parallelism is innermost so that, with 8 GPUs a node and ``T`` dividing 8, every
-tensor-parallel group sits inside one node; context parallelism comes next, so that its per-layer key/value exchange
-also stays inside a node whenever ``T * C`` divides the node's GPU count. Pipeline stages exchange one activation per
-micro-batch and data-parallel replicas one gradient reduction per step, so they take the slower links across nodes.
-"""
+"""The one validated object that owns the parallel layout: what a run asks of it (:class:`LayoutRequest`), its
+rules, and (through :class:`~lightning_mgpu.rank_grid.RankGrid`) rank coordinates and process groups."""
 
 from __future__ import annotations
 
@@ -15,9 +9,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from lightning_mgpu.problems import Problem, format_problems
-from lightning_mgpu.split_rules import stage_count_problems, tied_embedding_problems
+from lightning_mgpu.rank_grid import RankGrid
+from lightning_mgpu.split_rules import replica_problems, stage_count_problems, tied_embedding_problems
 
-AXES = ("tp", "cp", "pp", "dp")
 
 #: Pipeline schedules by their public name (see ``torch.distributed.pipelining.schedules``).
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev")
@@ -48,16 +42,6 @@ class ModelShape:
                    bool(getattr(config, "tie_embeddings", False)))
 
 
-@dataclass(frozen=True)
-class GroupCoordinates:
-    """A process group given by this rank's place in it, without one: layers built with it have the shapes of rank
-    ``rank`` of ``size`` and cannot run collectives (the dry run splits a model on the meta device for every rank of a
-    layout this way, in one process; see :meth:`ParallelLayout.planned_at`)."""
-
-    rank: int
-    size: int
-
-
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -86,10 +70,13 @@ class LayoutRequest:
     sequence_parallel: bool = False
     offload_optimizer: Optional[str] = None
     offload_params: Optional[str] = None
+    replicas: int = 1  #: groups of data-parallel ranks that synchronise by ``replica_update`` (outermost axis)
+    replica_update: str = "sync"  #: "sync" (every step, over every data-parallel rank) | "local" (every sync_every)
+    sync_every: int = 1  #: inner steps between the replicas' outer steps (``replica_update="local"``)
 
     def smallest_world(self) -> int:
-        """The world size of one model replica (1 while a size is invalid: :meth:`problems` names it)."""
-        sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size)
+        """The world size of one model copy in each replica (1 while a size is invalid: :meth:`problems` names it)."""
+        sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size, self.replicas)
         return math.prod(sizes) if all(isinstance(n, int) and n > 0 for n in sizes) else 1
 
     def problems_with(self, world_size: Optional[int] = None, model: Optional[ModelShape] = None,
@@ -107,8 +94,8 @@ class LayoutRequest:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ParallelLayout(LayoutRequest):
-    """World size split into tensor (tp), context (cp), pipeline (pp) and data (dp) parallel axes.
+class ParallelLayout(LayoutRequest, RankGrid):
+    """World size split into tensor (tp), context (cp), pipeline (pp), data (dp) and replica (rep) axes.
 
     Context-parallel ranks split each sequence of a micro-batch (see ``lightning_mgpu.parallel.context``); they hold
     the same weights, so their gradients are reduced, and ZeRO partitions, over the data x context ranks of a model
@@ -143,13 +130,15 @@ class ParallelLayout(LayoutRequest):
         """Every rule this layout breaks (empty when valid)."""
         out: list[Problem] = []
         W, T, P, V = self.world_size, self.tensor_parallel_size, self.pipeline_parallel_size, self.virtual_pipeline_size
-        C = self.context_parallel_size
+        C, R = self.context_parallel_size, self.replicas
         for name, value in (("world_size", W), ("tensor_parallel_size", T), ("pipeline_parallel_size", P),
-                            ("virtual_pipeline_size", V), ("context_parallel_size", C)):
+                            ("virtual_pipeline_size", V), ("context_parallel_size", C), ("replicas", R)):
             if not isinstance(value, int) or value < 1:
                 out.append(Problem(name, value, "must be a positive integer", "use 1 to disable this axis"))
         if out:
             return out
+        out += replica_problems(W // (T * C * P) if W % (T * C * P) == 0 else None, R, self.replica_update,
+                                self.sync_every)
         if W % (T * C * P) != 0:
             valid = [d for d in divisors(W) if W % (d * C * P) == 0]
             what = f"tensor_parallel_size*pipeline_parallel_size={T}*{P}={T * P}" if C == 1 else \
@@ -162,7 +151,7 @@ class ParallelLayout(LayoutRequest):
                 fix = (f"with tensor_parallel_size={T} and pipeline_parallel_size={P} choose context_parallel_size "
                        f"from {_fmt(contexts)}")
             out.append(Problem("world_size", W, f"is not divisible by {what}",
-                               f"the world must hold whole model replicas: {fix}, or change the number of devices"))
+                               f"the world must hold whole copies of the model: {fix}, or change the number of devices"))
         if self.zero_stage not in (0, 1, 2, 3):
             out.append(Problem("zero_stage", self.zero_stage, "is not a ZeRO stage", "choose 0, 1, 2 or 3"))
         for name, value in (("offload_optimizer", self.offload_optimizer), ("offload_params", self.offload_params)):
@@ -229,27 +218,13 @@ class ParallelLayout(LayoutRequest):
     # ------------------------------------------------------------------------------- coordinates
     @property
     def data_parallel_size(self) -> int:
-        """Model replicas: ranks that train on different samples."""
+        """Data-parallel ranks of one replica: ranks that train on different samples and reduce their gradients
+        together every step (all of them with one replica)."""
         return self.world_size // (self.tensor_parallel_size * self.context_parallel_size *
-                                   self.pipeline_parallel_size)
+                                   self.pipeline_parallel_size * self.replicas)
 
-    def size(self, axis: str) -> int:
-        """Number of ranks along ``axis`` ("tp", "cp", "pp", "dp", or "dp_cp": data x context ranks)."""
-        if axis == "dp_cp":
-            return self.data_parallel_size * self.context_parallel_size
-        return {"tp": self.tensor_parallel_size, "cp": self.context_parallel_size, "pp": self.pipeline_parallel_size,
-                "dp": self.data_parallel_size}[_check_axis(axis)]
-
-    def coords(self, global_rank: int) -> dict[str, int]:
-        """The (tp, cp, pp, dp) coordinates of ``global_rank``; tp is innermost, then cp."""
-        T, C, P = self.tensor_parallel_size, self.context_parallel_size, self.pipeline_parallel_size
-        return {"tp": global_rank % T, "cp": (global_rank // T) % C, "pp": (global_rank // (T * C)) % P,
-                "dp": global_rank // (T * C * P)}
-
-    def global_rank_of(self, tp: int = 0, pp: int = 0, dp: int = 0, cp: int = 0) -> int:
-        """The global rank at the given coordinates (inverse of :meth:`coords`)."""
-        T, C, P = self.tensor_parallel_size, self.context_parallel_size, self.pipeline_parallel_size
-        return tp + T * (cp + C * (pp + P * dp))
+    def _unchecked(self) -> "ParallelLayout":
+        return _UncheckedLayout(**{name: getattr(self, name) for name in self.__dataclass_fields__ if name != "_groups"})
 
     @property
     def num_stages(self) -> int:
@@ -264,77 +239,6 @@ class ParallelLayout(LayoutRequest):
     def stage_owner(self, stage_id: int) -> int:
         """The pipeline rank that runs ``stage_id``."""
         return next(r for r in range(self.pipeline_parallel_size) if stage_id in self.stage_ids(r))
-
-    def group_ranks(self, axis: str) -> list[list[int]]:
-        """All groups along ``axis`` (each a list of global ranks), plus "mp" = the tp x pp ranks of one replica's
-        sequence part (their parameters make up the whole model once) and "dp_cp" = the data x context ranks that
-        hold the same parameter shard."""
-        T, C, P, D = self.tensor_parallel_size, self.context_parallel_size, self.pipeline_parallel_size, \
-            self.data_parallel_size
-        at = self.global_rank_of
-        if axis == "tp":
-            return [[at(t, p, d, c) for t in range(T)] for d in range(D) for p in range(P) for c in range(C)]
-        if axis == "cp":
-            return [[at(t, p, d, c) for c in range(C)] for d in range(D) for p in range(P) for t in range(T)]
-        if axis == "pp":
-            return [[at(t, p, d, c) for p in range(P)] for d in range(D) for c in range(C) for t in range(T)]
-        if axis == "dp":
-            return [[at(t, p, d, c) for d in range(D)] for p in range(P) for c in range(C) for t in range(T)]
-        if axis == "dp_cp":
-            return [[at(t, p, d, c) for d in range(D) for c in range(C)] for p in range(P) for t in range(T)]
-        if axis == "mp":
-            return [[at(t, p, d, c) for p in range(P) for t in range(T)] for d in range(D) for c in range(C)]
-        raise ValueError(f"axis={axis!r} is unknown; choose 'tp', 'cp', 'pp', 'dp', 'dp_cp' or 'mp'")
-
-    # ------------------------------------------------------------------------------ process groups
-    def init_groups(self, global_rank: int, timeout=None) -> None:
-        """Create this rank's tp, cp, pp, dp, dp_cp and mp (tp x pp) process groups, with the collective ``timeout`` (a
-        ``timedelta``; torch's ``new_group`` does not inherit the world group's, it would wait 30 minutes on gloo).
-
-        Every rank must call this in the same order, since ``new_group`` is collective over the world.
-        """
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            raise RuntimeError("ParallelLayout.init_groups needs torch.distributed to be initialised first")
-        if dist.get_world_size() != self.world_size:
-            raise RuntimeError(f"layout world_size={self.world_size} but torch.distributed has "
-                               f"{dist.get_world_size()} ranks")
-        self._groups.clear()
-        self._groups["rank"] = global_rank
-        for axis in ("tp", "cp", "pp", "dp", "dp_cp", "mp"):
-            for ranks in self.group_ranks(axis):
-                group = dist.new_group(ranks, timeout=timeout)
-                if global_rank in ranks:
-                    self._groups[axis] = group
-
-    def planned_at(self, global_rank: int) -> "ParallelLayout":
-        """This layout as rank ``global_rank`` sees it, without ``torch.distributed``: :meth:`rank` answers, and
-        :meth:`group` gives :class:`GroupCoordinates` instead of process groups (for the dry run)."""
-        view = _UncheckedLayout(**{name: getattr(self, name) for name in self.__dataclass_fields__ if name != "_groups"})
-        coords = self.coords(global_rank)
-        view._groups.update({"rank": global_rank, **{axis: GroupCoordinates(coords[axis], self.size(axis))
-                                                     for axis in AXES}})
-        view._groups["dp_cp"] = GroupCoordinates(coords["dp"] * self.context_parallel_size + coords["cp"],
-                                                 self.size("dp_cp"))
-        return view
-
-    def group(self, axis: str):
-        """This rank's process group along ``axis`` ("tp", "cp", "pp", "dp", "dp_cp" or "mp"); needs
-        :meth:`init_groups`."""
-        if axis not in self._groups:
-            raise RuntimeError(f"no process group for axis {axis!r}: call init_groups() after init_process_group")
-        return self._groups[axis]
-
-    def rank(self, axis: str) -> int:
-        """This rank's coordinate along ``axis``; needs :meth:`init_groups`."""
-        if "rank" not in self._groups:
-            raise RuntimeError("ParallelLayout.rank needs init_groups() first")
-        coords = self.coords(self._groups["rank"])
-        if axis == "dp_cp":  # the rank's place in its dp_cp group, in the order group_ranks lists it
-            return coords["dp"] * self.context_parallel_size + coords["cp"]
-        return coords[_check_axis(axis)]
-
 
 class _UncheckedLayout(ParallelLayout):
     """A layout that skips validation on construction, so its problems can be listed instead of raised."""
@@ -360,9 +264,3 @@ def stage_ids(pipeline_parallel_size: int, virtual_pipeline_size: int, schedule:
     if schedule in V_SCHEDULES:
         return [pp_rank, 2 * P - 1 - pp_rank]
     return [pp_rank + k * P for k in range(virtual_pipeline_size)]
-
-
-def _check_axis(axis: str) -> str:
-    if axis not in AXES:
-        raise ValueError(f"axis={axis!r} is unknown; choose one of {', '.join(AXES)}")
-    return axis

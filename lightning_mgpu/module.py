@@ -241,8 +241,8 @@ class LLMModule(L.LightningModule):
         # Counted as the step starts, not in on_train_batch_end: Lightning runs the callbacks' on_train_batch_end
         # (a periodic checkpoint among them) before the module's, so a count made there would be saved one step short.
         context = parallel_context(self)  # tensor/pipeline ranks share their replica's batch
-        replicas = context.replicas if context is not None else self.trainer.world_size
-        global_batch = self.hparams.global_batch_size or batch.shape[0] * replicas
+        data_ranks = context.data_ranks if context is not None else self.trainer.world_size
+        global_batch = self.hparams.global_batch_size or batch.shape[0] * data_ranks
         self.tokens_seen += global_batch * (batch.shape[-1] - 1)
         if self.config.eod_token_id is not None:
             self._loss_tokens = self._tokens_per_microbatch(batch, training=True)

@@ -23,6 +23,15 @@ def pipeline_precision_problems(precision: str, pipeline_parallel_size: int) -> 
     return []
 
 
+def replica_precision_problems(precision: str, zero_stage: int, replica_update: str) -> list[Problem]:
+    """The rule: the outer step of ``replica_update="local"`` updates the fp32 master weights, which a ZeRO-0 engine
+    in bf16 or fp16 keeps inside its optimizer wrapper out of reach."""
+    if replica_update == "local" and zero_stage == 0 and str(precision) != "32-true":
+        return [Problem("zero_stage", 0, f"with precision={str(precision)!r} keeps no fp32 master weights the outer "
+                        "step of replica_update='local' can update", "use zero_stage >= 1, or precision='32-true'")]
+    return []
+
+
 class MGPUPrecision(Precision):
     """Precision served by the DeepSpeed engine.
 

@@ -10,7 +10,7 @@ import torch
 
 from lightning_mgpu.contract import hook
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
-from lightning_mgpu.precision import pipeline_precision_problems
+from lightning_mgpu.precision import pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.problems import raise_problems
 
 #: The hooks a module needs for pipeline parallelism.
@@ -22,6 +22,7 @@ def check_module(module: Any, request: LayoutRequest, world_size: int, num_micro
     gives; with pipeline stages, the precision and the hooks the pipeline calls."""
     shape = getattr(module, "model_shape", None)  # a property of the contract, not a callable hook
     problems = request.problems_with(world_size, shape, num_microbatches=num_microbatches)
+    problems += replica_precision_problems(precision, request.zero_stage, request.replica_update)
     raise_problems("Invalid parallel layout", problems)
     stages = request.pipeline_parallel_size
     if stages == 1:

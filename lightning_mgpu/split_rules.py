@@ -6,6 +6,7 @@ command line's validation and the planner's search."""
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from lightning_mgpu.problems import Problem
 
@@ -55,3 +56,31 @@ def sequence_problems(seq_len: int, context_parallel_size: int = 1, tensor_paral
     lower, upper = seq_len // unit * unit, (seq_len // unit + 1) * unit
     near = f"{lower} or {upper}" if lower else f"{upper}"
     return [f"{key}={seq_len} is not a multiple of {unit} ({'; '.join(why)}); use {near}"]
+
+
+#: How replicas synchronise: "sync" (every step, gradients over every data-parallel rank) or "local" (each replica
+#: steps alone; every ``sync_every`` steps an outer step over the replicas' averaged change in weights).
+REPLICA_UPDATES = ("sync", "local")
+
+
+def replica_problems(data_ranks: Optional[int], replicas: int, update: object, sync_every: object) -> list[Problem]:
+    """Replicas divide the ``data_ranks`` (tp x cp x pp copies of the model; None while that is not whole), are only
+    separate under ``replica_update="local"``, and synchronise every ``sync_every >= 1`` steps."""
+    out = []
+    if update == "async":
+        out.append(Problem("replica_update", update, "is not available in this version (only 'sync' and 'local')",
+                           "use replica_update='local' with sync_every=H"))
+    elif update not in REPLICA_UPDATES:
+        out.append(Problem("replica_update", update, "is unknown", f"choose one of {', '.join(REPLICA_UPDATES)}"))
+    if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+        out.append(Problem("sync_every", sync_every, "must be a positive integer (inner steps per outer step)",
+                           "use 1 or more"))
+    if replicas > 1 and update == "sync":
+        out.append(Problem("replicas", replicas, "splits the data-parallel ranks into groups that synchronise on "
+                           "their own, which replica_update='sync' does not do", "set replica_update='local' or "
+                           "replicas=1"))
+    if data_ranks is not None and data_ranks % replicas:
+        valid = [r for r in range(1, data_ranks + 1) if data_ranks % r == 0]
+        out.append(Problem("replicas", replicas, f"does not divide the {data_ranks} data-parallel ranks",
+                           f"choose {', '.join(map(str, valid))}"))
+    return out

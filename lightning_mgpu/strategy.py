@@ -33,6 +33,7 @@ from lightning_mgpu.parallel.evaluation import EvaluationSteps
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.process_group import start_process_group
+from lightning_mgpu.parallel.replicas import OuterOptimizer, replica_sync
 from lightning_mgpu.parallel.plan import TensorParallelPlan
 from lightning_mgpu.parallel.split_once import SplitOnce
 from lightning_mgpu.parallel.step import layout_step
@@ -88,6 +89,12 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         timeout: collective timeout, a ``timedelta`` or seconds (``parallel.timeout``).
         return_freed_memory: CPU processes hand the memory a step frees back to the OS (``lightning_mgpu.allocator``):
             a lower host-memory peak for 10-25% more step time; the memory check counts either.
+        replicas: groups of data-parallel ranks (the outermost axis) that synchronise by ``replica_update``.
+        replica_update: ``"sync"`` (gradients over every data-parallel rank, every step) or ``"local"`` (each replica
+            steps alone; every ``sync_every`` steps an outer step over their averaged change in weights: DiLoCo,
+            local SGD; ``lightning_mgpu.parallel.replicas``).
+        sync_every: inner steps between outer steps.
+        outer_optimizer: ``OuterOptimizer`` or a dict of its fields; default Nesterov SGD, lr 0.7, momentum 0.9.
     """
 
     strategy_name = "mgpu"
@@ -102,13 +109,17 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
                  pipeline_boundaries: Optional[list[int]] = None, pipeline_timeline: bool = False,
                  save_consolidated_weights: bool = False, checkpoint_format: str = "universal",
                  context_parallel_size: int = 1, trust_deepspeed_checkpoints: bool = False,
-                 return_freed_memory: bool = False, **kwargs: Any) -> None:
+                 return_freed_memory: bool = False, replicas: int = 1, replica_update: str = "sync",
+                 sync_every: int = 1, outer_optimizer: Optional[Union[OuterOptimizer, dict]] = None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.layout_request = LayoutRequest(
             tensor_parallel_size, pipeline_parallel_size, context_parallel_size, zero_stage, pipeline_schedule,
-            virtual_pipeline_size, num_microbatches, sequence_parallel, offload_optimizer, offload_params)
+            virtual_pipeline_size, num_microbatches, sequence_parallel, offload_optimizer, offload_params, replicas,
+            replica_update, sync_every)
+        self.outer_optimizer = OuterOptimizer.of(outer_optimizer)
         # Everything that does not depend on the world size is checked now, before any process exists.
-        raise_problems("Invalid parallel layout", self.layout_request.problems_with())
+        raise_problems("Invalid parallel layout", self.layout_request.problems_with() + self.outer_optimizer.problems())
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
         self.pipeline_timeline = pipeline_timeline
         self.save_consolidated_weights = save_consolidated_weights
@@ -134,6 +145,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         self._split = SplitOnce()
         #: Parameter elements this rank gave storage to after building on the meta device (0: built for real).
         self.materialized_elements = 0
+        self._replica_sync = None
 
     # ------------------------------------------------------------------------------ registration
     @classmethod
@@ -156,7 +168,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.layout.size("dp"), "rank": self.layout.rank("dp")}
+        return {"num_replicas": self.layout.size("data"), "rank": self.layout.rank("data")}
 
     @property
     def is_distributed(self) -> bool:
@@ -220,6 +232,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
             rank_zero_warn(engines.drifts_from_fp32(config))
         self.num_microbatches, self.deepspeed_config = micro_batches, config
         self.model, engine_optimizer = engines.initialize_engine(wrapped, optimizer, config, self.layout)
+        self._replica_sync = replica_sync(self.model, self.layout, self.outer_optimizer, optimizer is not None)
         if optimizer is not None:
             self.optimizers = [engines.EngineOwnedOptimizer(engine_optimizer, optimizer)]
         self._step, self.pipeline = layout_step(self.model, module, self.layout, self.root_device, micro_batches,
@@ -227,7 +240,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
                                                 self.precision_plugin.train_step_context, self._forward_redirection)
         module.parallel_context = self.context = ParallelContext(self.layout, micro_batches, self.engine_step,
                                                                  self.pipeline)
-        rank_zero_info(applied_layout(self.model, self.layout, self.pipeline, self.global_rank))
+        rank_zero_info(applied_layout(self.model, self.layout, self.pipeline, self.global_rank, self._replica_sync))
 
     def _partitioner(self, engine_config: Callable[[torch.nn.Module], dict]) -> Optional[Callable]:
         """Under ZeRO-3, each module's parameters are partitioned as they are filled."""

@@ -122,20 +122,22 @@ def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precisio
 
 
 def expected_groups(rank: int, devices: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
-                    context_parallel_size: int = 1, **_: Any) -> dict[str, list[int]]:
-    """The members of ``rank``'s tp, cp, pp and dp groups, and of the data x context group ZeRO uses, written out from
-    the rank order docs/concepts/layout.md states (``tp = r % T``, ``cp = (r // T) % C``, ``pp = (r // (T * C)) % P``,
-    ``dp = r // (T * C * P)``), independently of ``ParallelLayout``."""
-    T, C, P = tensor_parallel_size, context_parallel_size, pipeline_parallel_size
-    D = devices // (T * C * P)
-    t, c, p, d = rank % T, (rank // T) % C, (rank // (T * C)) % P, rank // (T * C * P)
+                    context_parallel_size: int = 1, replicas: int = 1, **_: Any) -> dict[str, list[int]]:
+    """The members of ``rank``'s tp, cp, pp, dp and rep groups, and of the data x context group ZeRO uses, written out
+    from the rank order docs/concepts/layout.md states (``tp = r % T``, ``cp = (r // T) % C``,
+    ``pp = (r // (T * C)) % P``, ``dp = (r // (T * C * P)) % D``, replicas outermost), independently of
+    ``ParallelLayout``."""
+    T, C, P, R = tensor_parallel_size, context_parallel_size, pipeline_parallel_size, replicas
+    D = devices // (T * C * P * R)
+    t, c, p, d, k = rank % T, (rank // T) % C, (rank // (T * C)) % P, (rank // (T * C * P)) % D, rank // (T * C * P * D)
 
-    def at(t_, c_, p_, d_):
-        return t_ + T * (c_ + C * (p_ + P * d_))
+    def at(t_, c_, p_, d_, k_=k):
+        return t_ + T * (c_ + C * (p_ + P * (d_ + D * k_)))
 
     return {"tp": [at(u, c, p, d) for u in range(T)], "cp": [at(t, u, p, d) for u in range(C)],
             "pp": [at(t, c, q, d) for q in range(P)], "dp": [at(t, c, p, e) for e in range(D)],
-            "dp_cp": sorted(at(t, u, p, e) for e in range(D) for u in range(C))}
+            "dp_cp": sorted(at(t, u, p, e) for e in range(D) for u in range(C)),
+            "rep": [at(t, c, p, d, j) for j in range(R)]}
 
 
 def assert_layout_applied(trainer: L.Trainer, devices: int, strategy_kwargs: dict) -> None:

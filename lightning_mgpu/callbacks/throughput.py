@@ -61,7 +61,7 @@ class ThroughputCallback(L.Callback):
             return
         seconds = time.perf_counter() - self._start
         context = parallel_context(pl_module)
-        replicas = context.replicas if context is not None else trainer.world_size
+        replicas = context.data_ranks if context is not None else trainer.world_size
         seq = max(1, batch.shape[-1] - 1)  # token windows carry one extra token for the targets
         tokens = batch.shape[0] * seq
         flops_fn = getattr(pl_module, "flops_per_token", None)

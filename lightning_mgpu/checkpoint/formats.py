@@ -45,6 +45,17 @@ class CheckpointSettings:
     trust_deepspeed_checkpoints: bool = False
 
 
+def replica_checkpoint_problems(replica_update: str) -> list[str]:
+    """The rule, until checkpoints hold what a round of ``replica_update="local"`` adds (each replica's own weights
+    and data position, the weights of the last outer step and the outer optimizer's momentum): such a run neither
+    saves nor resumes, rather than resuming into other weights."""
+    if replica_update == "local":
+        return ["replica_update='local' cannot save or resume checkpoints yet (the outer step's weights and momentum "
+                "and each replica's own weights are not in them); train without checkpoint.every_n_steps, "
+                "checkpoint.save_last and checkpoint.resume, or with replica_update='sync'"]
+    return []
+
+
 def format_name_problems(value: object, key: str = "checkpoint_format") -> list[str]:
     """The format-name rule: one of :data:`FORMATS`."""
     if value in FORMATS:

@@ -16,7 +16,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_mgpu.checkpoint import store as checkpoints
+from lightning_mgpu.checkpoint.formats import replica_checkpoint_problems
 from lightning_mgpu.parallel.liveness import name_lost_ranks
+from lightning_mgpu.problems import raise_problems
 
 
 class EngineCheckpointHooks:
@@ -45,6 +47,7 @@ class EngineCheckpointHooks:
         """Write a checkpoint directory: DeepSpeed's model and ZeRO shards plus Lightning's state as client state."""
         if storage_options is not None:
             raise TypeError("storage_options is not supported by MGPUStrategy: DeepSpeed writes the checkpoint")
+        raise_problems("Cannot save a checkpoint", replica_checkpoint_problems(self.layout.replica_update))
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with name_lost_ranks(self._heartbeat):
@@ -56,6 +59,7 @@ class EngineCheckpointHooks:
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read ``checkpoint_path`` (one checkpoint, or a directory of periodic ones: the newest this run may read
         and that is intact) into the engine; see ``lightning_mgpu.checkpoint.store``."""
+        raise_problems("Cannot resume", replica_checkpoint_problems(self.layout.replica_update))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         return checkpoints.load(self.model, self.layout, checkpoint_path, self.checkpoints, fitting,
                                 strict=self.lightning_module.strict_loading)

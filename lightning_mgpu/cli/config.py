@@ -66,6 +66,15 @@ class DataConfig:
 
 
 @dataclass
+class OuterOptimizerConfig:
+    """:class:`lightning_mgpu.parallel.replicas.OuterOptimizer`: DiLoCo's outer step by default."""
+
+    name: str = "nesterov"  #: nesterov | sgd (momentum 0 and lr 1: plain averaging of the replicas' weights)
+    lr: float = 0.7
+    momentum: float = 0.9
+
+
+@dataclass
 class ParallelConfig:
     """The arguments of :class:`lightning_mgpu.MGPUStrategy`."""
 
@@ -87,6 +96,12 @@ class ParallelConfig:
     timeout: Optional[float] = None  #: collective timeout in seconds (MGPUStrategy(timeout=...)); null = torch's default
     #: CPU processes hand the memory a step frees back to the OS: a lower host-memory peak for 10-25% more step time
     return_freed_memory: bool = False
+    #: groups of data-parallel ranks (outermost) that synchronise by replica_update; 1 = one group of every rank
+    replicas: int = 1
+    replica_update: str = "sync"  #: sync (gradients every step) | local (DiLoCo: an outer step every sync_every)
+    sync_every: int = 1  #: inner optimizer steps between outer steps (replica_update=local)
+    #: the outer step over the replicas' averaged change in weights (replica_update=local)
+    outer_optimizer: OuterOptimizerConfig = field(default_factory=lambda: OuterOptimizerConfig())
 
 
 @dataclass

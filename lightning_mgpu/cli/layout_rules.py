@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.cli.rule_base import _positive, keyed
 from lightning_mgpu.data.batching import batch_problems
@@ -14,8 +14,14 @@ from lightning_mgpu.layout import ModelShape, chunks_per_rank, layout_problems
 from lightning_mgpu.split_rules import context_document_problems, sequence_problems
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
-from lightning_mgpu.precision import pipeline_precision_problems
+from lightning_mgpu.precision import pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.refusals import training_loop_problems
+
+
+def _outer_problems(outer: DictConfig) -> list:
+    from lightning_mgpu.parallel.replicas import OuterOptimizer
+
+    return OuterOptimizer.of(OmegaConf.to_container(outer, resolve=True)).problems()
 
 
 def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:
@@ -37,8 +43,9 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
     raw = layout_problems(world_size=world, tensor_parallel_size=T, pipeline_parallel_size=P, zero_stage=p.zero_stage,
                           pipeline_schedule=p.pipeline_schedule, virtual_pipeline_size=p.virtual_pipeline_size,
                           num_microbatches=micro, sequence_parallel=p.sequence_parallel, context_parallel_size=C,
-                          offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape)
-    out = keyed(raw, t) + batch
+                          offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape,
+                          replicas=p.replicas, replica_update=p.replica_update, sync_every=p.sync_every)
+    out = keyed(raw, t) + batch + keyed(_outer_problems(p.outer_optimizer), t)
     if isinstance(T, int) and isinstance(C, int) and T > 0 and C > 0 and isinstance(d.seq_len, int):
         out += sequence_problems(d.seq_len, C, T, bool(p.sequence_parallel), key="data.seq_len")
     if cfg.model.compile and isinstance(p.zero_stage, int):
@@ -49,6 +56,7 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
         out += keyed(context_document_problems(C, bool(d.get("document_mask"))), t)
     if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
         out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
+    out += keyed(replica_precision_problems(str(t.precision), p.zero_stage, p.replica_update), t)
     if isinstance(P, int) and P > 1:
         out += keyed(pipeline_precision_problems(str(t.precision), P), t)
         if p.pipeline_boundaries is not None and model is not None and isinstance(p.virtual_pipeline_size, int):

@@ -71,8 +71,8 @@ def run_memory(spec: RunSpec, on_gpu: bool) -> ProcessMemory:
     :func:`lightning_mgpu.planner.process.process_memory` estimates it: on its GPU, or in host memory on CPU."""
     p, t, d, model = spec.layout, spec.config.trainer, spec.config.data, spec.model
     tp, pp, cp = p.tensor_parallel_size, p.pipeline_parallel_size, p.context_parallel_size
-    dp = t.devices * t.num_nodes // (tp * pp * cp)
-    return process_memory(model, d.seq_len, d.micro_batch_size, tp, pp, dp,
+    dp = t.devices * t.num_nodes // (tp * pp * cp * p.replicas)  # ZeRO partitions inside a replica
+    need = process_memory(model, d.seq_len, d.micro_batch_size, tp, pp, dp,
                           p.zero_stage, chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size),
                           p.sequence_parallel, model.activation_checkpointing == "full", str(t.precision),
                           host=not on_gpu, builds_whole_model=builds_whole_model(),
@@ -81,7 +81,13 @@ def run_memory(spec: RunSpec, on_gpu: bool) -> ProcessMemory:
                           mode=model.activation_checkpointing, schedule=p.pipeline_schedule,
                           boundaries=spec.config.parallel.pipeline_boundaries,
                           return_freed_memory=spec.config.parallel.return_freed_memory,
-                          microbatches=max(1, d.global_batch_size // (d.micro_batch_size * max(1, dp))))
+                          microbatches=max(1, d.global_batch_size // (d.micro_batch_size * max(1, dp * p.replicas))))
+    if p.replica_update != "local":
+        return need
+    # the outer step's two fp32 copies of this rank's share: the weights of the last outer step and the momentum
+    share = max_rank_parameters(model, tp, pp, chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size))
+    share /= dp * cp if p.zero_stage >= 1 else 1
+    return dataclasses.replace(need, model_states=need.model_states + 8 * share)
 
 
 def memory_problems(spec: RunSpec) -> list[str]:

@@ -12,7 +12,8 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.checkpoint.formats import CheckpointSettings, complete_checkpoints, format_name_problems, read_refusal
+from lightning_mgpu.checkpoint.formats import (CheckpointSettings, complete_checkpoints, format_name_problems,
+                                               read_refusal, replica_checkpoint_problems)
 from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
 from lightning_mgpu.cli.errors import did_you_mean
 from lightning_mgpu.cli.layout_rules import parallel_problems
@@ -125,6 +126,8 @@ def checkpoint_problems(cfg: DictConfig) -> list[str]:
         settings = CheckpointSettings(c.format, c.trust_deepspeed_checkpoints)
         if (refusal := read_refusal(c.resume, settings)) is not None:
             out.append(f"checkpoint.resume: {refusal}")
+    if c.every_n_steps or c.save_last or c.resume:
+        out += replica_checkpoint_problems(cfg.parallel.replica_update)
     if cfg.parallel.timeout is not None and not cfg.parallel.timeout > 0:
         out.append(f"parallel.timeout={cfg.parallel.timeout} must be > 0 seconds")
     return out

@@ -270,5 +270,5 @@ def _data_parallel_coords(trainer: Optional[L.Trainer]) -> tuple[int, int]:
         return 0, 1
     layout = getattr(trainer.strategy, "layout", None)
     if layout is not None:
-        return layout.rank("dp"), layout.size("dp")
+        return layout.rank("data"), layout.size("data")  # every replica's data-parallel ranks read their own
     return trainer.global_rank, trainer.world_size

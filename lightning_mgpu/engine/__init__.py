@@ -6,7 +6,8 @@ through the names below; another engine would provide the same names.
 * ``config``: the DeepSpeed config generated from the layout, the model and the precision;
 * ``runtime``: comm setup, engine construction over the layout's groups, the engine calls used elsewhere;
 * ``parameter_state``: one parameter's fp32 value and Adam moments, for layout-independent checkpoints;
-* ``checkpoint_dir``: DeepSpeed's own checkpoint directories.
+* ``checkpoint_dir``: DeepSpeed's own checkpoint directories;
+* ``master_weights``: this rank's share of the fp32 master weights, for the replicas' outer step.
 """
 
 from lightning_mgpu.engine.checkpoint_dir import load_engine_checkpoint, save_engine_checkpoint
@@ -23,6 +24,7 @@ from lightning_mgpu.engine.config import (
     run_config,
     zero_config,
 )
+from lightning_mgpu.engine.master_weights import master_weights, refresh_working_weights
 from lightning_mgpu.engine.parameter_state import MOMENTS, ParameterState
 from lightning_mgpu.engine.runtime import (
     EngineOwnedOptimizer,
@@ -43,7 +45,7 @@ __all__ = [
     "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "backward", "bucket_elements",
     "bucket_elements_for", "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32",
     "evaluation_config", "gathered", "init_engine_comm", "initialize_engine", "load_engine_checkpoint",
-    "parameter_dtype", "parameter_elements", "parameter_shape", "precision_config", "preload", "run_config",
-    "save_engine_checkpoint", "step",
+    "master_weights", "parameter_dtype", "parameter_elements", "parameter_shape", "precision_config", "preload",
+    "refresh_working_weights", "run_config", "save_engine_checkpoint", "step",
     "zero3_partitioner", "zero_config", "zero_stage",
 ]

@@ -15,8 +15,8 @@ from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
 
 
 class EngineHooks:
-    """For a strategy whose ``model`` is the engine after ``setup``, with ``context`` (the module's parallel context)
-    and ``_heartbeat`` (which names a lost rank)."""
+    """For a strategy whose ``model`` is the engine after ``setup``, with ``context`` (the module's parallel context),
+    ``_heartbeat`` (which names a lost rank) and ``_replica_sync`` (the outer step of ``replica_update="local"``)."""
 
     @property
     def engine(self):
@@ -52,6 +52,15 @@ class EngineHooks:
         """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
         with name_lost_ranks(self._heartbeat):
             self.context.last_grad_norm = step(self.model)
+            if self._replica_sync is not None:  # replica_update="local": every sync_every steps, the outer step
+                self._replica_sync.after_inner_step()
+
+    def on_train_end(self) -> None:
+        """``replica_update="local"``: a round cut short ends with its outer step (every replica, the same weights)."""
+        if self._replica_sync is not None:
+            with name_lost_ranks(self._heartbeat):
+                self._replica_sync.finish()
+        super().on_train_end()
 
     @property
     def last_grad_norm(self) -> Optional[float]:

@@ -58,7 +58,8 @@ class LayoutMPU:
         return self.layout.size("tp")
 
     def get_tensor_model_parallel_src_rank(self) -> int:
-        return self.layout.global_rank_of(0, self.layout.rank("pp"), self.layout.rank("dp"), self.layout.rank("cp"))
+        return self.layout.global_rank_of(0, self.layout.rank("pp"), self.layout.rank("dp"), self.layout.rank("cp"),
+                                          self.layout.rank("rep"))
 
     def get_pipeline_model_parallel_group(self):
         return self.layout.group("pp")

@@ -9,8 +9,10 @@ from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import ParallelLayout
 
 
-def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any], global_rank: int) -> str:
-    """One line: the split parameters, the pipeline's schedule and stages, the ZeRO stage and replicas."""
+def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any], global_rank: int,
+                   replica_sync: Optional[Any] = None) -> str:
+    """One line: the split parameters, the pipeline's schedule and stages, the ZeRO stage and replicas, and with
+    ``replica_update="local"`` the replicas' outer step (a ``lightning_mgpu.parallel.replicas.ReplicaSync``)."""
     split = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
     sequence = any(getattr(m, "sequence_parallel", False) for m in engine.module.modules())
     parts = [f"rank {global_rank}: tensor parallel over {layout.size('tp')} ranks "
@@ -20,4 +22,7 @@ def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any],
         parts.append(f"pipeline {type(pipeline.schedule).__name__} over {layout.size('pp')} ranks "
                      f"(stages {stages} of {layout.num_stages})")
     parts.append(f"ZeRO-{engines.zero_stage(engine)} over {engines.data_parallel_size(engine)} data-parallel replicas")
+    if replica_sync is not None:
+        parts.append(f"{layout.size('rep')} replicas stepping alone, an outer step over {len(replica_sync.masters)} "
+                     f"master tensors every {layout.sync_every} steps ({type(replica_sync.optimizer).__name__})")
     return "applied layout: " + "; ".join(parts)

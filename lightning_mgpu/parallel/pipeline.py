@@ -112,7 +112,7 @@ class Pipeline:
             ForwardOnlySchedule(self.stages, layout, n_microbatches, self._microbatch_loss)
         self.has_first, self.has_last = 0 in ids, total - 1 in ids
         self.last_rank = layout.global_rank_of(layout.rank("tp"), layout.stage_owner(total - 1), layout.rank("dp"),
-                                               layout.rank("cp"))
+                                               layout.rank("cp"), layout.rank("rep"))
 
     def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) / self.n_microbatches

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_mgpu.layout import GroupCoordinates
+from lightning_mgpu.rank_grid import GroupCoordinates
 from lightning_mgpu.parallel.regions import (
     CopyToRegion,
     GatherSequence,

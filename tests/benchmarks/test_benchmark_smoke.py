@@ -19,6 +19,7 @@ SMOKE = {
     "pipeline_bubble.py": "worst excess over theory",
     "pipeline_in_flight.py": "planned >= measured",
     "planner_calibration.py": "| run | GPUs | layout |",
+    "replica_updates.py": "| update | train loss",
     "setup_memory.py": "first-step peak GB",
     "tp_vs_dtensor.py": "ratio ours/theirs",
     "zero_memory.py": "worst measured / paper ratio",

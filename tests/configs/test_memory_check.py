@@ -199,3 +199,16 @@ def test_the_cpu_activation_factor_bounds_what_this_llama_saves(recompute):
     assert measured <= estimated
     if recompute == "none":
         assert measured > estimated / 2  # an upper bound, not a wild one
+
+
+def test_local_replicas_count_the_outer_steps_copies_and_partition_inside_a_replica():
+    """Two fp32 copies of this rank's share (the outer weights and momentum), and ZeRO over the 2 ranks of a replica
+    instead of all 4."""
+    base = ["model=llama3_1b", "trainer.devices=4", "parallel.zero_stage=1", "parallel.replicas=2"]
+    local = resolved(composed(*base, "parallel.replica_update=local"))
+    sync_split = resolved(composed(*base))  # the same partitioning without the outer step (a launch refuses it)
+    whole = resolved(composed("model=llama3_1b", "trainer.devices=4", "parallel.zero_stage=1"))
+    share = local.model.num_parameters() / 2  # ZeRO-1 over a replica's 2 data-parallel ranks
+    assert run_memory(local, False).model_states - run_memory(sync_split, False).model_states == \
+        pytest.approx(8 * share, rel=1e-3)
+    assert run_memory(sync_split, False).model_states > run_memory(whole, False).model_states  # 2 ranks, not 4

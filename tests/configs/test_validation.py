@@ -48,8 +48,8 @@ BAD_INPUTS = [
      "data.seq_len=100 is not a multiple of 8 (context_parallel_size=4 gives each rank 2 of 8 equal chunks); use 96 "
      "or 104"),
     (["trainer.devices=6", "parallel.context_parallel_size=4"],
-     "world_size=6 is not divisible by tensor*context*pipeline_parallel_size=1*4*1=4; the world must hold whole model "
-     "replicas: with parallel.tensor_parallel_size=1 and parallel.pipeline_parallel_size=1 choose "
+     "world_size=6 is not divisible by tensor*context*pipeline_parallel_size=1*4*1=4; the world must hold whole copies "
+     "of the model: with parallel.tensor_parallel_size=1 and parallel.pipeline_parallel_size=1 choose "
      "parallel.context_parallel_size from 1, 2, 3 or 6"),
     (["model.compile=true", "parallel.zero_stage=3"], "model.compile=true cannot compile blocks under ZeRO-3"),
     (["model.compile=true", "model.compile_backend=fastest"],
@@ -92,6 +92,18 @@ BAD_INPUTS = [
     (["data=tokens"], "data.path is not set: data=tokens reads a flat token file"),
     (["trainer.devices=8", "data.global_batch_size=16"],  # both nearest multiples are 32: named once
      "use data.global_batch_size=32, or data.micro_batch_size=1 or 2 (it must divide the 2 samples per rank)"),
+    (["parallel.replicas=2"], "parallel.replicas=2 splits the data-parallel ranks into groups that synchronise on "
+                              "their own, which parallel.replica_update='sync' does not do"),
+    (["parallel.replicas=3", "parallel.replica_update=local"],
+     "parallel.replicas=3 does not divide the 2 data-parallel ranks; choose 1, 2"),
+    (["parallel.replica_update=async"], "parallel.replica_update='async' is not available in this version"),
+    (["parallel.replica_update=local", "parallel.sync_every=0"], "parallel.sync_every=0 must be a positive integer"),
+    (["parallel.replica_update=local", "parallel.zero_stage=0", "trainer.precision=bf16-mixed"],
+     "parallel.zero_stage=0 with trainer.precision='bf16-mixed' keeps no fp32 master weights"),
+    (["parallel.replica_update=local", "checkpoint.every_n_steps=5"],
+     "replica_update='local' cannot save or resume checkpoints yet"),
+    (["parallel.replica_update=local", "parallel.outer_optimizer.name=adam"],
+     "parallel.outer_optimizer='adam' is unknown; choose nesterov or sgd"),
 ]
 
 

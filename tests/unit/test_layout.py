@@ -11,19 +11,45 @@ LLAMA_8B = ModelShape(n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, v
 def test_tp_is_innermost_then_pp_then_dp():
     layout = ParallelLayout(world_size=16, tensor_parallel_size=2, pipeline_parallel_size=2)
     assert layout.size("dp") == 4
-    assert layout.coords(0) == {"tp": 0, "cp": 0, "pp": 0, "dp": 0}
-    assert layout.coords(1) == {"tp": 1, "cp": 0, "pp": 0, "dp": 0}
-    assert layout.coords(2) == {"tp": 0, "cp": 0, "pp": 1, "dp": 0}
-    assert layout.coords(7) == {"tp": 1, "cp": 0, "pp": 1, "dp": 1}
+    assert layout.coords(0) == {"tp": 0, "cp": 0, "pp": 0, "dp": 0, "rep": 0}
+    assert layout.coords(1) == {"tp": 1, "cp": 0, "pp": 0, "dp": 0, "rep": 0}
+    assert layout.coords(2) == {"tp": 0, "cp": 0, "pp": 1, "dp": 0, "rep": 0}
+    assert layout.coords(7) == {"tp": 1, "cp": 0, "pp": 1, "dp": 1, "rep": 0}
     for r in range(16):
         assert layout.global_rank_of(**layout.coords(r)) == r
+
+
+def test_replicas_are_outermost_and_zero_partitions_inside_each():
+    layout = ParallelLayout(world_size=16, tensor_parallel_size=2, replicas=2, replica_update="local", sync_every=4)
+    assert (layout.size("dp"), layout.size("rep"), layout.size("data"), layout.size("dp_cp")) == (4, 2, 8, 4)
+    assert layout.coords(9) == {"tp": 1, "cp": 0, "pp": 0, "dp": 0, "rep": 1}
+    for r in range(16):
+        assert layout.global_rank_of(**layout.coords(r)) == r
+    assert layout.group_ranks("dp")[0] == [0, 2, 4, 6]  # gradients reduce inside a replica
+    assert layout.group_ranks("rep")[0] == [0, 8]  # the same place in each replica: the outer step's group
+    view = layout.planned_at(11)  # tp 1, dp 1 of replica 1: reads the samples of data rank 1 * 4 + 1
+    assert (view.rank("data"), view.rank("dp"), view.rank("rep"), view.rank("dp_cp")) == (5, 1, 1, 1)
+    assert ParallelLayout(world_size=4, replicas=1).size("data") == 4
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    (dict(world_size=6, replicas=4, replica_update="local"), "replicas=4 does not divide the 6 data-parallel ranks; "
+                                                               "choose 1, 2, 3, 6"),
+    (dict(world_size=4, replicas=2), "replicas=2 splits the data-parallel ranks into groups"),
+    (dict(world_size=4, replicas=2, replica_update="local", sync_every=0), "sync_every=0 must be a positive integer"),
+    (dict(world_size=4, replicas=2, replica_update="gossip"), "replica_update='gossip' is unknown"),
+])
+def test_replica_rules_name_the_value_and_the_fix(kwargs, fragment):
+    with pytest.raises(ValueError, match="Invalid parallel layout") as err:
+        ParallelLayout(**kwargs)
+    assert fragment in str(err.value)
 
 
 def test_context_parallel_sits_between_tp_and_pp_and_shares_zero_with_dp():
     layout = ParallelLayout(world_size=16, tensor_parallel_size=2, context_parallel_size=2, pipeline_parallel_size=2)
     assert (layout.size("dp"), layout.size("cp"), layout.size("dp_cp")) == (2, 2, 4)
-    assert layout.coords(2) == {"tp": 0, "cp": 1, "pp": 0, "dp": 0}
-    assert layout.coords(13) == {"tp": 1, "cp": 0, "pp": 1, "dp": 1}
+    assert layout.coords(2) == {"tp": 0, "cp": 1, "pp": 0, "dp": 0, "rep": 0}
+    assert layout.coords(13) == {"tp": 1, "cp": 0, "pp": 1, "dp": 1, "rep": 0}
     for r in range(16):
         assert layout.global_rank_of(**layout.coords(r)) == r
     assert layout.group_ranks("cp")[0] == [0, 2]

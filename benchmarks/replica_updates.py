@@ -1,0 +1,90 @@
+"""Replica updates on the built-in corpus: the tiny Llama on 4 CPU processes, trained with ``replica_update="sync"``
+(gradients over all 4 ranks every step) and with ``"local"`` (2 replicas of 2 ranks, an outer step every H steps:
+DiLoCo's Nesterov outer step, and plain averaging), at equal tokens. Prints the final training loss, the validation
+loss, the elements sent by collectives that cross between the two halves of the ranks (as if each replica were a
+site and the halves were joined by a slow link) and the wall time.
+
+    python benchmarks/replica_updates.py [--steps 256] [--sync-every 16]     # --smoke: 8 steps, H=4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+torch.set_num_threads(1)
+
+import lightning as L  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
+from lightning_mgpu.data import StdlibCorpusDataModule  # noqa: E402
+from lightning_mgpu.models import LlamaConfig  # noqa: E402
+from lightning_mgpu.testing import run_distributed  # noqa: E402
+
+WORLD = 4
+VARIANTS = {"sync": {}, "local (DiLoCo: Nesterov, lr 0.7, momentum 0.9)": {"outer_optimizer": None},
+            "local (averaging: SGD, lr 1)": {"outer_optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}}}
+
+
+def count_crossing(counter: list) -> None:
+    """Add to ``counter[0]`` the elements of every collective whose group has ranks in both halves of the world."""
+    for name in ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "reduce_scatter",
+                 "all_gather"):
+        original = getattr(dist, name)
+
+        def counted(*args, _original=original, **kwargs):
+            group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(WORLD))
+            tensor = kwargs.get("tensor", args[0] if args else None)
+            if len({r * 2 // WORLD for r in ranks}) > 1 and torch.is_tensor(tensor):
+                counter[0] += tensor.numel()
+            return _original(*args, **kwargs)
+
+        setattr(dist, name, counted)
+
+
+def train(rank: int, variant: str, steps: int, sync_every: int) -> dict:
+    crossing = [0]
+    count_crossing(crossing)
+    extra = dict(VARIANTS[variant])
+    if variant != "sync":
+        extra.update(replicas=2, replica_update="local", sync_every=sync_every)
+    model = LlamaConfig.from_name("tiny")
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=MGPUStrategy(zero_stage=1, **extra),
+                        max_steps=steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        val_check_interval=steps, limit_val_batches=4)
+    data = StdlibCorpusDataModule(seq_len=128, global_batch_size=16, micro_batch_size=4, seed=1234, val_batches=4)
+    start = time.perf_counter()
+    trainer.fit(LLMModule(model, lr=3e-3, warmup_steps=10, max_steps=steps, global_batch_size=16), data)
+    metrics = trainer.callback_metrics
+    return {"train": float(metrics["train/loss"]), "val": float(metrics["val/loss"]), "elements": crossing[0],
+            "seconds": time.perf_counter() - start}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=256)
+    parser.add_argument("--sync-every", type=int, default=16)
+    parser.add_argument("--smoke", action="store_true", help="8 steps, H=4")
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.sync_every = 8, 4
+    print(f"tiny Llama, built-in corpus, {WORLD} CPU processes, ZeRO-1, global batch 16 x 128 tokens, {args.steps} "
+          f"steps; local: 2 replicas of 2 ranks, H={args.sync_every}")
+    print("| update | train loss (last step) | val loss | elements across the halves | wall s |")
+    print("|---|---|---|---|---|")
+    for variant in VARIANTS:
+        results = run_distributed(train, WORLD, variant, args.steps, args.sync_every, timeout=3600)
+        r = results[0]
+        print(f"| {variant} | {sum(x['train'] for x in results) / WORLD:.3f} | {r['val']:.3f} | "
+              f"{max(x['elements'] for x in results):,} | {r['seconds']:.0f} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,233 @@
+"""Replicas that synchronise every H steps (``replica_update="local"``): against ``sync`` where the two must agree,
+against a one-process simulation of DiLoCo, and what the outer step sends."""
+
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import GLOBAL_BATCH, OPTIM, TINY, fit, global_batches, max_abs_diff
+
+from lightning_mgpu import LLMModule
+from lightning_mgpu.engine import ParameterState
+from lightning_mgpu.testing import run_distributed
+
+STEPS = 4
+INNER_LR = 0.05
+AVERAGING = {"name": "sgd", "lr": 1.0, "momentum": 0.0}  # the outer step that makes local with H=1 equal sync
+DILOCO = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
+
+
+class SGDModule(LLMModule):
+    """Plain SGD at a constant LR: with it, one inner step of each replica then the average of their changes is the
+    synchronous step exactly."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.model.parameters(), lr=INNER_LR)
+
+
+class FinalWeights(L.Callback):
+    """This rank's share of every fp32 master weight once fit has ended (gathered from ZeRO's partitions): after the
+    strategy's ``on_train_end``, which ends a round cut short."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_fit_end(self, trainer, module) -> None:
+        state = ParameterState(trainer.strategy.model)
+        self.weights = {name: state.get(p, None) for name, p in trainer.strategy.model.module.named_parameters()}
+
+
+def fit_weights(rank: int, token_file, devices: int, module_cls=LLMModule, max_steps_: int = STEPS, **kw) -> dict:
+    weights = FinalWeights()
+    module = module_cls(TINY, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    out = fit(rank, token_file, devices, max_steps=max_steps_, clip=None, module=module, callbacks=[weights], **kw)
+    return {**out, "weights": weights.weights}
+
+
+def replica_means(results: list[dict], replicas: int) -> list[float]:
+    """The loss of each step over the whole global batch: the mean of the replicas' (equal shares) losses."""
+    per_replica = [results[r * len(results) // replicas]["losses"] for r in range(replicas)]
+    return [sum(step) / replicas for step in zip(*per_replica)]
+
+
+def weight_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+LAYOUTS = {"zero0": dict(zero_stage=0), "zero1": dict(zero_stage=1), "zero2": dict(zero_stage=2),
+           "zero3": dict(zero_stage=3), "tp2": dict(tensor_parallel_size=2, zero_stage=1),
+           "pp2": dict(pipeline_parallel_size=2, zero_stage=1)}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_local_with_one_inner_step_and_averaging_equals_sync(token_file, name):
+    """H=1, an SGD inner optimizer and an outer SGD of lr 1 without momentum: each outer step applies the mean of
+    the replicas' SGD steps, which is the synchronous SGD step over the whole global batch."""
+    layout = LAYOUTS[name]
+    sync = run_distributed(fit_weights, 4, token_file, 4, SGDModule, **layout)
+    local = run_distributed(fit_weights, 4, token_file, 4, SGDModule, replicas=2, replica_update="local",
+                            sync_every=1, outer_optimizer=AVERAGING, **layout)
+    assert max_abs_diff(replica_means(local, 2), sync[0]["losses"]) < 1e-6
+    for s, lo in zip(sync, local):  # the same place in the layout: the same share of the weights
+        assert weight_diff(s["weights"], lo["weights"]) < 1e-6, (s["rank"], weight_diff(s["weights"], lo["weights"]))
+    assert sync[0]["losses"][-1] < sync[0]["losses"][0]  # it trains: the comparison means something
+
+
+def diloco_reference(token_file, replicas: int, sync_every: int, outer: dict, steps: int = STEPS,
+                     average_moments: bool = False) -> dict:
+    """DiLoCo in one process: ``replicas`` copies of the tiny Llama, each with its own AdamW and LR schedule on its
+    contiguous share of every global batch; every ``sync_every`` steps the mean of their changes since the last
+    outer step drives an outer SGD (Nesterov) step, from which every copy continues. Written here independently of
+    ``lightning_mgpu.parallel.replicas``. ``average_moments``: the wrong variant that also averages Adam's state."""
+    copies = []
+    for _ in range(replicas):
+        module = LLMModule(TINY, **OPTIM, global_batch_size=GLOBAL_BATCH)
+        module.configure_model()
+        cfg = module.configure_optimizers()
+        copies.append((module, cfg["optimizer"], cfg["lr_scheduler"]["scheduler"]))
+    params = [list(m.model.parameters()) for m, _, _ in copies]
+    anchors = [p.detach().clone().requires_grad_(False) for p in params[0]]
+    outer_opt = torch.optim.SGD(anchors, lr=outer["lr"], momentum=outer["momentum"],
+                                nesterov=outer["name"] == "nesterov")
+    losses = []
+    share = GLOBAL_BATCH // replicas
+    for step, batch in enumerate(global_batches(token_file, steps, GLOBAL_BATCH, 16, 7, 0.01)):
+        step_losses = []
+        for r, (module, opt, sched) in enumerate(copies):
+            rows = batch[r * share:(r + 1) * share]
+            loss = F.cross_entropy(module.model(rows[:, :-1]).flatten(0, 1), rows[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            step_losses.append(loss.item())
+        losses.append(sum(step_losses) / replicas)
+        if (step + 1) % sync_every == 0:
+            with torch.no_grad():
+                for i, anchor in enumerate(anchors):
+                    anchor.grad = sum(anchor - params[r][i] for r in range(replicas)) / replicas
+                outer_opt.step()
+                for r in range(replicas):
+                    for i, anchor in enumerate(anchors):
+                        params[r][i].copy_(anchor)
+            if average_moments:
+                _average_adam_states([opt for _, opt, _ in copies])
+    return {"losses": losses,  # named as the engine names them: its module is the LightningModule
+            "weights": {f"model.{n}": p.detach().clone() for n, p in copies[0][0].model.named_parameters()}}
+
+
+def _average_adam_states(optimizers: list) -> None:
+    groups = [[p for g in opt.param_groups for p in g["params"]] for opt in optimizers]
+    with torch.no_grad():
+        for i in range(len(groups[0])):
+            for key in ("exp_avg", "exp_avg_sq"):
+                mean = sum(opt.state[groups[k][i]][key] for k, opt in enumerate(optimizers)) / len(optimizers)
+                for k, opt in enumerate(optimizers):
+                    opt.state[groups[k][i]][key].copy_(mean)
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3"])
+def test_diloco_equals_a_one_process_simulation_of_its_replicas(token_file, name):
+    """AdamW inner, Nesterov outer (lr 0.7, momentum 0.9), H=2 over 4 steps, 2 replicas of 2 data-parallel ranks:
+    the per-step loss over the global batch and the final weights equal the simulation's; a simulation that also
+    averages Adam's moments, or uses another outer lr, does not."""
+    kw = dict(replicas=2, replica_update="local", sync_every=2, outer_optimizer=DILOCO, **LAYOUTS[name])
+    local = run_distributed(fit_weights, 4, token_file, 4, **kw)
+    expected = diloco_reference(token_file, 2, 2, DILOCO)
+    assert max_abs_diff(replica_means(local, 2), expected["losses"]) < 1e-6
+    assert weight_diff(local[0]["weights"], expected["weights"]) < 1e-6
+    wrong_lr = diloco_reference(token_file, 2, 2, {**DILOCO, "lr": 0.5})
+    moments = diloco_reference(token_file, 2, 2, DILOCO, average_moments=True)
+    for wrong in (wrong_lr, moments):
+        assert weight_diff(local[0]["weights"], wrong["weights"]) > 1e-4
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv",
+               "batch_isend_irecv")
+
+
+class CollectiveTrace(L.Callback):
+    """Every torch.distributed collective called during ``fit``'s training, with the step it ran in (the optimizer
+    steps done so far), its group's ranks, its elements, and who called it (the functions on the stack)."""
+
+    def __init__(self) -> None:
+        import inspect
+        import traceback
+
+        import torch.distributed as dist
+
+        self.trainer, self.calls = None, []
+        for name in COLLECTIVES:
+            original = getattr(dist, name)
+            signature = inspect.signature(original)
+
+            def traced(*args, _original=original, _name=name, _signature=signature, **kwargs):
+                if self.trainer is not None:
+                    bound = _signature.bind_partial(*args, **kwargs).arguments
+                    group = bound.get("group")
+                    ranks = dist.get_process_group_ranks(group) if group is not None else \
+                        list(range(dist.get_world_size()))
+                    tensor = bound.get("tensor", bound.get("input"))
+                    callers = {frame.name for frame in traceback.extract_stack()}
+                    self.calls.append((self.trainer.global_step, _name, tuple(ranks),
+                                       tensor.numel() if torch.is_tensor(tensor) else 0, callers))
+                return _original(*args, **kwargs)
+
+            setattr(dist, name, traced)
+
+    def on_train_start(self, trainer, *args) -> None:
+        self.trainer = trainer
+
+    def on_train_end(self, trainer, *args) -> None:
+        self.trainer = None
+
+
+def traced_fit(rank: int, token_file, **kw) -> dict:
+    trace = CollectiveTrace()
+    module = LLMModule(TINY, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    fit(rank, token_file, 4, max_steps=STEPS, clip=None, module=module, callbacks=[trace], **kw)
+    from lightning_mgpu.engine import master_weights
+
+    return {"rank": rank, "calls": trace.calls,
+            "share": sum(m.numel() for m in master_weights(module.trainer.strategy.model))}
+
+
+#: Collectives over every rank that are not the outer step's, by a function that calls them: Lightning's check for a
+#: SIGTERM on rank 0 (one element broadcast from rank 0 before every batch, whatever the strategy), and ZeRO-3's check,
+#: once after its first step, that every rank traced its modules in the same order.
+NOT_OURS = {"_broadcast_sigterm_tensor": "lightning", "assert_ints_same_as_other_ranks": "zero3 trace check"}
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3"])
+def test_replicas_talk_only_at_outer_steps_and_send_each_share_once(token_file, name):
+    """2 replicas of 2 ranks, H=2 over 4 steps: the outer step is the only collective of this package that reaches
+    the other replica, after steps 2 and 4 only: one all-reduce per master tensor over the ranks at the same place of
+    each replica, together this rank's share of the weights. Besides it, only Lightning's one-element SIGTERM
+    broadcast before each batch crosses (and ZeRO-3's order check after its first step)."""
+    results = run_distributed(traced_fit, 4, token_file, replicas=2, replica_update="local", sync_every=2,
+                              outer_optimizer=DILOCO, **LAYOUTS[name])
+    for r in results:
+        crossing = [c for c in r["calls"] if len({x // 2 for x in c[2]}) > 1]
+        outer = [(step, op, ranks, n) for step, op, ranks, n, callers in crossing if "outer_step" in callers]
+        others = [(step, op, n, [NOT_OURS[f] for f in NOT_OURS if f in callers])
+                  for step, op, ranks, n, callers in crossing if "outer_step" not in callers]
+        assert all(owner for *_, owner in others), [o for o in others if not o[-1]][:3]
+        assert [n for step, op, n, owner in others if owner == ["lightning"]] == [1] * STEPS
+        assert {step for step, *_ in outer} == {1, 3}  # the steps that end a round of H=2 (global_step counts from 0)
+        for step in (1, 3):
+            ops = [(op, ranks) for s, op, ranks, _ in outer if s == step]
+            # over this rank and its counterpart in the other replica (replicas of 2 ranks: rank +- 2), nobody else
+            assert {op for op, _ in ops} == {"all_reduce"}, ops
+            assert {ranks for _, ranks in ops} == {(r["rank"] % 2, r["rank"] % 2 + 2)}, ops
+            assert sum(n for s, *_, n in outer if s == step) == r["share"]
+
+
+def test_a_round_cut_short_ends_with_its_outer_step(token_file):
+    """3 steps at H=2: the last round has one inner step; training ends with its outer step, so both replicas end
+    with the same weights (rank 0 and its counterpart, rank 2)."""
+    results = run_distributed(fit_weights, 4, token_file, 4, max_steps_=3, replicas=2, replica_update="local",
+                              sync_every=2, zero_stage=1)
+    assert weight_diff(results[0]["weights"], results[2]["weights"]) == 0.0
+    assert weight_diff(results[1]["weights"], results[3]["weights"]) == 0.0
