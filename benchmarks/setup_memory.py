@@ -30,7 +30,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=20)
     parser.add_argument("--processes", type=int, default=8)
-    parser.add_argument("--smoke", action="store_true", help="2 layers of dim 256 on 4 processes, in seconds")
+    parser.add_argument("--smoke", action="store_true", help="2 layers of dim 64 on 4 processes, in seconds")
     parser.add_argument("--heap", action="store_true", help="without return_freed_memory (glibc keeps freed memory)")
     parser.add_argument("--steps", type=int, default=1, help="steps to train; the later ones' peaks are printed too")
     args = parser.parse_args()
@@ -38,8 +38,8 @@ def main() -> None:
     config = LlamaConfig(dim=1024, n_layers=args.layers, n_heads=16, n_kv_heads=16, ffn_hidden=4096,
                          vocab_size=32000, max_seq_len=64)
     if args.smoke:
-        config, args.processes = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=512,
-                                             vocab_size=1024, max_seq_len=64), 4
+        config, args.processes = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=128,
+                                             vocab_size=256, max_seq_len=64), 4
     layout = dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=3,
                   return_freed_memory="--heap" not in sys.argv)  # --heap: glibc's default, as a plain run has it
     dp = args.processes // 4

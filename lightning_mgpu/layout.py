@@ -138,7 +138,7 @@ class ParallelLayout(LayoutRequest, RankGrid):
         if out:
             return out
         out += replica_problems(W // (T * C * P) if W % (T * C * P) == 0 else None, R, self.replica_update,
-                                self.sync_every)
+                                self.sync_every, bool(self.offload_optimizer or self.offload_params))
         if W % (T * C * P) != 0:
             valid = [d for d in divisors(W) if W % (d * C * P) == 0]
             what = f"tensor_parallel_size*pipeline_parallel_size={T}*{P}={T * P}" if C == 1 else \

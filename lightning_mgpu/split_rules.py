@@ -63,10 +63,16 @@ def sequence_problems(seq_len: int, context_parallel_size: int = 1, tensor_paral
 REPLICA_UPDATES = ("sync", "local")
 
 
-def replica_problems(data_ranks: Optional[int], replicas: int, update: object, sync_every: object) -> list[Problem]:
+def replica_problems(data_ranks: Optional[int], replicas: int, update: object, sync_every: object,
+                     offloaded: bool = False) -> list[Problem]:
     """Replicas divide the ``data_ranks`` (tp x cp x pp copies of the model; None while that is not whole), are only
-    separate under ``replica_update="local"``, and synchronise every ``sync_every >= 1`` steps."""
+    separate under ``replica_update="local"``, and synchronise every ``sync_every >= 1`` steps; the outer step acts on
+    the fp32 master weights in memory, which ZeRO offload (``offloaded``) moves away."""
     out = []
+    if update == "local" and offloaded:
+        out.append(Problem("replica_update", "local", "cannot run with ZeRO offload (the outer step updates the fp32 "
+                           "master weights where the engine keeps them; offloaded, they are on the host or on NVMe)",
+                           "set offload_optimizer=None and offload_params=None, or replica_update='sync'"))
     if update == "async":
         out.append(Problem("replica_update", update, "is not available in this version (only 'sync' and 'local')",
                            "use replica_update='local' with sync_every=H"))

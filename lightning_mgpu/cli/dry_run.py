@@ -70,9 +70,11 @@ def dry_run_report(spec: RunSpec) -> str:
     layout, shares = rank_shares(spec)
     whole = spec.model.num_parameters()
     context = f" x cp {layout.size('cp')}" if layout.size("cp") > 1 else ""
+    replicas = f" x {layout.size('rep')} replicas (an outer step every {layout.sync_every})" \
+        if layout.replica_update == "local" else ""
     zero_ranks = f" (over dp x cp = {layout.size('dp_cp')} ranks)" if context else ""
     lines = [f"dry run: {layout.world_size} processes = tp {layout.size('tp')}{context} x pp {layout.size('pp')} x dp "
-             f"{layout.size('dp')}, ZeRO-{layout.zero_stage}{zero_ranks}, {cfg.trainer.precision}; the whole model has {whole:,} "
+             f"{layout.size('dp')}{replicas}, ZeRO-{layout.zero_stage}{zero_ranks}, {cfg.trainer.precision}; the whole model has {whole:,} "
              f"parameters ({whole * 4 / GB:.1f} GB in fp32)",
              "| tp rank | pp rank | stages | parameters | planner | weights GB | gradients GB | optimizer GB |",
              "|---|---|---|---|---|---|---|---|"]

@@ -114,7 +114,7 @@ def _memory_refusal(spec: RunSpec, need: ProcessMemory, budget: MemoryBudget) ->
         lines = [f"memory: trainer.devices={n} process{'es' if n > 1 else ''} on this machine x an estimated peak "
                  f"of {need.total / GB:.1f} GB each = {n * need.total / GB:.1f} GB is more than {limit}"]
     tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
-    dp = t.devices * t.num_nodes // (tp * pp)  # the ranks ZeRO partitions over: data x context
+    dp = t.devices * t.num_nodes // (tp * pp * p.replicas)  # the ranks ZeRO partitions over: data x context
     stages = chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size)
     held = max_rank_parameters(model, tp, pp, stages)
     parts = [f"{need.baseline / GB:.1f} GB libraries"] if need.baseline else []
@@ -210,7 +210,7 @@ def _fix_kinds(cfg: DictConfig, budget: MemoryBudget) -> list[list[dict]]:
               if n > p.context_parallel_size]]  # a split the sequence does not allow is dropped by _need_with
     fewer = [n for n in reversed(divisors(t.devices)) if n < t.devices]
     if budget.on_gpu:
-        if p.offload_optimizer is None:
+        if p.offload_optimizer is None and p.replica_update != "local":  # the outer step needs them in memory
             kinds.append([{"parallel.zero_stage": max(1, p.zero_stage), "parallel.offload_optimizer": "cpu"}])
     else:  # memory handed back; fewer processes per machine: the same layout over more machines, or fewer in all
         if not p.return_freed_memory:

@@ -53,7 +53,8 @@ class EngineHooks:
         with name_lost_ranks(self._heartbeat):
             self.context.last_grad_norm = step(self.model)
             if self._replica_sync is not None:  # replica_update="local": every sync_every steps, the outer step
-                self._replica_sync.after_inner_step()
+                trainer = self.lightning_module.trainer
+                self._replica_sync.after_inner_step(last=0 < trainer.max_steps <= trainer.global_step + 1)
 
     def on_train_end(self) -> None:
         """``replica_update="local"``: a round cut short ends with its outer step (every replica, the same weights)."""

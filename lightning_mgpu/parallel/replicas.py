@@ -71,24 +71,39 @@ class ReplicaSync:
     def __init__(self, engine: Any, layout: ParallelLayout, outer: OuterOptimizer) -> None:
         self.engine, self.layout, self.every = engine, layout, layout.sync_every
         self.masters = engines.master_weights(engine)
+        self._start_together()
         #: the weights of the last outer step (this rank's share), which the outer optimizer updates
         self.anchors = [torch.nn.Parameter(m.detach().clone(), requires_grad=False) for m in self.masters]
         self.optimizer = outer.build(self.anchors)
         self.inner_steps = 0
         self.outer_steps = 0
+        self.synced_at = 0  #: the inner step of the last outer step
 
-    def after_inner_step(self) -> bool:
-        """Count an inner step; every ``sync_every``-th, take the outer step. Returns whether it did."""
+    @torch.no_grad()
+    def _start_together(self) -> None:
+        """Every replica starts from replica 0's weights: the engine's start-up broadcast reaches one replica only,
+        and replicas that started apart would stay apart (each outer step moves them by the same average)."""
+        if self.layout.size("rep") == 1:
+            return
+        coords = self.layout.coords(dist.get_rank())
+        source = self.layout.global_rank_of(coords["tp"], coords["pp"], coords["dp"], coords["cp"], rep=0)
+        for master in self.masters:
+            dist.broadcast(master, src=source, group=self.layout.group("rep"))
+        engines.refresh_working_weights(self.engine)
+
+    def after_inner_step(self, last: bool = False) -> bool:
+        """Count an inner step; every ``sync_every``-th, and at the ``last`` step of training (so that validation and
+        everything after training see the replicas' common weights), take the outer step. Returns whether it did."""
         self.inner_steps += 1
-        if self.inner_steps % self.every:
+        if self.inner_steps % self.every and not last:
             return False
         self.outer_step()
         return True
 
     def finish(self) -> None:
-        """At the end of training: a round cut short by ``max_steps`` ends with its outer step, so that every replica
-        ends with the same weights."""
-        if self.inner_steps % self.every:
+        """At the end of training: a round cut short (by ``max_time`` or epochs, which the last inner step cannot
+        see coming) ends with its outer step, so that every replica ends with the same weights."""
+        if self.inner_steps != self.synced_at:
             self.outer_step()
 
     @torch.no_grad()
@@ -107,6 +122,7 @@ class ReplicaSync:
             master.copy_(anchor)
         engines.refresh_working_weights(self.engine)
         self.outer_steps += 1
+        self.synced_at = self.inner_steps
 
 
 def replica_sync(engine: Any, layout: ParallelLayout, outer: OuterOptimizer, fitting: bool) -> Optional[ReplicaSync]:

@@ -227,5 +227,5 @@ def gather_step(timeline: "PipelineTimeline | None", layout: Any, step: int) -> 
     dist.all_gather_object(box, (coords, mine))
     if dist.get_rank() != 0:
         return None
-    rows = {c["pp"]: actions for c, actions in box if c["tp"] == 0 and c["dp"] == 0}
+    rows = {c["pp"]: actions for c, actions in box if c["tp"] == 0 and c["dp"] == 0 and c["rep"] == 0}
     return [rows[p] for p in sorted(rows)]

@@ -35,19 +35,37 @@ def test_every_benchmark_has_a_smoke_run():
     assert scripts - COVERED == set(SMOKE), "add the new benchmark's --smoke run to SMOKE"
 
 
+@pytest.fixture(scope="module")
+def smoke_outputs() -> dict[str, tuple[int, str]]:
+    """Every script's (exit code, output) of its --smoke run, all in one process (``run_smoke.py``), imported once."""
+    scripts = [str(BENCHMARKS / name) for name in sorted(SMOKE)]
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("run_smoke.py")), *scripts],
+                          capture_output=True, text=True, timeout=900)
+    out, current, lines = {}, None, []
+    for line in proc.stdout.splitlines():
+        if line.startswith("=== start "):
+            current, lines = line.split()[-1], []
+        elif line.startswith("=== end ") and current is not None:
+            out[current] = (int(line.split()[-1]), "\n".join(lines))
+            current = None
+        elif current is not None:
+            lines.append(line)
+    assert set(out) == set(SMOKE), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
 @pytest.mark.parametrize("script", sorted(SMOKE))
-def test_benchmark_smoke_mode_runs_and_prints_its_figure(script):
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), "--smoke"], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
+def test_benchmark_smoke_mode_runs_and_prints_its_figure(script, smoke_outputs):
+    code, output = smoke_outputs[script]
+    assert code == 0, output[-3000:]
+    lines = output.splitlines()
     marked = [i for i, line in enumerate(lines) if SMOKE[script] in line]
-    assert marked, proc.stdout[-3000:]
+    assert marked, output[-3000:]
     figures = [line for line in lines[marked[0]:] if any(c.isdigit() for c in line)]
-    assert figures, proc.stdout[-3000:]
+    assert figures, output[-3000:]
     if script == "gpu_check.py":  # every check ran and read its figure
         rows = [line for line in lines if line.startswith("| ") and "expectation" not in line and "---" not in line]
-        assert len(rows) == 5 and all("ran (smoke)" in row or "skipped" in row for row in rows), proc.stdout
+        assert len(rows) == 5 and all("ran (smoke)" in row or "not run" in row for row in rows), output
 
 
 def test_gpu_check_refuses_without_cuda_naming_what_is_missing():

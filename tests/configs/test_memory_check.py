@@ -92,8 +92,12 @@ def test_the_issues_llama3_1b_command_is_refused_on_its_machine(machine_of_25_gb
 
 def test_an_expert_can_turn_the_check_off(machine_of_25_gb):
     cfg = composed(*LLAMA3_1B_TP2)
-    with pytest.raises(ConfigError, match="memory: trainer.devices=2 processes"):
+    with pytest.raises(ConfigError, match="memory: trainer.devices=2 processes") as refused:
         check_run(cfg)
+    # the memory-lean CPU setting is offered (here with fewer processes per machine: alone it does not fit), and the
+    # estimate counts it
+    assert "parallel.return_freed_memory=True" in str(refused.value).split("fixes")[-1].split("together")[-1]
+    assert needs_of(composed(*LLAMA3_1B_TP2, "parallel.return_freed_memory=true")) < 0.7 * needs_of(cfg)
     check_run(composed(*LLAMA3_1B_TP2, "cluster.check_memory=false"))  # nothing else is wrong with it
 
 

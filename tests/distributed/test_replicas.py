@@ -32,17 +32,21 @@ class FinalWeights(L.Callback):
 
     def __init__(self) -> None:
         self.weights: dict[str, torch.Tensor] = {}
+        self.sampler: dict = {}
 
     def on_fit_end(self, trainer, module) -> None:
+        self.sampler = trainer.strategy.distributed_sampler_kwargs  # what a user's DataLoader is sharded by
         state = ParameterState(trainer.strategy.model)
         self.weights = {name: state.get(p, None) for name, p in trainer.strategy.model.module.named_parameters()}
 
 
-def fit_weights(rank: int, token_file, devices: int, module_cls=LLMModule, max_steps_: int = STEPS, **kw) -> dict:
+def fit_weights(rank: int, token_file, devices: int, module_cls=LLMModule, max_steps_: int = STEPS,
+                seeds_apart: bool = False, **kw) -> dict:
+    """``seeds_apart``: each replica builds its model from its own seed (the first two ranks 0, the others 1)."""
     weights = FinalWeights()
-    module = module_cls(TINY, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    module = module_cls(TINY, **OPTIM, global_batch_size=GLOBAL_BATCH, init_seed=rank // 2 if seeds_apart else 0)
     out = fit(rank, token_file, devices, max_steps=max_steps_, clip=None, module=module, callbacks=[weights], **kw)
-    return {**out, "weights": weights.weights}
+    return {**out, "weights": weights.weights, "sampler": weights.sampler}
 
 
 def replica_means(results: list[dict], replicas: int) -> list[float]:
@@ -137,6 +141,8 @@ def test_diloco_equals_a_one_process_simulation_of_its_replicas(token_file, name
     expected = diloco_reference(token_file, 2, 2, DILOCO)
     assert max_abs_diff(replica_means(local, 2), expected["losses"]) < 1e-6
     assert weight_diff(local[0]["weights"], expected["weights"]) < 1e-6
+    # every rank of every replica reads its own share of a user's DataLoader too
+    assert [r["sampler"] for r in local] == [{"num_replicas": 4, "rank": r} for r in range(4)]
     wrong_lr = diloco_reference(token_file, 2, 2, {**DILOCO, "lr": 0.5})
     moments = diloco_reference(token_file, 2, 2, DILOCO, average_moments=True)
     for wrong in (wrong_lr, moments):
@@ -224,10 +230,11 @@ def test_replicas_talk_only_at_outer_steps_and_send_each_share_once(token_file, 
             assert sum(n for s, *_, n in outer if s == step) == r["share"]
 
 
-def test_a_round_cut_short_ends_with_its_outer_step(token_file):
-    """3 steps at H=2: the last round has one inner step; training ends with its outer step, so both replicas end
-    with the same weights (rank 0 and its counterpart, rank 2)."""
-    results = run_distributed(fit_weights, 4, token_file, 4, max_steps_=3, replicas=2, replica_update="local",
-                              sync_every=2, zero_stage=1)
+def test_replicas_start_together_and_a_round_cut_short_ends_with_its_outer_step(token_file):
+    """Replicas whose modules were built from different seeds start from replica 0's weights; 3 steps at H=2 leave
+    a last round of one inner step, which the last step ends with its outer step: both replicas end with the same
+    weights (rank 0 and its counterpart, rank 2)."""
+    results = run_distributed(fit_weights, 4, token_file, 4, max_steps_=3, seeds_apart=True, replicas=2,
+                              replica_update="local", sync_every=2, zero_stage=1, check_layout=False)
     assert weight_diff(results[0]["weights"], results[2]["weights"]) == 0.0
     assert weight_diff(results[1]["weights"], results[3]["weights"]) == 0.0

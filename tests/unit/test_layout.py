@@ -38,6 +38,8 @@ def test_replicas_are_outermost_and_zero_partitions_inside_each():
     (dict(world_size=4, replicas=2), "replicas=2 splits the data-parallel ranks into groups"),
     (dict(world_size=4, replicas=2, replica_update="local", sync_every=0), "sync_every=0 must be a positive integer"),
     (dict(world_size=4, replicas=2, replica_update="gossip"), "replica_update='gossip' is unknown"),
+    (dict(world_size=4, replicas=2, replica_update="local", zero_stage=1, offload_optimizer="cpu"),
+     "replica_update='local' cannot run with ZeRO offload"),
 ])
 def test_replica_rules_name_the_value_and_the_fix(kwargs, fragment):
     with pytest.raises(ValueError, match="Invalid parallel layout") as err:

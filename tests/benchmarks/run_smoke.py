@@ -1,0 +1,29 @@
+"""Run benchmark scripts in their smoke mode one after the other in this one process (torch, Lightning and DeepSpeed
+are imported once for all of them), each as ``python SCRIPT --smoke`` would run it, framed by marker lines:
+``=== start SCRIPT`` and ``=== end SCRIPT exit CODE``, then the seconds it took. A script that raises prints its traceback and exits 1; the
+next one still runs."""
+
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        print(f"=== start {Path(path).name}", flush=True)
+        start = time.perf_counter()
+        sys.argv = [path, "--smoke"]
+        sys.path.insert(0, str(Path(path).parent))
+        code = 0
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as stop:
+            code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except Exception:
+            traceback.print_exc(file=sys.stdout)
+            code = 1
+        finally:
+            sys.path.pop(0)
+        print(f"=== end {Path(path).name} exit {code}", flush=True)
+        print(f"({Path(path).name}: {time.perf_counter() - start:.1f} s)", flush=True)
