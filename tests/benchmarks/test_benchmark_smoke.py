@@ -38,7 +38,8 @@ def test_every_benchmark_has_a_smoke_run():
 @pytest.fixture(scope="module")
 def smoke_outputs() -> dict[str, tuple[int, str]]:
     """Every script's (exit code, output) of its --smoke run, all in one process (``run_smoke.py``), imported once."""
-    scripts = [str(BENCHMARKS / name) for name in sorted(SMOKE)]
+    # gpu_check.py last: it trains in this process (one-process Trainers), the others fork their ranks from it
+    scripts = [str(BENCHMARKS / name) for name in sorted(SMOKE, key=lambda name: (name == "gpu_check.py", name))]
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("run_smoke.py")), *scripts],
                           capture_output=True, text=True, timeout=900)
     out, current, lines = {}, None, []
