@@ -14,16 +14,17 @@ from typing import Any
 import torch
 
 from lightning_mgpu.engine.runtime import zero_stage
+from lightning_mgpu.precision import replica_precision_problems
+from lightning_mgpu.problems import raise_problems
 
 
 def master_weights(engine: Any) -> list[torch.Tensor]:
     """The fp32 master tensors this rank updates: ZeRO-0 the module's parameters (fp32 only), ZeRO 1-2 the flat fp32
     partitions, ZeRO-3 the flat fp32 partitions of the sub-groups."""
     stage, optimizer = zero_stage(engine), engine.optimizer
-    if stage == 0:
-        if engine.bfloat16_enabled() or engine.fp16_enabled():
-            raise NotImplementedError("replica_update='local' under ZeRO-0 needs precision='32-true' (the bf16 "
-                                      "optimizer's fp32 masters are not reachable); use zero_stage >= 1")
+    if stage == 0:  # the rule is the strategy's (checked at setup); here it guards direct callers
+        precision = "bf16-mixed" if engine.bfloat16_enabled() else "16-mixed" if engine.fp16_enabled() else "32-true"
+        raise_problems("Invalid parallel layout", replica_precision_problems(precision, 0, "local"))
         return [p for p in engine.module.parameters() if p.requires_grad]
     if stage in (1, 2):
         return list(optimizer.single_partition_of_fp32_groups)
