@@ -71,8 +71,9 @@ class LayoutRequest:
     offload_optimizer: Optional[str] = None
     offload_params: Optional[str] = None
     replicas: int = 1  #: groups of data-parallel ranks that synchronise by ``replica_update`` (outermost axis)
-    replica_update: str = "sync"  #: "sync" (every step, over every data-parallel rank) | "local" (every sync_every)
-    sync_every: int = 1  #: inner steps between the replicas' outer steps (``replica_update="local"``)
+    replica_update: str = "sync"  #: "sync" (every step, over every data-parallel rank) | "local" | "async"
+    sync_every: int = 1  #: inner steps between the replicas' outer steps (``local``, ``async``)
+    max_staleness: int = 2  #: ``async``: rounds a replica may run ahead of the newest global weights
 
     def smallest_world(self) -> int:
         """The world size of one model copy in each replica (1 while a size is invalid: :meth:`problems` names it)."""
@@ -138,7 +139,7 @@ class ParallelLayout(LayoutRequest, RankGrid):
         if out:
             return out
         out += replica_problems(W // (T * C * P) if W % (T * C * P) == 0 else None, R, self.replica_update,
-                                self.sync_every, bool(self.offload_optimizer or self.offload_params))
+                                self.sync_every, bool(self.offload_optimizer or self.offload_params), self.max_staleness)
         if W % (T * C * P) != 0:
             valid = [d for d in divisors(W) if W % (d * C * P) == 0]
             what = f"tensor_parallel_size*pipeline_parallel_size={T}*{P}={T * P}" if C == 1 else \

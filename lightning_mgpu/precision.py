@@ -10,6 +10,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
 from lightning_mgpu.problems import Problem
+from lightning_mgpu.split_rules import steps_apart
 
 #: Accepted Trainer ``precision=`` values.
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
@@ -24,11 +25,12 @@ def pipeline_precision_problems(precision: str, pipeline_parallel_size: int) -> 
 
 
 def replica_precision_problems(precision: str, zero_stage: int, replica_update: str) -> list[Problem]:
-    """The rule: the outer step of ``replica_update="local"`` updates the fp32 master weights, which a ZeRO-0 engine
-    in bf16 or fp16 keeps inside its optimizer wrapper out of reach."""
-    if replica_update == "local" and zero_stage == 0 and str(precision) != "32-true":
+    """The rule: the outer step of replicas that step apart (``local``, ``async``) updates the fp32 master weights,
+    which a ZeRO-0 engine in bf16 or fp16 keeps inside its optimizer wrapper out of reach."""
+    if steps_apart(replica_update) and zero_stage == 0 and str(precision) != "32-true":
         return [Problem("zero_stage", 0, f"with precision={str(precision)!r} keeps no fp32 master weights the outer "
-                        "step of replica_update='local' can update", "use zero_stage >= 1, or precision='32-true'")]
+                        f"step of replica_update={replica_update!r} can update",
+                        "use zero_stage >= 1, or precision='32-true'")]
     return []
 
 

@@ -19,9 +19,10 @@ AXES = ("tp", "cp", "pp", "dp", "rep")
 #: The groups a layout creates, by the axes their members differ in. "dp_cp": the data x context ranks that hold the
 #: same parameter shard (ZeRO partitions and gradients reduce over them, inside a replica); "mp": the tp x pp ranks of
 #: one sequence part (their parameters make up the whole model once); "rep": the ranks at the same place of every
-#: replica (the outer step reduces over them).
+#: replica (the outer step reduces over them); "replica": every rank of one replica (what Lightning's per-batch checks
+#: reach when replicas step apart).
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("cp", "dp"), "mp": ("tp", "pp"),
-          "rep": ("rep",)}
+          "rep": ("rep",), "replica": ("tp", "cp", "pp", "dp")}
 
 
 @dataclass(frozen=True)

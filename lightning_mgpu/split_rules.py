@@ -58,33 +58,45 @@ def sequence_problems(seq_len: int, context_parallel_size: int = 1, tensor_paral
     return [f"{key}={seq_len} is not a multiple of {unit} ({'; '.join(why)}); use {near}"]
 
 
-#: How replicas synchronise: "sync" (every step, gradients over every data-parallel rank) or "local" (each replica
-#: steps alone; every ``sync_every`` steps an outer step over the replicas' averaged change in weights).
-REPLICA_UPDATES = ("sync", "local")
+#: How replicas synchronise: "sync" (every step, gradients over every data-parallel rank), "local" (each replica
+#: steps alone; every ``sync_every`` steps an outer step over the replicas' averaged change in weights) or "async"
+#: (each replica pushes its change when its round ends and continues from the newest global weights, waiting for
+#: nobody unless it is more than ``max_staleness`` rounds ahead of them).
+REPLICA_UPDATES = ("sync", "local", "async")
+
+
+def steps_apart(update: object) -> bool:
+    """Whether replicas take their optimizer steps apart (an outer step over their weights joins them), the rule
+    every check of the outer step's needs asks."""
+    return update in ("local", "async")
 
 
 def replica_problems(data_ranks: Optional[int], replicas: int, update: object, sync_every: object,
-                     offloaded: bool = False) -> list[Problem]:
+                     offloaded: bool = False, max_staleness: object = 0) -> list[Problem]:
     """Replicas divide the ``data_ranks`` (tp x cp x pp copies of the model; None while that is not whole), are only
-    separate under ``replica_update="local"``, and synchronise every ``sync_every >= 1`` steps; the outer step acts on
-    the fp32 master weights in memory, which ZeRO offload (``offloaded``) moves away."""
+    separate when they step apart (``local``, ``async``), and synchronise every ``sync_every >= 1`` steps; the outer
+    step acts on the fp32 master weights in memory, which ZeRO offload (``offloaded``) moves away; ``async`` needs
+    two replicas or more, and its staleness bound ``max_staleness`` counts rounds (>= 0)."""
     out = []
-    if update == "local" and offloaded:
-        out.append(Problem("replica_update", "local", "cannot run with ZeRO offload (the outer step updates the fp32 "
+    if steps_apart(update) and offloaded:
+        out.append(Problem("replica_update", update, "cannot run with ZeRO offload (the outer step updates the fp32 "
                            "master weights where the engine keeps them; offloaded, they are on the host or on NVMe)",
                            "set offload_optimizer=None and offload_params=None, or replica_update='sync'"))
-    if update == "async":
-        out.append(Problem("replica_update", update, "is not available in this version (only 'sync' and 'local')",
-                           "use replica_update='local' with sync_every=H"))
-    elif update not in REPLICA_UPDATES:
+    if update not in REPLICA_UPDATES:
         out.append(Problem("replica_update", update, "is unknown", f"choose one of {', '.join(REPLICA_UPDATES)}"))
+    if update == "async" and replicas == 1:
+        out.append(Problem("replica_update", "async", "needs more than one replica to be asynchronous with",
+                           "set replicas to 2 or more, or replica_update='sync'"))
+    if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
+        out.append(Problem("max_staleness", max_staleness, "must be an integer >= 0 (rounds a replica may run ahead "
+                           "of the newest global weights; 0 waits for every replica each round)", "use 0 to 4"))
     if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
         out.append(Problem("sync_every", sync_every, "must be a positive integer (inner steps per outer step)",
                            "use 1 or more"))
     if replicas > 1 and update == "sync":
         out.append(Problem("replicas", replicas, "splits the data-parallel ranks into groups that synchronise on "
-                           "their own, which replica_update='sync' does not do", "set replica_update='local' or "
-                           "replicas=1"))
+                           "their own, which replica_update='sync' does not do", "set replica_update='local' (or "
+                           "'async') or replicas=1"))
     if data_ranks is not None and data_ranks % replicas:
         valid = [r for r in range(1, data_ranks + 1) if data_ranks % r == 0]
         out.append(Problem("replicas", replicas, f"does not divide the {data_ranks} data-parallel ranks",

@@ -34,6 +34,7 @@ from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.process_group import start_process_group
 from lightning_mgpu.parallel.replicas import OuterOptimizer, replica_sync
+from lightning_mgpu.parallel.stragglers import StepClock, slow_rank_problems
 from lightning_mgpu.parallel.plan import TensorParallelPlan
 from lightning_mgpu.parallel.split_once import SplitOnce
 from lightning_mgpu.parallel.step import layout_step
@@ -90,11 +91,13 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         return_freed_memory: CPU processes hand the memory a step frees back to the OS (``lightning_mgpu.allocator``):
             a lower host-memory peak for 10-25% more step time; the memory check counts either.
         replicas: groups of data-parallel ranks (the outermost axis) that synchronise by ``replica_update``.
-        replica_update: ``"sync"`` (gradients over every data-parallel rank, every step) or ``"local"`` (each replica
+        replica_update: ``"sync"`` (gradients over every data-parallel rank, every step), ``"local"`` (each replica
             steps alone; every ``sync_every`` steps an outer step over their averaged change in weights: DiLoCo,
-            local SGD; ``lightning_mgpu.parallel.replicas``).
-        sync_every: inner steps between outer steps.
-        outer_optimizer: ``OuterOptimizer`` or a dict of its fields; default Nesterov SGD, lr 0.7, momentum 0.9.
+            local SGD; ``parallel.replicas``) or ``"async"`` (push the change, continue from the newest global
+            weights, at most ``max_staleness`` rounds ahead of them; ``parallel.async_replicas``).
+        sync_every: inner steps between outer steps. outer_optimizer: ``OuterOptimizer`` or a dict of its fields;
+            default Nesterov SGD, lr 0.7, momentum 0.9.
+        slow_ranks: chaos, ``{global rank: factor}``: ranks made that much slower (``parallel.stragglers``).
     """
 
     strategy_name = "mgpu"
@@ -111,18 +114,18 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
                  context_parallel_size: int = 1, trust_deepspeed_checkpoints: bool = False,
                  return_freed_memory: bool = False, replicas: int = 1, replica_update: str = "sync",
                  sync_every: int = 1, outer_optimizer: Optional[Union[OuterOptimizer, dict]] = None,
-                 **kwargs: Any) -> None:
+                 max_staleness: int = 2, slow_ranks: Optional[dict[int, float]] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.layout_request = LayoutRequest(
             tensor_parallel_size, pipeline_parallel_size, context_parallel_size, zero_stage, pipeline_schedule,
             virtual_pipeline_size, num_microbatches, sequence_parallel, offload_optimizer, offload_params, replicas,
-            replica_update, sync_every)
-        self.outer_optimizer = OuterOptimizer.of(outer_optimizer)
+            replica_update, sync_every, max_staleness)
+        self.outer_optimizer, self.slow_ranks = OuterOptimizer.of(outer_optimizer), dict(slow_ranks or {})
         # Everything that does not depend on the world size is checked now, before any process exists.
-        raise_problems("Invalid parallel layout", self.layout_request.problems_with() + self.outer_optimizer.problems())
+        raise_problems("Invalid parallel layout", self.layout_request.problems_with() + self.outer_optimizer.problems()
+                       + slow_rank_problems(self.slow_ranks))
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
-        self.pipeline_timeline = pipeline_timeline
-        self.save_consolidated_weights = save_consolidated_weights
+        self.pipeline_timeline, self.save_consolidated_weights = pipeline_timeline, save_consolidated_weights
         if problems := format_name_problems(checkpoint_format):
             raise ValueError(problems[0])
         self.checkpoints = CheckpointSettings(checkpoint_format, trust_deepspeed_checkpoints)
@@ -132,8 +135,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         #: When set, a CPU job forks local ranks 1..N-1 from this process, which run this function instead of
         #: ``worker_command``: they inherit torch, Lightning and DeepSpeed already imported (see launcher.py).
         self.fork_entry: Optional[Callable[[], object]] = None
-        self.tensor_parallel_plan = tensor_parallel_plan
-        self.tensor_parallel_notes: list[str] = []
+        self.tensor_parallel_plan, self.tensor_parallel_notes = tensor_parallel_plan, []
         self.nvme_path, self.return_freed_memory = nvme_path, return_freed_memory
         self.deepspeed_config_overrides = dict(deepspeed_config or {})
         self._process_group_backend = process_group_backend
@@ -145,7 +147,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         self._split = SplitOnce()
         #: Parameter elements this rank gave storage to after building on the meta device (0: built for real).
         self.materialized_elements = 0
-        self._replica_sync = None
+        self._replica_sync, self._clock = None, StepClock()
 
     # ------------------------------------------------------------------------------ registration
     @classmethod
@@ -232,7 +234,9 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
             rank_zero_warn(engines.drifts_from_fp32(config))
         self.num_microbatches, self.deepspeed_config = micro_batches, config
         self.model, engine_optimizer = engines.initialize_engine(wrapped, optimizer, config, self.layout)
-        self._replica_sync = replica_sync(self.model, self.layout, self.outer_optimizer, optimizer is not None)
+        self._replica_sync = replica_sync(self.model, self.layout, self.outer_optimizer, optimizer is not None,
+                                          self._timeout)
+        self._clock = StepClock(self.slow_ranks.get(self.global_rank, 1.0))
         if optimizer is not None:
             self.optimizers = [engines.EngineOwnedOptimizer(engine_optimizer, optimizer)]
         self._step, self.pipeline = layout_step(self.model, module, self.layout, self.root_device, micro_batches,

@@ -123,7 +123,8 @@ def fit(rank: int, token_file: Path, devices: int, max_steps: int = 10, precisio
 
 def expected_groups(rank: int, devices: int, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
                     context_parallel_size: int = 1, replicas: int = 1, **_: Any) -> dict[str, list[int]]:
-    """The members of ``rank``'s tp, cp, pp, dp and rep groups, and of the data x context group ZeRO uses, written out
+    """The members of ``rank``'s tp, cp, pp, dp and rep groups, of the data x context group ZeRO uses and of its
+    replica, written out
     from the rank order docs/concepts/layout.md states (``tp = r % T``, ``cp = (r // T) % C``,
     ``pp = (r // (T * C)) % P``, ``dp = (r // (T * C * P)) % D``, replicas outermost), independently of
     ``ParallelLayout``."""
@@ -137,7 +138,8 @@ def expected_groups(rank: int, devices: int, tensor_parallel_size: int = 1, pipe
     return {"tp": [at(u, c, p, d) for u in range(T)], "cp": [at(t, u, p, d) for u in range(C)],
             "pp": [at(t, c, q, d) for q in range(P)], "dp": [at(t, c, p, e) for e in range(D)],
             "dp_cp": sorted(at(t, u, p, e) for e in range(D) for u in range(C)),
-            "rep": [at(t, c, p, d, j) for j in range(R)]}
+            "rep": [at(t, c, p, d, j) for j in range(R)],
+            "replica": sorted(at(a, b, q, e) for a in range(T) for b in range(C) for q in range(P) for e in range(D))}
 
 
 def assert_layout_applied(trainer: L.Trainer, devices: int, strategy_kwargs: dict) -> None:

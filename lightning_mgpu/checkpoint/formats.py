@@ -45,14 +45,18 @@ class CheckpointSettings:
     trust_deepspeed_checkpoints: bool = False
 
 
-def replica_checkpoint_problems(replica_update: str) -> list[str]:
-    """The rule, until checkpoints hold what a round of ``replica_update="local"`` adds (each replica's own weights
-    and data position, the weights of the last outer step and the outer optimizer's momentum): such a run neither
-    saves nor resumes, rather than resuming into other weights."""
-    if replica_update == "local":
-        return ["replica_update='local' cannot save or resume checkpoints yet (the outer step's weights and momentum "
-                "and each replica's own weights are not in them); train without checkpoint.every_n_steps, "
-                "checkpoint.save_last and checkpoint.resume, or with replica_update='sync'"]
+def replica_checkpoint_problems(replica_update: str, checkpoint_format: str) -> list[str]:
+    """The rule: a round of ``replica_update="local"`` (each replica's own weights, the weights of the last outer
+    step, the outer momentum) is saved in universal checkpoints only (``checkpoint.replica_state``); an ``async``
+    run's state depends on when each replica's messages arrived, so no resume could continue it as it would have
+    gone on: it neither saves nor resumes."""
+    if replica_update == "async":
+        return ["replica_update='async' cannot save or resume checkpoints (where it is depends on when each "
+                "replica's pushes arrived, which a resume cannot repeat); train without checkpoint.every_n_steps, "
+                "checkpoint.save_last and checkpoint.resume, or with replica_update='local'"]
+    if replica_update == "local" and checkpoint_format != "universal":
+        return [f"replica_update='local' saves each replica's round in universal checkpoints only, not "
+                f"the {checkpoint_format} format; use the universal format (checkpoint.format=universal)"]
     return []
 
 

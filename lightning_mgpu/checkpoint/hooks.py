@@ -47,22 +47,26 @@ class EngineCheckpointHooks:
         """Write a checkpoint directory: DeepSpeed's model and ZeRO shards plus Lightning's state as client state."""
         if storage_options is not None:
             raise TypeError("storage_options is not supported by MGPUStrategy: DeepSpeed writes the checkpoint")
-        raise_problems("Cannot save a checkpoint", replica_checkpoint_problems(self.layout.replica_update))
+        raise_problems("Cannot save a checkpoint", replica_checkpoint_problems(self.layout.replica_update,
+                                                                               self.checkpoints.format))
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with name_lost_ranks(self._heartbeat):
             extra = functools.partial(checkpoints.write_consolidated_weights, self.model, self.layout,
                                       self.lightning_module) if self.save_consolidated_weights else None
-            checkpoints.save(self.model, self.layout, filepath, client_state, self.checkpoints, extra)
+            checkpoints.save(self.model, self.layout, filepath, client_state, self.checkpoints, extra,
+                             self._replica_sync)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read ``checkpoint_path`` (one checkpoint, or a directory of periodic ones: the newest this run may read
         and that is intact) into the engine; see ``lightning_mgpu.checkpoint.store``."""
-        raise_problems("Cannot resume", replica_checkpoint_problems(self.layout.replica_update))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            raise_problems("Cannot resume", replica_checkpoint_problems(self.layout.replica_update,
+                                                                        self.checkpoints.format))
         return checkpoints.load(self.model, self.layout, checkpoint_path, self.checkpoints, fitting,
-                                strict=self.lightning_module.strict_loading)
+                                strict=self.lightning_module.strict_loading, replica_sync=self._replica_sync)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -62,11 +62,11 @@ def verify(path: str | Path) -> None:
 
 
 def save(engine: Any, layout: ParallelLayout, path: str | Path, client_state: dict, settings: CheckpointSettings,
-         write_extra: Optional[Callable[[Path], None]] = None) -> None:
+         write_extra: Optional[Callable[[Path], None]] = None, replica_sync: Any = None) -> None:
     """Write the checkpoint ``path`` in the run's format, then ``write_extra(path)`` (collective), then the
-    checksums of every file."""
+    checksums of every file. ``replica_sync``: the outer step of replicas that step apart, saved with them."""
     if settings.format == "universal":
-        save_universal(engine, layout, path, client_state)
+        save_universal(engine, layout, path, client_state, replica_sync)
     else:
         save_engine_checkpoint(engine, layout, path, client_state)
     if write_extra is not None:
@@ -88,15 +88,16 @@ def write_consolidated_weights(engine: Any, layout: ParallelLayout, module: Any,
         dist.barrier()
 
 
-def _load_one(engine: Any, layout: ParallelLayout, path: Path, fitting: bool, strict: bool) -> dict:
+def _load_one(engine: Any, layout: ParallelLayout, path: Path, fitting: bool, strict: bool,
+              replica_sync: Any = None) -> dict:
     verify(path)  # before anything is read: 6% of a 100M-parameter resume on one CPU process (docs: measurements)
     if format_of(path) == "universal":
-        return load_universal(engine, layout, path)
+        return load_universal(engine, layout, path, replica_sync, fitting)
     return load_engine_checkpoint(engine, layout, path, load_optimizer=fitting, strict=strict)
 
 
 def load(engine: Any, layout: ParallelLayout, path: str | Path, settings: CheckpointSettings, fitting: bool,
-         strict: bool = True) -> dict:
+         strict: bool = True, replica_sync: Any = None) -> dict:
     """Load the checkpoint ``path`` into ``engine``, or the newest one this run may read of a directory of
     periodic checkpoints; return the client (trainer) state, with the path loaded under ``LOADED_FROM``."""
     path = Path(path)
@@ -105,13 +106,13 @@ def load(engine: Any, layout: ParallelLayout, path: str | Path, settings: Checkp
         refusal = read_refusal(path, settings)
         if refusal is not None:
             raise CheckpointRefusedError(refusal)
-        return dict(_load_one(engine, layout, path, fitting, strict), **{LOADED_FROM: str(path)})
+        return dict(_load_one(engine, layout, path, fitting, strict, replica_sync), **{LOADED_FROM: str(path)})
     skipped: list[str] = []
     for candidate in candidates:
         refusal = read_refusal(candidate, settings, searching=True)
         if refusal is None:
             try:
-                state = _load_one(engine, layout, candidate, fitting, strict)
+                state = _load_one(engine, layout, candidate, fitting, strict, replica_sync)
             except CheckpointRefusedError as error:  # raised on every rank alike: all move on together
                 refusal = str(error)
             else:

@@ -28,46 +28,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
+from lightning_mgpu.checkpoint import replica_state
 from lightning_mgpu.checkpoint.formats import TRAINER_STATE
 from lightning_mgpu.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
+from lightning_mgpu.checkpoint.saved_tensors import as_saved, canonical_name, from_saved
 from lightning_mgpu.engine import MOMENTS, ParameterState
 from lightning_mgpu.layout import ParallelLayout
 
-def canonical_name(name: str, layout: ParallelLayout, prefix: str = "model.") -> str:
-    """A parameter's name independent of layout: the pipeline container's stage key becomes ``prefix``."""
-    return prefix + name.split(".", 1)[1] if layout.size("pp") > 1 else name
 
-
-def _unpadded(local: torch.Tensor, param: torch.nn.Parameter, layout: ParallelLayout) -> torch.Tensor:
-    dim, per_rank = param.partition_dim, local.shape[param.partition_dim]
-    real = max(0, min(per_rank, param.full_size - layout.rank("tp") * per_rank))
-    return local.narrow(dim, 0, real)
-
-
-def _as_saved(local: torch.Tensor, param: torch.nn.Parameter, layout: ParallelLayout, mesh: DeviceMesh):
-    if not getattr(param, "tensor_model_parallel", False) or layout.size("tp") == 1:
-        return local
-    dim = param.partition_dim
-    shape = list(local.shape)
-    shape[dim] = param.full_size
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(_unpadded(local, param, layout).contiguous(), mesh, [Shard(dim)], run_check=False,
-                              shape=torch.Size(shape), stride=stride)
-
-
-def _from_saved(value, param: torch.nn.Parameter, layout: ParallelLayout, like: torch.Tensor) -> torch.Tensor:
-    """The full local (tensor-parallel shard, padded) tensor for ``param`` from a loaded value."""
-    local = value.to_local() if isinstance(value, DTensor) else value
-    if local.shape == like.shape:
-        return local
-    out = torch.zeros_like(like)
-    out.narrow(param.partition_dim, 0, local.shape[param.partition_dim]).copy_(local)
-    return out
-
-
-def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool) -> tuple[dict, list]:
+def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str = "") -> tuple[dict, list]:
+    """``prefix``: this replica's keys, when replicas that step apart each save their own weights and moments."""
     access = ParameterState(engine)
     mesh = DeviceMesh.from_group(layout.group("tp"), "cpu")
     state: dict[str, Any] = {}
@@ -77,7 +48,7 @@ def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool) -> tuple[dict
         params.append((fqn, param))
         for key in (None, *MOMENTS):
             value = access.get(param, key) if fill else access.like(param)
-            state[f"{key or 'param'}/{fqn}"] = _as_saved(value, param, layout, mesh)
+            state[f"{prefix}{key or 'param'}/{fqn}"] = as_saved(value, param, layout, mesh)
     state["step"] = torch.tensor(float(access.step()))
     return state, params
 
@@ -93,9 +64,14 @@ def _plain(obj: Any) -> Any:
     return None  # e.g. functions in an LR scheduler's state: not needed to resume
 
 
-def save_universal(engine: Any, layout: ParallelLayout, path: str | Path, trainer_state: dict) -> None:
-    """Write a layout-independent checkpoint into ``path`` (collective over all ranks)."""
-    state, _ = _tensor_state(engine, layout, fill=True)
+def save_universal(engine: Any, layout: ParallelLayout, path: str | Path, trainer_state: dict,
+                   replica_sync: Any = None) -> None:
+    """Write a layout-independent checkpoint into ``path`` (collective over all ranks); with ``replica_sync`` (a
+    ``ReplicaSync``), each replica's own weights and moments and the outer step's (``checkpoint.replica_state``)."""
+    state, params = _tensor_state(engine, layout, fill=True, prefix=replica_state.prefix(layout, replica_sync))
+    if replica_sync is not None:
+        state.update(replica_state.outer_tensors(engine, layout, replica_sync, params, fill=True))
+        trainer_state = dict(trainer_state, **{replica_state.KEY: replica_state.counters(layout, replica_sync)})
     dcp.save(state, checkpoint_id=str(path))
     if dist.get_rank() == 0:
         groups = [{k: v for k, v in g.items() if k != "params"} for g in ParameterState(engine).param_groups()]
@@ -122,19 +98,28 @@ def read_trainer_state(path: str | Path) -> dict:
                                     "universal format or has been altered; do not load it") from error
 
 
-def load_universal(engine: Any, layout: ParallelLayout, path: str | Path) -> dict:
-    """Load a checkpoint written by any layout into this rank's engine; return the trainer state."""
+def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replica_sync: Any = None,
+                   fitting: bool = True) -> dict:
+    """Load a checkpoint written by any layout into this rank's engine; return the trainer state. With
+    ``replica_sync``, this replica's own weights and moments and the outer step's state."""
     trainer_state = read_trainer_state(path)  # first: a refused file leaves the engine untouched
+    saved_replicas = trainer_state.pop(replica_state.KEY, None)
+    replica_state.check_resumable(path, saved_replicas, layout, fitting)
     read_dcp_metadata(path)  # refused here with its own message, not wrapped in DCP's
-    state, params = _tensor_state(engine, layout, fill=False)
+    prefix = replica_state.prefix(layout, replica_sync)
+    state, params = _tensor_state(engine, layout, fill=False, prefix=prefix)
+    if replica_sync is not None:
+        state.update(replica_state.outer_tensors(engine, layout, replica_sync, params, fill=False))
     dcp.load(state, storage_reader=SafeFileSystemReader(path))
     access = ParameterState(engine)
     step = int(state["step"]) if access.trains else 0
     access.prepare_state(step)
+    if replica_sync is not None:  # through the masters, before this replica's own weights are written into them
+        replica_state.restore_outer(engine, layout, replica_sync, params, state, saved_replicas)
     for fqn, param in params:
         like = access.like(param)
-        value = _from_saved(state[f"param/{fqn}"], param, layout, like)
-        moments = {k: _from_saved(state[f"{k}/{fqn}"], param, layout, like) for k in MOMENTS}
+        value = from_saved(state[f"{prefix}param/{fqn}"], param, layout, like)
+        moments = {k: from_saved(state[f"{prefix}{k}/{fqn}"], param, layout, like) for k in MOMENTS}
         access.set(param, value, moments, step)
     access.finish()
     torch.set_rng_state(trainer_state.pop("rng_state"))

@@ -98,9 +98,13 @@ class ParallelConfig:
     return_freed_memory: bool = False
     #: groups of data-parallel ranks (outermost) that synchronise by replica_update; 1 = one group of every rank
     replicas: int = 1
-    replica_update: str = "sync"  #: sync (gradients every step) | local (DiLoCo: an outer step every sync_every)
-    sync_every: int = 1  #: inner optimizer steps between outer steps (replica_update=local)
-    #: the outer step over the replicas' averaged change in weights (replica_update=local)
+    #: sync (gradients every step) | local (DiLoCo: an outer step every sync_every) | async (push and continue)
+    replica_update: str = "sync"
+    sync_every: int = 1  #: inner optimizer steps between outer steps (replica_update=local or async)
+    max_staleness: int = 2  #: replica_update=async: rounds a replica may run ahead of the newest global weights
+    #: chaos: {global rank: factor}, ranks made that many times slower (a sleep after each step's forward-backward)
+    slow_ranks: Optional[dict[int, float]] = None
+    #: the outer step over the replicas' averaged change in weights (replica_update=local or async)
     outer_optimizer: OuterOptimizerConfig = field(default_factory=lambda: OuterOptimizerConfig())
 
 

@@ -127,7 +127,7 @@ def checkpoint_problems(cfg: DictConfig) -> list[str]:
         if (refusal := read_refusal(c.resume, settings)) is not None:
             out.append(f"checkpoint.resume: {refusal}")
     if c.every_n_steps or c.save_last or c.resume:
-        out += replica_checkpoint_problems(cfg.parallel.replica_update)
+        out += replica_checkpoint_problems(cfg.parallel.replica_update, c.format)
     if cfg.parallel.timeout is not None and not cfg.parallel.timeout > 0:
         out.append(f"parallel.timeout={cfg.parallel.timeout} must be > 0 seconds")
     return out

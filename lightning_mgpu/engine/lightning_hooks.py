@@ -8,15 +8,19 @@ from typing import Any, Generator, Optional
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mgpu.engine.runtime import backward, step
+from lightning_mgpu.parallel.replicas import keep_sigterm_check_inside_replicas
+from lightning_mgpu.parallel.stragglers import log_round, report_stragglers
 from lightning_mgpu.parallel.liveness import name_lost_ranks
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
 
 
 class EngineHooks:
     """For a strategy whose ``model`` is the engine after ``setup``, with ``context`` (the module's parallel context),
-    ``_heartbeat`` (which names a lost rank) and ``_replica_sync`` (the outer step of ``replica_update="local"``)."""
+    ``_heartbeat`` (which names a lost rank), ``_replica_sync`` (the outer step of replicas that step apart) and
+    ``_clock`` (this rank's time per step, ``lightning_mgpu.parallel.stragglers``)."""
 
     @property
     def engine(self):
@@ -51,16 +55,28 @@ class EngineHooks:
     def engine_step(self) -> None:
         """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
         with name_lost_ranks(self._heartbeat):
+            self._clock.before_step()
             self.context.last_grad_norm = step(self.model)
-            if self._replica_sync is not None:  # replica_update="local": every sync_every steps, the outer step
+            if self._replica_sync is not None:  # replicas that step apart: every sync_every steps, the outer step
                 trainer = self.lightning_module.trainer
-                self._replica_sync.after_inner_step(last=0 < trainer.max_steps <= trainer.global_step + 1)
+                if self._replica_sync.after_inner_step(last=0 < trainer.max_steps <= trainer.global_step + 1):
+                    log_round(trainer, self._replica_sync)
+            self._clock.after_step()
+
+    def on_train_start(self) -> None:
+        if self._replica_sync is not None:
+            keep_sigterm_check_inside_replicas(self.lightning_module.trainer, self.layout)
+        self._clock.start()
+        super().on_train_start()
 
     def on_train_end(self) -> None:
-        """``replica_update="local"``: a round cut short ends with its outer step (every replica, the same weights)."""
-        if self._replica_sync is not None:
-            with name_lost_ranks(self._heartbeat):
+        """Replicas that step apart: a round cut short ends with its outer step (every replica, the same weights).
+        Then every rank's time per step, and the straggler report (``self.straggler_report``)."""
+        with name_lost_ranks(self._heartbeat):
+            if self._replica_sync is not None:
                 self._replica_sync.finish()
+            self.straggler_report = report_stragglers(self._clock, self._replica_sync)
+        rank_zero_info(self.straggler_report)
         super().on_train_end()
 
     @property

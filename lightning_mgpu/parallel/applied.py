@@ -23,6 +23,5 @@ def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any],
                      f"(stages {stages} of {layout.num_stages})")
     parts.append(f"ZeRO-{engines.zero_stage(engine)} over {engines.data_parallel_size(engine)} data-parallel replicas")
     if replica_sync is not None:
-        parts.append(f"{layout.size('rep')} replicas stepping alone, an outer step over {len(replica_sync.masters)} "
-                     f"master tensors every {layout.sync_every} steps ({type(replica_sync.optimizer).__name__})")
+        parts.append(replica_sync.describe())
     return "applied layout: " + "; ".join(parts)

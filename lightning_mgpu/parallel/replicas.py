@@ -1,4 +1,5 @@
-"""Replicas that synchronise every ``sync_every`` steps (``replica_update="local"``: local SGD, DiLoCo).
+"""Replicas that synchronise every ``sync_every`` steps (``replica_update="local"``: local SGD, DiLoCo), and the
+outer optimizer both ``local`` and ``async`` (``lightning_mgpu.parallel.async_replicas``) step with.
 
 Each replica (a group of data-parallel ranks, the outermost axis of the layout) trains alone: its gradients reduce
 and its ZeRO partitions split over its own ranks, with its own inner optimizer. After every ``sync_every`` inner
@@ -17,6 +18,7 @@ engine's masters (``lightning_mgpu.engine.master_weights``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.problems import Problem
+from lightning_mgpu.split_rules import steps_apart
 
 #: Outer optimizers by name.
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
@@ -65,13 +68,26 @@ class OuterOptimizer:
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=self.name == "nesterov")
 
 
+@torch.no_grad()
+def start_together(engine: Any, layout: ParallelLayout, masters: list[torch.Tensor]) -> None:
+    """Every replica starts from replica 0's weights: the engine's start-up broadcast reaches one replica only,
+    and replicas that started apart would stay apart (each outer step moves them by the same average)."""
+    if layout.size("rep") == 1:
+        return
+    coords = layout.coords(dist.get_rank())
+    source = layout.global_rank_of(coords["tp"], coords["pp"], coords["dp"], coords["cp"], rep=0)
+    for master in masters:
+        dist.broadcast(master, src=source, group=layout.group("rep"))
+    engines.refresh_working_weights(engine)
+
+
 class ReplicaSync:
     """The outer step of one rank: call :meth:`after_inner_step` after every inner optimizer step."""
 
     def __init__(self, engine: Any, layout: ParallelLayout, outer: OuterOptimizer) -> None:
         self.engine, self.layout, self.every = engine, layout, layout.sync_every
         self.masters = engines.master_weights(engine)
-        self._start_together()
+        start_together(engine, layout, self.masters)
         #: the weights of the last outer step (this rank's share), which the outer optimizer updates
         self.anchors = [torch.nn.Parameter(m.detach().clone(), requires_grad=False) for m in self.masters]
         self.optimizer = outer.build(self.anchors)
@@ -79,17 +95,9 @@ class ReplicaSync:
         self.outer_steps = 0
         self.synced_at = 0  #: the inner step of the last outer step
 
-    @torch.no_grad()
-    def _start_together(self) -> None:
-        """Every replica starts from replica 0's weights: the engine's start-up broadcast reaches one replica only,
-        and replicas that started apart would stay apart (each outer step moves them by the same average)."""
-        if self.layout.size("rep") == 1:
-            return
-        coords = self.layout.coords(dist.get_rank())
-        source = self.layout.global_rank_of(coords["tp"], coords["pp"], coords["dp"], coords["cp"], rep=0)
-        for master in self.masters:
-            dist.broadcast(master, src=source, group=self.layout.group("rep"))
-        engines.refresh_working_weights(self.engine)
+    def describe(self) -> str:
+        return (f"{self.layout.size('rep')} replicas stepping alone, an outer step over {len(self.masters)} master "
+                f"tensors every {self.every} steps ({type(self.optimizer).__name__})")
 
     def after_inner_step(self, last: bool = False) -> bool:
         """Count an inner step; every ``sync_every``-th, and at the ``last`` step of training (so that validation and
@@ -125,8 +133,35 @@ class ReplicaSync:
         self.synced_at = self.inner_steps
 
 
-def replica_sync(engine: Any, layout: ParallelLayout, outer: OuterOptimizer, fitting: bool) -> Optional[ReplicaSync]:
-    """The outer step of a fit under ``replica_update="local"``; None otherwise (``sync``, or no training)."""
-    if not fitting or layout.replica_update != "local":
+def replica_sync(engine: Any, layout: ParallelLayout, outer: OuterOptimizer, fitting: bool,
+                 timeout: Optional[timedelta] = None) -> Optional[Union[ReplicaSync, Any]]:
+    """The outer step of a fit: a :class:`ReplicaSync` under ``replica_update="local"``, an
+    ``AsyncReplicaSync`` under ``"async"``; None otherwise (``sync``, or no training)."""
+    if not fitting or not steps_apart(layout.replica_update):
         return None
+    if layout.replica_update == "async":
+        from lightning_mgpu.parallel.async_replicas import AsyncReplicaSync
+
+        return AsyncReplicaSync(engine, layout, outer, timeout)
     return ReplicaSync(engine, layout, outer)
+
+
+def keep_sigterm_check_inside_replicas(trainer: Any, layout: ParallelLayout) -> None:
+    """Lightning broadcasts rank 0's SIGTERM flag over every rank before each training batch, which would make
+    replicas that step apart meet at every inner step (and, under ``async``, wait for the slowest). Here each replica
+    broadcasts its first rank's flag over its own ranks instead (group ``"replica"``): a SIGTERM stops the replica
+    that received it as Lightning stops a job. Set on this trainer's loop only (an instance attribute over the
+    private method, the one place Lightning issues that collective)."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    loop = trainer.fit_loop.epoch_loop
+    first = layout.global_rank_of(rep=layout.coords(dist.get_rank())["rep"])
+
+    def replica_sigterm_check() -> None:
+        flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0])
+        dist.broadcast(flag, src=first, group=layout.group("replica"))
+        if flag.item() == 1:
+            dist.barrier(group=layout.group("replica"))
+            raise SIGTERMException()
+
+    loop._broadcast_sigterm_tensor = replica_sigterm_check

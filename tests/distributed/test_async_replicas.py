@@ -1,0 +1,84 @@
+"""Replicas that synchronise asynchronously (``replica_update="async"``): in lockstep (a staleness bound of 0) the
+arithmetic of DiLoCo's one-process simulation, and with a slow rank, who waits for whom under each update rule."""
+
+import pytest
+from helpers import max_abs_diff
+from test_replicas import DILOCO, LAYOUTS, diloco_reference, fit_weights, replica_means, weight_diff
+
+from lightning_mgpu import LLMModule
+from lightning_mgpu.testing import run_distributed
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero3", "tp2"])
+def test_async_in_lockstep_equals_diloco(token_file, name):
+    """``max_staleness=0``: every pull waits for both replicas' push of the round, so the sharded global weights,
+    the owners' outer steps and the point-to-point pushes and pulls give DiLoCo's one-process simulation (AdamW
+    inner, Nesterov outer, H=2, 2 replicas): the per-step losses, and the final weights where a rank holds them
+    whole; a wrong outer lr does not."""
+    kw = dict(replicas=2, replica_update="async", sync_every=2, max_staleness=0, outer_optimizer=DILOCO,
+              **LAYOUTS[name])
+    results = run_distributed(fit_weights, 4, token_file, 4, **kw)
+    expected = diloco_reference(token_file, 2, 2, DILOCO)
+    assert max_abs_diff(replica_means(results, 2), expected["losses"]) < 1e-6
+    for r in results:  # per round, the other replica's slice of the pseudo-gradient out and of the weights back
+        rounds, share, own, sent, received = r["traffic"]
+        assert rounds == 2 and sent == rounds * (share - own) and received == sent + (share - own)  # + the final pull
+    if name == "tp2":
+        return
+    assert weight_diff(results[0]["weights"], expected["weights"]) < 1e-6
+    assert weight_diff(results[0]["weights"], results[2]["weights"]) == 0.0  # both replicas end on the same weights
+    wrong = diloco_reference(token_file, 2, 2, {**DILOCO, "lr": 0.5})
+    assert weight_diff(results[0]["weights"], wrong["weights"]) > 1e-4
+
+
+COMPUTE_SECONDS = 0.03  # each batch's stand-in for the compute of a larger model (the tiny one takes milliseconds)
+SLOW_STEPS = 12
+
+
+class ComputeModule(LLMModule):
+    def training_step(self, batch, batch_idx):
+        import time
+
+        time.sleep(COMPUTE_SECONDS)
+        return super().training_step(batch, batch_idx)
+
+
+def timed_fit(rank: int, token_file, **kw) -> dict:
+    from helpers import GLOBAL_BATCH, OPTIM, TINY, fit
+
+    module = ComputeModule(TINY, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    fit(rank, token_file, 2, max_steps=SLOW_STEPS, clip=None, module=module, slow_ranks={1: 2.0}, zero_stage=1,
+        check_layout=False, **kw)
+    clock = module.trainer.strategy._clock
+    return {"rank": rank, "ends": clock.ends, "busy": clock.busy, "report": module.trainer.strategy.straggler_report}
+
+
+def long_steps(result: dict) -> list[int]:
+    """The steps (0-based) of the fast rank that took much longer than its own work: it waited for the slow one."""
+    starts = [result["ends"][0] - result["busy"][0]] + result["ends"][:-1]
+    return [i for i, (s, e, b) in enumerate(zip(starts, result["ends"], result["busy"])) if e - s > b + COMPUTE_SECONDS]
+
+
+def steps_ahead(fast: dict, slow: dict) -> float:
+    """The fast rank's inner steps done against the slow rank's at the same moment (the fast rank's second-last
+    step: its last one waits for every replica)."""
+    moment = fast["ends"][-2]
+    return (len(fast["ends"]) - 1) / max(1, sum(end <= moment for end in slow["ends"]))
+
+
+def test_a_slow_rank_holds_back_sync_every_step_local_every_round_and_async_never(token_file):
+    """Rank 1 made 2x slower (``slow_ranks={1: 2.0}``), 12 steps. ``sync`` (one replica of 2 ranks): rank 0 waits
+    for it at every step. ``local`` (2 replicas of one rank, H=2): only at the steps that end a round. ``async``
+    (H=2, at most 8 rounds ahead): never before its last step, and it completes at least 1.8x the slow replica's
+    inner steps meanwhile; its staleness is reported. The straggler report names rank 1 in each."""
+    runs = {"sync": {}, "local": dict(replicas=2, replica_update="local", sync_every=2),
+            "async": dict(replicas=2, replica_update="async", sync_every=2, max_staleness=8)}
+    results = {name: run_distributed(timed_fit, 2, token_file, **kw) for name, kw in runs.items()}
+    for name, (fast, slow) in results.items():
+        assert "straggler: rank 1 is busy" in fast["report"], (name, fast["report"])
+    assert long_steps(results["sync"][0]) == list(range(1, SLOW_STEPS)), results["sync"][0]
+    assert long_steps(results["local"][0]) == list(range(1, SLOW_STEPS, 2))
+    assert long_steps(results["async"][0])[:-1] == []
+    assert steps_ahead(*results["async"]) >= 1.8, steps_ahead(*results["async"])
+    assert steps_ahead(*results["local"]) < 1.3 and steps_ahead(*results["sync"]) < 1.3
+    assert "replica 0 staleness" in results["async"][0]["report"]
