@@ -1,10 +1,12 @@
 """Replica updates on the built-in corpus: the tiny Llama on 4 CPU processes, trained with ``replica_update="sync"``
-(gradients over all 4 ranks every step) and with ``"local"`` (2 replicas of 2 ranks, an outer step every H steps:
-DiLoCo's Nesterov outer step, and plain averaging), at equal tokens. Prints the final training loss, the validation
-loss, the elements sent by collectives that cross between the two halves of the ranks (as if each replica were a
-site and the halves were joined by a slow link) and the wall time.
+(gradients over all 4 ranks every step), with ``"local"`` (2 replicas of 2 ranks, an outer step every H steps:
+DiLoCo's Nesterov outer step, and plain averaging) and with ``"async"`` (DiLoCo's outer step on sharded global
+weights, at most 2 rounds ahead), at equal tokens. Prints the final training loss, the validation loss, the elements
+that cross between the two halves of the ranks (as if each replica were a site and the halves were joined by a slow
+link: the collectives' elements, and under ``async`` the pushed and pulled slices) and the wall time.
 
-    python benchmarks/replica_updates.py [--steps 256] [--sync-every 16]     # --smoke: 4 steps, H=2, 2 updates
+    python benchmarks/replica_updates.py [--steps 256] [--sync-every 16] [--only async]
+    # --smoke: 4 steps, H=2, sync, averaging and async
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from lightning_mgpu.testing import run_distributed  # noqa: E402
 
 WORLD = 4
 VARIANTS = {"sync": {}, "local (DiLoCo: Nesterov, lr 0.7, momentum 0.9)": {"outer_optimizer": None},
-            "local (averaging: SGD, lr 1)": {"outer_optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}}}
+            "local (averaging: SGD, lr 1)": {"outer_optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
+            "async (DiLoCo outer step, at most 2 rounds ahead)": {"replica_update": "async", "max_staleness": 2}}
 
 
 def count_crossing(counter: list) -> None:
@@ -52,7 +55,7 @@ def train(rank: int, variant: str, steps: int, sync_every: int) -> dict:
     count_crossing(crossing)
     extra = dict(VARIANTS[variant])
     if variant != "sync":
-        extra.update(replicas=2, replica_update="local", sync_every=sync_every)
+        extra.update(replicas=2, replica_update=extra.get("replica_update", "local"), sync_every=sync_every)
     model = LlamaConfig.from_name("tiny")
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=MGPUStrategy(zero_stage=1, **extra),
                         max_steps=steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
@@ -61,20 +64,23 @@ def train(rank: int, variant: str, steps: int, sync_every: int) -> dict:
     data = StdlibCorpusDataModule(seq_len=128, global_batch_size=16, micro_batch_size=4, seed=1234, val_batches=4)
     start = time.perf_counter()
     trainer.fit(LLMModule(model, lr=3e-3, warmup_steps=10, max_steps=steps, global_batch_size=16), data)
-    metrics = trainer.callback_metrics
-    return {"train": float(metrics["train/loss"]), "val": float(metrics["val/loss"]), "elements": crossing[0],
-            "seconds": time.perf_counter() - start}
+    seconds, metrics = time.perf_counter() - start, trainer.callback_metrics
+    sync = trainer.strategy._replica_sync  # async: its pushes and pulls are point-to-point, not collectives
+    moved = getattr(sync, "sent_elements", 0) + getattr(sync, "received_elements", 0)
+    return {"train": float(metrics["train/loss"]), "val": float(metrics["val/loss"]), "elements": crossing[0] + moved,
+            "seconds": seconds}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--sync-every", type=int, default=16)
-    parser.add_argument("--smoke", action="store_true", help="4 steps, H=2, sync and averaging only")
+    parser.add_argument("--only", choices=[v.split()[0] for v in VARIANTS], help="the variants of one update rule")
+    parser.add_argument("--smoke", action="store_true", help="4 steps, H=2, sync, averaging and async")
     args = parser.parse_args()
-    variants = list(VARIANTS)
+    variants = [v for v in VARIANTS if args.only is None or v.split()[0] == args.only]
     if args.smoke:
-        args.steps, args.sync_every, variants = 4, 2, variants[::2]
+        args.steps, args.sync_every, variants = 4, 2, variants[::2] + variants[3:]
     print(f"tiny Llama, built-in corpus, {WORLD} CPU processes, ZeRO-1, global batch 16 x 128 tokens, {args.steps} "
           f"steps; local: 2 replicas of 2 ranks, H={args.sync_every}")
     print("| update | train loss (last step) | val loss | elements across the halves | wall s |")

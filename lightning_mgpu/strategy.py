@@ -33,7 +33,8 @@ from lightning_mgpu.parallel.evaluation import EvaluationSteps
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.process_group import start_process_group
-from lightning_mgpu.parallel.replicas import OuterOptimizer, replica_sync
+from lightning_mgpu.parallel.outer_steps import replica_sync
+from lightning_mgpu.parallel.replicas import OuterOptimizer
 from lightning_mgpu.parallel.stragglers import StepClock, slow_rank_problems
 from lightning_mgpu.parallel.plan import TensorParallelPlan
 from lightning_mgpu.parallel.split_once import SplitOnce

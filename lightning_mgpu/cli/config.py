@@ -103,7 +103,7 @@ class ParallelConfig:
     sync_every: int = 1  #: inner optimizer steps between outer steps (replica_update=local or async)
     max_staleness: int = 2  #: replica_update=async: rounds a replica may run ahead of the newest global weights
     #: chaos: {global rank: factor}, ranks made that many times slower (a sleep after each step's forward-backward)
-    slow_ranks: Optional[dict[int, float]] = None
+    slow_ranks: Optional[Any] = None  #: a mapping, typed Any so that a command line can set it whole
     #: the outer step over the replicas' averaged change in weights (replica_update=local or async)
     outer_optimizer: OuterOptimizerConfig = field(default_factory=lambda: OuterOptimizerConfig())
 

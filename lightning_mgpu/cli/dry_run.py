@@ -21,6 +21,8 @@ from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.planner.memory import model_state_bytes
 from lightning_mgpu.planner.model_stats import rank_parameters
+from lightning_mgpu.planner.replicas import replica_traffic
+from lightning_mgpu.split_rules import steps_apart
 
 GB = 1e9
 
@@ -71,7 +73,7 @@ def dry_run_report(spec: RunSpec) -> str:
     whole = spec.model.num_parameters()
     context = f" x cp {layout.size('cp')}" if layout.size("cp") > 1 else ""
     replicas = f" x {layout.size('rep')} replicas (an outer step every {layout.sync_every})" \
-        if layout.replica_update == "local" else ""
+        if steps_apart(layout.replica_update) else ""
     zero_ranks = f" (over dp x cp = {layout.size('dp_cp')} ranks)" if context else ""
     lines = [f"dry run: {layout.world_size} processes = tp {layout.size('tp')}{context} x pp {layout.size('pp')} x dp "
              f"{layout.size('dp')}{replicas}, ZeRO-{layout.zero_stage}{zero_ranks}, {cfg.trainer.precision}; the whole model has {whole:,} "
@@ -82,8 +84,25 @@ def dry_run_report(spec: RunSpec) -> str:
         b = s.bytes
         lines.append(f"| {s.tp_rank} | {s.pp_rank} | {s.stages} | {s.parameters:,} | {s.planned:,} | "
                      f"{b['parameters'] / GB:.2f} | {b['gradients'] / GB:.2f} | {(b['optimizer'] + b['buffers']) / GB:.2f} |")
+    if steps_apart(layout.replica_update) and layout.size("rep") > 1:
+        lines += ["", cross_replica_line(spec, layout, shares)]
     wrong = [s for s in shares if s.parameters != s.planned]
     if wrong:
         raise RuntimeError("\n".join(lines) + "\nthe built shares differ from the planner's for ranks " +
                            ", ".join(f"(tp {s.tp_rank}, pp {s.pp_rank})" for s in wrong))
     return "\n".join(lines)
+
+
+def cross_replica_line(spec: RunSpec, layout: ParallelLayout, shares: list[RankShare]) -> str:
+    """What each outer step sends to the other replicas, from the fullest built rank's share of the fp32 masters
+    (:func:`lightning_mgpu.planner.replicas.replica_traffic`; no step time here, so no bandwidth)."""
+    zero_ranks = layout.size("dp_cp") if layout.zero_stage >= 1 else 1
+    share = max(s.parameters for s in shares) / zero_ranks
+    gpus = layout.world_size // layout.size("rep")
+    t = replica_traffic(share, layout.size("rep"), layout.sync_every, gpus,
+                        spec.config.parallel.outer_optimizer.momentum, str(spec.config.trainer.precision),
+                        replica_update=layout.replica_update)
+    return (f"cross-replica bytes per outer step (every {t.sync_every} steps): {t.outer_bytes / GB:.2f} GB sent per "
+            f"GPU (an all-reduce of its {share:,.0f} fp32 master parameters over {t.replicas} replicas), "
+            f"{t.site_outer_bytes / GB:.1f} GB per replica of {gpus} GPUs, {t.job_outer_bytes / GB:.1f} GB for the "
+            f"job; outer copies {t.extra_memory / GB:.2f} GB per GPU")

@@ -14,6 +14,7 @@ from lightning_mgpu.layout import ModelShape, chunks_per_rank, layout_problems
 from lightning_mgpu.split_rules import context_document_problems, sequence_problems
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
+from lightning_mgpu.parallel.stragglers import slow_rank_problems
 from lightning_mgpu.precision import pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.refusals import training_loop_problems
 
@@ -58,6 +59,8 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
     if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
         out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
     out += keyed(replica_precision_problems(str(t.precision), p.zero_stage, p.replica_update), t)
+    slow = OmegaConf.to_container(p.slow_ranks) if isinstance(p.slow_ranks, DictConfig) else p.slow_ranks
+    out += keyed(slow_rank_problems(slow, world if sizes_ok else None), t)
     if isinstance(P, int) and P > 1:
         out += keyed(pipeline_precision_problems(str(t.precision), P), t)
         if p.pipeline_boundaries is not None and model is not None and isinstance(p.virtual_pipeline_size, int):

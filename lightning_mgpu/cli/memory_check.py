@@ -16,7 +16,9 @@ from lightning_mgpu.layout import chunks_per_rank, divisors
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.planner.model_stats import max_rank_parameters
 from lightning_mgpu.planner.process import ProcessMemory, host_memory, process_memory
+from lightning_mgpu.planner.replicas import master_share, outer_copy_bytes
 from lightning_mgpu.planner.search import USABLE_MEMORY
+from lightning_mgpu.split_rules import steps_apart
 
 
 GB = 1e9
@@ -82,12 +84,12 @@ def run_memory(spec: RunSpec, on_gpu: bool) -> ProcessMemory:
                           boundaries=spec.config.parallel.pipeline_boundaries,
                           return_freed_memory=spec.config.parallel.return_freed_memory,
                           microbatches=max(1, d.global_batch_size // (d.micro_batch_size * max(1, dp * p.replicas))))
-    if p.replica_update != "local":
+    if not steps_apart(p.replica_update):
         return need
-    # the outer step's two fp32 copies of this rank's share: the weights of the last outer step and the momentum
-    share = max_rank_parameters(model, tp, pp, chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size))
-    share /= dp * cp if p.zero_stage >= 1 else 1
-    return dataclasses.replace(need, model_states=need.model_states + 8 * share)
+    share = master_share(model, tp, pp, chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size), dp * cp,
+                         p.zero_stage)
+    extra = outer_copy_bytes(share, spec.config.parallel.outer_optimizer.momentum, p.replica_update, p.replicas)
+    return dataclasses.replace(need, model_states=need.model_states + extra)
 
 
 def memory_problems(spec: RunSpec) -> list[str]:
@@ -210,7 +212,7 @@ def _fix_kinds(cfg: DictConfig, budget: MemoryBudget) -> list[list[dict]]:
               if n > p.context_parallel_size]]  # a split the sequence does not allow is dropped by _need_with
     fewer = [n for n in reversed(divisors(t.devices)) if n < t.devices]
     if budget.on_gpu:
-        if p.offload_optimizer is None and p.replica_update != "local":  # the outer step needs them in memory
+        if p.offload_optimizer is None and not steps_apart(p.replica_update):  # the outer step needs them in memory
             kinds.append([{"parallel.zero_stage": max(1, p.zero_stage), "parallel.offload_optimizer": "cpu"}])
     else:  # memory handed back; fewer processes per machine: the same layout over more machines, or fewer in all
         if not p.return_freed_memory:

@@ -8,7 +8,7 @@ length and global batch from ``data``, the cluster from ``trainer.num_nodes`` x 
 from __future__ import annotations
 
 import argparse
-from typing import Sequence
+from typing import Optional, Sequence
 
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -18,7 +18,10 @@ from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
 from lightning_mgpu.cli.rules import plan_problems
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
-from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
+from lightning_mgpu.cli.plan_replicas import (REPLICA_KEYS, replica_lines, replica_plan_problems, replica_rows,
+                                             steps_alone, traffic_of, with_outer_copies)
+from lightning_mgpu.planner import GPUS, ClusterSpec, PlanRow, plan_layouts
+from lightning_mgpu.planner.replicas import replica_cluster
 from lightning_mgpu.layout import chunks_per_rank, stage_ids
 from lightning_mgpu.planner.memory import stage_memory
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
@@ -27,30 +30,56 @@ GB = 1e9
 
 
 def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
-    """The planner's table and suggested command lines for a composed config."""
+    """The planner's table and suggested command lines for a composed config; with replicas that step alone
+    (``parallel.replica_update`` local or async), of one replica, and the outer step's cost."""
     model, problems = plan_problems(cfg)
     if problems:
         raise ConfigError(problems)
-    gpu = GPUS[cfg.plan.gpu]
-    cluster = ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices, gpu)
-    seq, batch = cfg.data.seq_len, cfg.data.global_batch_size
+    cluster = ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices, GPUS[cfg.plan.gpu])
+    problems = replica_plan_problems(cfg, cluster)
+    if problems:
+        raise ConfigError(problems)
     on_cpu = cfg.trainer.accelerator == "cpu"  # a plan is for GPUs: assume trainer=gpu (bf16-mixed)
     precision = "bf16-mixed" if on_cpu else str(cfg.trainer.precision)
-    rows = plan_layouts(model, cluster, seq, batch, precision, cfg.plan.achievable)
-    fitting = [r for r in rows if r.fits]
+    alone = steps_alone(cfg)
+    inner = replica_cluster(cluster, cfg.parallel.replicas) if alone else cluster
+    rows = replica_rows(cfg, model, inner, precision) if alone else \
+        plan_layouts(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, precision, cfg.plan.achievable)
+    lines = header_lines(cfg, model, cluster, inner, precision, rows) + table_lines(rows[: cfg.plan.top])
+    mine, configured = configured_layout_lines(cfg, model, inner, precision, rows)
+    lines += configured
+    if alone and cfg.parallel.replicas > 1 and mine is not None:
+        lines += replica_lines(cfg, traffic_of(cfg, model, inner, mine, precision))
+    return "\n".join(lines + command_lines(cfg, overrides, [r for r in rows if r.fits], on_cpu))
+
+
+def header_lines(cfg: DictConfig, model, cluster: ClusterSpec, inner: ClusterSpec, precision: str,
+                 rows: list) -> list[str]:
+    """What is planned: the model, the cluster (and the replica the table is of), the batch, the compute rate."""
+    gpu, seq, batch = cluster.gpu, cfg.data.seq_len, cfg.data.global_batch_size
     lines = [f"{cfg.model.name}: {model.num_parameters() / 1e9:.2f}B parameters; {cluster.nodes} x "
              f"{cluster.gpus_per_node} {gpu.name} ({gpu.memory_bytes / GB:.0f} GB, "
              f"{gpu.bf16_peak_flops / 1e12:.0f} TFLOP/s bf16); sequence {seq}, global batch {batch} "
              f"({batch * seq:,} tokens); {precision}; compute at "
              f"{gpu.achievable if cfg.plan.achievable is None else cfg.plan.achievable:.0%} of peak"
-             f"{' (calibrated for this GPU)' if cfg.plan.achievable is None else ''}",
-             f"{len(rows)} layouts, {len(fitting)} fit in {gpu.memory_bytes / GB:.0f} GB",
-             "",
-             f"{'tp':>3} {'cp':>3} {'pp':>3} {'V':>2} {'dp':>4} {'zero':>4} {'mb':>3} {'ckpt':>4} | "
-             f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} {'total':>6} {'fits':>4} | "
-             f"{'compute':>8} {'tp':>6} {'cp':>6} {'bubble':>7} {'p2p':>6} {'dp':>6} {'step':>7} | {'tok/s/GPU':>9} "
-             f"{'MFU':>5}"]
-    for r in rows[: cfg.plan.top]:
+             f"{' (calibrated for this GPU)' if cfg.plan.achievable is None else ''}"]
+    if steps_alone(cfg):
+        replicas = cfg.parallel.replicas
+        lines.append(f"{replicas} replica{'s' if replicas > 1 else ''} stepping alone "
+                     f"(replica_update={cfg.parallel.replica_update}): the layouts are one replica's, on its "
+                     f"{inner.world_size} GPUs with {batch // replicas} of the global batch; ZeRO-0 is left out "
+                     f"where the outer step refuses it")
+    fitting = sum(1 for r in rows if r.fits)
+    return lines + [f"{len(rows)} layouts, {fitting} fit in {gpu.memory_bytes / GB:.0f} GB"]
+
+
+def table_lines(rows: list) -> list[str]:
+    """The table of layouts, one row each, and what its columns count."""
+    lines = ["", f"{'tp':>3} {'cp':>3} {'pp':>3} {'V':>2} {'dp':>4} {'zero':>4} {'mb':>3} {'ckpt':>4} | "
+                 f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} {'total':>6} {'fits':>4} | "
+                 f"{'compute':>8} {'tp':>6} {'cp':>6} {'bubble':>7} {'p2p':>6} {'dp':>6} {'step':>7} | "
+                 f"{'tok/s/GPU':>9} {'MFU':>5}"]
+    for r in rows:
         c, m, t = r.candidate, r.memory, r.time
         lines.append(
             f"{c.tp:>3} {c.cp:>3} {c.pp:>3} {c.virtual:>2} {c.dp:>4} {c.zero_stage:>4} {c.micro_batch:>3} "
@@ -60,40 +89,44 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
             f"{t.pipeline_bubble:7.2f} "
             f"{t.pipeline_p2p:6.2f} {t.data_parallel:6.2f} {t.total:7.2f} | {t.tokens_per_second_per_gpu:9.0f} "
             f"{t.mfu:5.1%}")
-    lines += ["", "memory in GB per GPU; time in seconds per optimizer step; dp: the data-parallel communication left "
-                  "after overlapping it with compute"]
-    lines += configured_layout_lines(cfg, model, cluster, precision, rows)
-    if fitting:
-        lines += ["", "best layouts:"]
-        kept = [o for o in overrides if not o.startswith(("parallel.", "data.micro_batch_size",
-                                                           "model.activation_checkpointing", "plan."))]
-        base = " ".join((["trainer=gpu"] if on_cpu else []) + kept)
-        for r in fitting[: cfg.plan.commands]:
-            lines.append(f"  mgpu-train {base + ' ' if base else ''}{' '.join(r.candidate.overrides())}")
-    else:
-        lines += ["", "no layout fits: use more GPUs, a shorter sequence or a smaller global batch"]
-    return "\n".join(lines)
+    return lines + ["", "memory in GB per GPU; time in seconds per optimizer step; dp: the data-parallel communication "
+                        "left after overlapping it with compute"]
 
 
-def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precision: str, rows: list) -> list[str]:
+def command_lines(cfg: DictConfig, overrides: Sequence[str], fitting: list, on_cpu: bool) -> list[str]:
+    """The best fitting layouts as ``mgpu-train`` command lines: the user's overrides but those a layout sets (the
+    replica settings stay: a layout sets none of them)."""
+    if not fitting:
+        return ["", "no layout fits: use more GPUs, a shorter sequence or a smaller global batch"]
+    kept = [o for o in overrides if o.startswith(REPLICA_KEYS) or not o.startswith(
+        ("parallel.", "data.micro_batch_size", "model.activation_checkpointing", "plan."))]
+    base = " ".join((["trainer=gpu"] if on_cpu else []) + kept)
+    return ["", "best layouts:"] + [f"  mgpu-train {base + ' ' if base else ''}{' '.join(r.candidate.overrides())}"
+                                    for r in fitting[: cfg.plan.commands]]
+
+
+def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precision: str,
+                            rows: list) -> tuple[Optional[PlanRow], list[str]]:
     """The layout the config itself asks for (a recipe's own ``virtual_pipeline_size=5``, its schedule, sequence
-    parallelism), evaluated like the table's rows: whether it fits, and where it ranks among the fitting ones."""
+    parallelism), evaluated like the table's rows (on ``cluster``: one replica's GPUs where replicas step alone):
+    its row, or None where it does not divide the GPUs, and lines that say whether it fits and where it ranks."""
     p = cfg.parallel
     world = cluster.world_size
     T, C, P = p.tensor_parallel_size, p.context_parallel_size, p.pipeline_parallel_size
     if world % (T * C * P):
-        return ["", f"this configuration: tp {T} x cp {C} x pp {P} does not divide {world} GPUs"]
+        return None, ["", f"this configuration: tp {T} x cp {C} x pp {P} does not divide {world} GPUs"]
     bounds = None if p.pipeline_boundaries is None else tuple(p.pipeline_boundaries)
     virtual = chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size) if P > 1 else p.virtual_pipeline_size
     mine = Candidate(T, P, world // (T * C * P), p.zero_stage, cfg.data.micro_batch_size, virtual,
                      cfg.model.activation_checkpointing == "full", p.pipeline_schedule, p.sequence_parallel, cp=C,
                      boundaries=bounds, selective=cfg.model.activation_checkpointing == "selective")
-    row = evaluate(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, mine, precision, cfg.plan.achievable)
+    row = evaluate(model, cluster, cfg.data.seq_len, planned_batch(cfg), mine, precision, cfg.plan.achievable)
+    if steps_alone(cfg):
+        row = with_outer_copies(model, cluster, row, p)
     m, t = row.memory, row.time
-    fitting = [r for r in rows if r.fits]
-    faster = sum(1 for r in fitting if r.time.total < t.total)
-    verdict = (f"fits; {faster} of the {len(fitting)} fitting layouts above are faster" if row.fits else
-               f"does not fit in {USABLE_MEMORY:.0%} of {cluster.gpu.memory_bytes / GB:.0f} GB")
+    faster = sum(1 for r in rows if r.fits and r.time.total < t.total)
+    verdict = (f"fits; {faster} of the {sum(1 for r in rows if r.fits)} fitting layouts above are faster" if row.fits
+               else f"does not fit in {USABLE_MEMORY:.0%} of {cluster.gpu.memory_bytes / GB:.0f} GB")
     context = f" x cp {mine.cp}" if mine.cp > 1 else ""
     lines = ["", f"this configuration: tp {mine.tp}{context} x pp {mine.pp} (V {mine.virtual}, {mine.schedule}) x dp "
                  f"{mine.dp}, ZeRO-{mine.zero_stage}, micro-batch {mine.micro_batch}, "
@@ -103,7 +136,12 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
                  f"activations), step {t.total:.2f} s, MFU {t.mfu:.1%}; {verdict}"]
     if cfg.plan.per_stage:
         lines += stage_lines(cfg, model, mine, precision)
-    return lines
+    return row, lines
+
+
+def planned_batch(cfg: DictConfig) -> int:
+    """The global batch of what the table plans: one replica's share where replicas step alone."""
+    return cfg.data.global_batch_size // (cfg.parallel.replicas if steps_alone(cfg) else 1)
 
 
 def stage_lines(cfg: DictConfig, model, c: Candidate, precision: str) -> list[str]:
@@ -111,7 +149,7 @@ def stage_lines(cfg: DictConfig, model, c: Candidate, precision: str) -> list[st
     stages = stage_memory(model, cfg.data.seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                           c.sequence_parallel, c.recompute, precision, overlap=True, context=c.cp, mode=c.checkpointing,
                           schedule=c.schedule, boundaries=c.boundaries,
-                          microbatches=max(1, cfg.data.global_batch_size // (c.micro_batch * c.dp)))
+                          microbatches=max(1, planned_batch(cfg) // (c.micro_batch * c.dp)))
     lines = ["", "per pipeline rank (GB per GPU):", f"{'pp rank':>7} {'stages':>14} {'params':>7} {'grads':>6} "
              f"{'optim':>6} {'activ':>6} {'buf':>5} {'total':>6}"]
     for r, m in enumerate(stages):

@@ -18,8 +18,7 @@ engine's masters (``lightning_mgpu.engine.master_weights``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -27,7 +26,6 @@ import torch.distributed as dist
 from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.problems import Problem
-from lightning_mgpu.split_rules import steps_apart
 
 #: Outer optimizers by name.
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
@@ -64,6 +62,10 @@ class OuterOptimizer:
                                "use name='sgd', or momentum > 0"))
         return out
 
+    def is_averaging(self) -> bool:
+        """SGD with lr 1 and no momentum: the outer step sets the weights to the replicas' mean."""
+        return self.name == "sgd" and self.lr == 1 and self.momentum == 0
+
     def build(self, params: list[torch.Tensor]) -> torch.optim.SGD:
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum, nesterov=self.name == "nesterov")
 
@@ -91,6 +93,9 @@ class ReplicaSync:
         #: the weights of the last outer step (this rank's share), which the outer optimizer updates
         self.anchors = [torch.nn.Parameter(m.detach().clone(), requires_grad=False) for m in self.masters]
         self.optimizer = outer.build(self.anchors)
+        #: one replica averaged with itself: the outer step is the identity, so it is not computed (its rounding
+        #: would be the only difference from plain training)
+        self.identity = layout.size("rep") == 1 and outer.is_averaging()
         self.inner_steps = 0
         self.outer_steps = 0
         self.synced_at = 0  #: the inner step of the last outer step
@@ -118,6 +123,11 @@ class ReplicaSync:
     def outer_step(self) -> None:
         """Average the pseudo-gradients over the replicas, step the outer optimizer, continue every replica from it."""
         replicas, group = self.layout.size("rep"), self.layout.group("rep") if self.layout.size("rep") > 1 else None
+        if self.identity:
+            for anchor, master in zip(self.anchors, self.masters):
+                anchor.copy_(master)
+            self.outer_steps, self.synced_at = self.outer_steps + 1, self.inner_steps
+            return
         for anchor, master in zip(self.anchors, self.masters):
             delta = anchor - master
             if group is not None:
@@ -131,19 +141,6 @@ class ReplicaSync:
         engines.refresh_working_weights(self.engine)
         self.outer_steps += 1
         self.synced_at = self.inner_steps
-
-
-def replica_sync(engine: Any, layout: ParallelLayout, outer: OuterOptimizer, fitting: bool,
-                 timeout: Optional[timedelta] = None) -> Optional[Union[ReplicaSync, Any]]:
-    """The outer step of a fit: a :class:`ReplicaSync` under ``replica_update="local"``, an
-    ``AsyncReplicaSync`` under ``"async"``; None otherwise (``sync``, or no training)."""
-    if not fitting or not steps_apart(layout.replica_update):
-        return None
-    if layout.replica_update == "async":
-        from lightning_mgpu.parallel.async_replicas import AsyncReplicaSync
-
-        return AsyncReplicaSync(engine, layout, outer, timeout)
-    return ReplicaSync(engine, layout, outer)
 
 
 def keep_sigterm_check_inside_replicas(trainer: Any, layout: ParallelLayout) -> None:

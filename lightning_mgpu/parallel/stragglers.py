@@ -26,7 +26,9 @@ STRAGGLER_FACTOR = 1.3
 
 
 def slow_rank_problems(slow_ranks: Optional[Mapping], world_size: Optional[int] = None) -> list[Problem]:
-    """The chaos setting's rule: ranks of the world, each with a factor >= 1."""
+    """The chaos setting's rule: a mapping of ranks of the world, each to a factor >= 1."""
+    if slow_ranks is not None and not isinstance(slow_ranks, Mapping):
+        return [Problem("slow_ranks", slow_ranks, "must map global ranks to slow-down factors", "write {1: 2.0}")]
     out = []
     for rank, factor in (slow_ranks or {}).items():
         if not isinstance(rank, int) or rank < 0 or world_size is not None and rank >= world_size:

@@ -83,6 +83,18 @@ def test_local_with_one_inner_step_and_averaging_equals_sync(token_file, name):
     assert sync[0]["losses"][-1] < sync[0]["losses"][0]  # it trains: the comparison means something
 
 
+def test_one_replica_averaged_with_itself_is_plain_training_bit_for_bit(token_file):
+    """``replicas=1`` under ``local`` with the averaging outer step (SGD, lr 1, no momentum) is plain training: the
+    same losses and weights, bit for bit (the identity outer step is not computed); DiLoCo's outer step is not."""
+    plain = run_distributed(fit_weights, 2, token_file, 2, zero_stage=1)
+    kw = dict(zero_stage=1, replica_update="local", sync_every=2)
+    averaged = run_distributed(fit_weights, 2, token_file, 2, outer_optimizer=AVERAGING, **kw)
+    diloco = run_distributed(fit_weights, 2, token_file, 2, outer_optimizer=DILOCO, **kw)
+    for p, a, d in zip(plain, averaged, diloco):
+        assert a["losses"] == p["losses"] and weight_diff(p["weights"], a["weights"]) == 0.0
+        assert weight_diff(p["weights"], d["weights"]) > 1e-4
+
+
 def diloco_reference(token_file, replicas: int, sync_every: int, outer: dict, steps: int = STEPS,
                      average_moments: bool = False) -> dict:
     """DiLoCo in one process: ``replicas`` copies of the tiny Llama, each with its own AdamW and LR schedule on its
