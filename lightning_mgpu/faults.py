@@ -21,8 +21,12 @@ from lightning_mgpu.problems import format_problems
 #: Fault injection, read by ``mgpu-train`` (see :func:`fault_callbacks`). ``<rank>:<step>``: that rank, as
 #: optimizer step ``step`` begins, SIGKILLs itself (``kill``: its sockets close at once), SIGSTOPs itself (``stop``: it
 #: hangs with its sockets open), or raises :class:`InjectedFault` inside that step's backward pass (``raise``); the
-#: last two first print ``MGPU fault: ... at time <unix time>`` on stderr.
-RANK_FAULTS = {"MGPU_KILL_RANK_AT": "kill", "MGPU_STOP_RANK_AT": "stop", "MGPU_RAISE_RANK_AT": "raise"}
+#: last two first print ``MGPU fault: ... at time <unix time>`` on stderr. ``MGPU_SIGNAL_RANK_AT``: that rank sends
+#: itself the signal ``MGPU_SIGNAL`` names (default ``SIGUSR2``, as SLURM before a time limit) inside that step's
+#: backward pass (a preemption).
+RANK_FAULTS = {"MGPU_KILL_RANK_AT": "kill", "MGPU_STOP_RANK_AT": "stop", "MGPU_RAISE_RANK_AT": "raise",
+               "MGPU_SIGNAL_RANK_AT": "signal"}
+SIGNAL_VARIABLE = "MGPU_SIGNAL"
 #: ``MGPU_KILL_AT=<point>:<step>``: rank 0 SIGKILLs the whole job (its process group) at that point of that step.
 KILL_JOB_VARIABLE = "MGPU_KILL_AT"
 #: The points of ``MGPU_KILL_AT``, each with the step it counts (``trainer.global_step`` there).
@@ -139,6 +143,14 @@ def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional
                     raise InjectedFault(f"injected on rank {rank} {where}")
 
                 _in_backward(trainer.strategy.model, fail)
+            elif action == "signal":
+                name = os.environ.get(SIGNAL_VARIABLE, "SIGUSR2")
+
+                def preempt() -> None:
+                    _say(f"rank {rank} sends itself {name} in the backward pass of step {step}")
+                    os.kill(os.getpid(), signal.Signals[name])
+
+                _in_backward(trainer.strategy.model, preempt)
             if kill_job == ("backward", step) and rank == 0:
                 _in_backward(trainer.strategy.model, lambda: _kill_job(f"backward:{step} (inside the backward pass)"))
 

@@ -16,6 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.callbacks import PeriodicCheckpoint, ThroughputCallback, newest_checkpoint
+from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT, Preemption, slurm_requeue_command
+from lightning_mgpu.checkpoint.formats import replica_checkpoint_problems
 from lightning_mgpu.cli.build import build_datamodule, build_loggers, build_module, build_strategy, build_tokenizer
 from lightning_mgpu.cli.config import TrainConfig, register_configs
 from lightning_mgpu.cli.paths import conf_dir
@@ -128,9 +130,14 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     out: list[L.Callback] = [SameConfigOnEveryRank(cfg)]
     if cfg.throughput.enabled:
         out.append(ThroughputCallback(cfg.throughput.peak_flops))
+    saver = PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps or 1, cfg.checkpoint.keep_last)
     if cfg.checkpoint.every_n_steps:
-        out.append(PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps,
-                                      cfg.checkpoint.keep_last))
+        out.append(saver)
+    # a signal to any rank: every rank stops after the step, with an emergency checkpoint (none where the run cannot
+    # write one), then exits with REQUEUE_EXIT
+    can_save = not replica_checkpoint_problems(cfg.parallel.replica_update, cfg.checkpoint.format)
+    requeue = slurm_requeue_command(dict(os.environ)) if cfg.cluster.launcher == "slurm" else None
+    out.append(Preemption(saver if can_save else None, requeue=requeue))
 
     out.extend(fault_callbacks())  # fault injection for tests (MGPU_*_AT variables); none without them
     return out
@@ -165,6 +172,9 @@ def _fit(spec: RunSpec, run_dir: Path, trainer: L.Trainer, strategy, module, dat
     """Fit, then optionally save, report the pipeline timeline and print a sample."""
     cfg = spec.config
     trainer.fit(module, datamodule, ckpt_path=resume_path(cfg, run_dir))
+    preempted = next((c.preempted for c in trainer.callbacks if isinstance(c, Preemption)), None)
+    if preempted is not None:  # resume with checkpoint.resume=auto; the launcher or scheduler starts it again
+        raise SystemExit(REQUEUE_EXIT)
     if cfg.checkpoint.save_last:
         PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), 1, cfg.checkpoint.keep_last).save(trainer,
                                                                                           trainer.global_step)

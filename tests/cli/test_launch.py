@@ -78,6 +78,8 @@ def test_slurm_cluster_writes_the_expected_sbatch_script(tmp_path):
                  "#SBATCH --job-name=mgpu-llama3_70b"):
         assert line in script
     assert "srun" in script and "submitit.core._submit" in script  # one task per GPU, started by srun
+    # SIGUSR2 to every task 2 minutes before the time limit: every rank stops after its step, saves and requeues
+    assert "#SBATCH --signal=USR2@120" in script
 
 
 def test_two_torchrun_nodes_train_tp2_sp_dp2_at_parity(token_file, tmp_path):

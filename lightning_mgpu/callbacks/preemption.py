@@ -1,0 +1,138 @@
+"""Preemption: SIGTERM, SIGUSR1 or SIGUSR2 delivered to any rank stops every rank at the next step boundary, by
+agreement, after an emergency checkpoint written through the atomic path; then the job exits with
+:data:`REQUEUE_EXIT` so that its scheduler or launcher starts it again, and ``checkpoint.resume=auto`` continues at the
+next step: no step is lost.
+
+The signal handler only sets a flag. Saving inside the handler (Lightning's SLURM requeue does) can interrupt a
+collective or a write halfway and hang; exiting from it (submitit's) leaves the other ranks blocked in their next
+collective until the timeout. After every optimizer step the ranks all-reduce the flag (two elements: the signal and
+the highest rank that received one), which replaces the check Lightning makes before every batch, which reads rank 0's
+flag alone. Replicas that step apart (``replica_update="local"``) meet only at their outer steps, so they agree there
+(an emergency checkpoint waits for the end of the round); ``async`` runs cannot be checkpointed, so this callback
+leaves them to Lightning's own handling (each replica stops on its own SIGTERM).
+
+Under SLURM (``cluster=slurm``), rank 0 asks for the requeue itself, once (``scontrol requeue $SLURM_JOB_ID``), after
+the emergency checkpoint is published; the sbatch script asks SLURM for SIGUSR2 ahead of the time limit
+(``hydra.launcher.signal_delay_s``).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_mgpu.callbacks.checkpoint import PeriodicCheckpoint
+
+#: The signals that mean "stop soon": SLURM's preemption and time limit, torchrun's and Kubernetes' shutdown.
+SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+#: Exit status of a preempted run (EX_TEMPFAIL: try again later): what a launcher restarts on.
+REQUEUE_EXIT = 75
+
+
+@dataclass(frozen=True)
+class Preempted:
+    """What stopped the run: the signal, the rank it reached (the highest, if several), the last step, the emergency
+    checkpoint (None without a checkpoint directory) and whether the job was requeued."""
+
+    signal: str
+    rank: int
+    step: int
+    checkpoint: Optional[Path]
+    requeued: bool
+
+    def describe(self) -> str:
+        saved = f"emergency checkpoint {self.checkpoint}" if self.checkpoint else "no checkpoint directory: not saved"
+        return (f"Preempted: {self.signal} reached rank {self.rank}; every rank stopped after step {self.step}; "
+                f"{saved}; {'job requeued; ' if self.requeued else ''}exiting with {REQUEUE_EXIT}")
+
+
+class Preemption(L.Callback):
+    """Place after the run's :class:`PeriodicCheckpoint` (``checkpoint``) in the callbacks: a step it has just
+    saved is not saved twice. ``requeue``: the command rank 0 runs once after the emergency checkpoint (SLURM's,
+    :func:`slurm_requeue_command`). After ``fit``, :attr:`preempted` says what happened (None: not preempted)."""
+
+    def __init__(self, checkpoint: Optional[PeriodicCheckpoint] = None, signals: Sequence[int] = SIGNALS,
+                 requeue: Optional[list[str]] = None) -> None:
+        self.checkpoint, self.signals, self.requeue = checkpoint, tuple(signals), requeue
+        self.received: int = 0
+        self.received_at: Optional[float] = None
+        self.preempted: Optional[Preempted] = None
+        self._previous: dict[int, Any] = {}
+        self._step_seen = -1
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if _replica_update(trainer) == "async" or threading.current_thread() is not threading.main_thread():
+            return
+        for signum in self.signals:
+            self._previous[signum] = signal.signal(signum, self._handle)
+        loop = trainer.fit_loop.epoch_loop
+        if "_broadcast_sigterm_tensor" not in vars(loop):  # Lightning's rank-0-only check: the agreement replaces it
+            loop._broadcast_sigterm_tensor = lambda: None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if not self.received:
+            self.received, self.received_at = signum, time.time()
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self._step_seen or not self._previous or not _at_boundary(trainer):
+            return  # not an optimizer step (gradient accumulation), or replicas between outer steps
+        self._step_seen = step
+        signum, rank = self._agree()
+        if signum:
+            self._stop(trainer, signum, rank, step)
+
+    def _agree(self) -> tuple[int, int]:
+        """(the signal, the highest rank that received one), the same on every rank; (0, -1) when none did."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        flag = torch.tensor([self.received, rank if self.received else -1], dtype=torch.int64)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag[0]), int(flag[1])
+
+    def _stop(self, trainer: L.Trainer, signum: int, rank: int, step: int) -> None:
+        path = None
+        if self.checkpoint is not None:
+            path = self.checkpoint.directory / f"step-{step:08d}"
+            if not path.is_dir():  # the periodic checkpoint of this step, if any, is already published
+                path = self.checkpoint.save(trainer, step)
+        requeued = False
+        if self.requeue and trainer.is_global_zero:
+            subprocess.run(self.requeue, check=True)
+            requeued = True
+        self.preempted = Preempted(signal.Signals(signum).name, rank, step, path, requeued or bool(self.requeue))
+        rank_zero_info(self.preempted.describe())
+        trainer.should_stop = True
+
+    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+
+def _replica_update(trainer: L.Trainer) -> str:
+    layout = getattr(trainer.strategy, "layout", None)
+    return getattr(layout, "replica_update", "sync")
+
+
+def _at_boundary(trainer: L.Trainer) -> bool:
+    """Whether every rank can meet here: always, unless replicas step apart and this step did not end a round."""
+    sync = getattr(trainer.strategy, "_replica_sync", None)
+    return sync is None or sync.synced_at == sync.inner_steps
+
+
+def slurm_requeue_command(environ: dict) -> Optional[list[str]]:
+    """``scontrol requeue <job id>`` inside a SLURM job, else None."""
+    job = environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID") and \
+        f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}" or environ.get("SLURM_JOB_ID")
+    return ["scontrol", "requeue", job] if job else None

@@ -1,0 +1,63 @@
+"""A signal to one rank, at any moment of a step: every rank stops at the next step boundary with an emergency
+checkpoint, and the resumed run ends with the uninterrupted run's weights, bit for bit."""
+
+import os
+
+import pytest
+from test_replicas import fit_weights, weight_diff
+
+from lightning_mgpu.callbacks import PeriodicCheckpoint
+from lightning_mgpu.callbacks.preemption import Preemption
+from lightning_mgpu.faults import fault_callbacks
+from lightning_mgpu.testing import run_distributed
+
+STEPS = 6
+
+
+def preemptible_fit(rank: int, token_file, directory, environ: dict, requeue=None, **kw) -> dict:
+    """2 ZeRO-1 ranks with a checkpoint directory (periodic saves too rare to matter) and preemption handling; the
+    fault injection of ``environ`` (``MGPU_SIGNAL_RANK_AT`` ...)."""
+    os.environ.update(environ)
+    checkpoint = PeriodicCheckpoint(directory, every_n_steps=100)
+    preemption = Preemption(checkpoint, requeue=requeue)
+    out = fit_weights(rank, token_file, 2, max_steps_=STEPS, zero_stage=1,
+                      callbacks=(checkpoint, preemption, *fault_callbacks()), **kw)
+    return {**out, "preempted": preemption.preempted}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(token_file, tmp_path_factory):
+    return run_distributed(preemptible_fit, 2, token_file, tmp_path_factory.mktemp("whole"), {})
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_one_rank_stops_every_rank_and_loses_no_step(token_file, tmp_path, uninterrupted, name):
+    """The signal reaches rank 1 inside the backward pass of step 4 (global step 3): both ranks finish that step,
+    agree, save ``step-00000004`` and stop; resumed from the directory, the run ends where the uninterrupted one
+    ends, bit for bit."""
+    environ = {"MGPU_SIGNAL_RANK_AT": "1:3", "MGPU_SIGNAL": name}
+    stopped = run_distributed(preemptible_fit, 2, token_file, tmp_path, environ)
+    for r in stopped:
+        assert r["preempted"] is not None and (r["preempted"].signal, r["preempted"].rank) == (name, 1)
+        assert r["preempted"].step == 4 and len(r["losses"]) == 4
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000004"]
+    resumed = run_distributed(preemptible_fit, 2, token_file, tmp_path, {}, ckpt_path=str(tmp_path))
+    for whole, again in zip(uninterrupted, resumed):
+        assert again["losses"] == whole["losses"][4:] and again["preempted"] is None
+        assert weight_diff(whole["weights"], again["weights"]) == 0.0
+
+
+def test_under_slurm_rank_0_requeues_the_job_once(token_file, tmp_path, monkeypatch):
+    """A stand-in ``scontrol`` on the PATH records its calls: one ``requeue 4242``, after the checkpoint."""
+    from lightning_mgpu.callbacks.preemption import slurm_requeue_command
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nls {tmp_path / 'ckpt'} >> {calls}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    requeue = slurm_requeue_command({"SLURM_JOB_ID": "4242"})
+    run_distributed(preemptible_fit, 2, token_file, tmp_path / "ckpt", {"MGPU_SIGNAL_RANK_AT": "0:2"},
+                    requeue=requeue)
+    assert calls.read_text().splitlines() == ["requeue 4242", "step-00000003"]
