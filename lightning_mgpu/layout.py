@@ -10,7 +10,8 @@ from typing import Optional
 
 from lightning_mgpu.problems import Problem, format_problems
 from lightning_mgpu.rank_grid import RankGrid
-from lightning_mgpu.split_rules import replica_problems, stage_count_problems, tied_embedding_problems
+from lightning_mgpu.split_rules import (copies_inside, replica_problems, stage_count_problems,
+                                       tied_embedding_problems)
 
 
 #: Pipeline schedules by their public name (see ``torch.distributed.pipelining.schedules``).
@@ -138,8 +139,10 @@ class ParallelLayout(LayoutRequest, RankGrid):
                 out.append(Problem(name, value, "must be a positive integer", "use 1 to disable this axis"))
         if out:
             return out
-        out += replica_problems(W // (T * C * P) if W % (T * C * P) == 0 else None, R, self.replica_update,
-                                self.sync_every, bool(self.offload_optimizer or self.offload_params), self.max_staleness)
+        data = W // (T * C * P) if W % (T * C * P) == 0 else None
+        copies = copies_inside(T, C, data // R if data and data % R == 0 else 1, self.zero_stage)
+        out += replica_problems(data, R, self.replica_update, self.sync_every,
+                                bool(self.offload_optimizer or self.offload_params), self.max_staleness, copies)
         if W % (T * C * P) != 0:
             valid = [d for d in divisors(W) if W % (d * C * P) == 0]
             what = f"tensor_parallel_size*pipeline_parallel_size={T}*{P}={T * P}" if C == 1 else \

@@ -12,6 +12,8 @@ from lightning_mgpu.contract import hook
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.precision import pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.problems import raise_problems
+from lightning_mgpu.parallel.stragglers import slow_rank_problems
+from lightning_mgpu.split_rules import timer_problems
 
 #: The hooks a module needs for pipeline parallelism.
 PIPELINE_HOOKS = ("pipeline_stages", "pipeline_batch", "pipeline_loss")
@@ -55,13 +57,23 @@ def training_loop_problems(pipeline_parallel_size: int, accumulate_grad_batches:
 
 def check_trainer(trainer: Any, module: Any, layout: ParallelLayout, num_microbatches: int) -> None:
     """The Lightning features this strategy cannot run."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging
+    from lightning.pytorch.callbacks import ModelCheckpoint, StochasticWeightAveraging, Timer
+
+    from lightning_mgpu.callbacks.checkpoint import PeriodicCheckpoint
+    from lightning_mgpu.checkpoint.formats import replica_checkpoint_problems
 
     if trainer.gradient_clip_algorithm not in (None, "norm") and trainer.gradient_clip_val:
         raise ValueError(f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported: "
                          "MGPUStrategy clips by the global norm; use gradient_clip_algorithm='norm'")
     problems = training_loop_problems(layout.size("pp"), trainer.accumulate_grad_batches,
                                       not module.automatic_optimization, num_microbatches)
+    problems += [str(p) for p in slow_rank_problems(getattr(trainer.strategy, "slow_ranks", None), layout.world_size)]
+    timers = [cb for cb in trainer.callbacks if isinstance(cb, Timer) and cb._duration is not None]
+    problems += [str(p) for p in timer_problems(layout.replica_update, "set" if timers else None)]
+    savers = [type(cb).__name__ for cb in trainer.callbacks if isinstance(cb, (ModelCheckpoint, PeriodicCheckpoint))]
+    if savers and layout.replica_update == "async":
+        problems += [f"{line} ({', '.join(savers)} in the callbacks; Trainer(enable_checkpointing=False) leaves "
+                     "Lightning's own out)" for line in replica_checkpoint_problems("async", "universal")]
     if any(isinstance(cb, StochasticWeightAveraging) for cb in trainer.callbacks):
         problems.append("StochasticWeightAveraging is not supported by MGPUStrategy: it averages full copies of the "
                         "parameters, which ZeRO partitions and tensor/pipeline parallelism split; average "

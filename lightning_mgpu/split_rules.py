@@ -65,6 +65,24 @@ def sequence_problems(seq_len: int, context_parallel_size: int = 1, tensor_paral
 REPLICA_UPDATES = ("sync", "local", "async")
 
 
+def timer_problems(update: object, max_time: object) -> list[Problem]:
+    """Lightning's ``max_time`` broadcasts its verdict over every rank after every batch: replicas that step apart
+    would meet (and wait for the slowest) at every inner step."""
+    if steps_apart(update) and max_time is not None:
+        return [Problem("max_time", max_time, f"makes every rank meet after every batch (Lightning broadcasts whether "
+                        f"time is up), which replica_update={update!r} exists to avoid",
+                        "stop by max_steps, or use replica_update='sync'")]
+    return []
+
+
+def copies_inside(tensor_parallel: int, context_parallel: int, data_per_replica: int, zero_stage: int) -> int:
+    """The most ranks of one replica that hold a copy of the same master weight: the tensor-parallel ranks (each
+    keeps the replicated norms), or without tensor parallelism under ZeRO-0 every data and context rank."""
+    if tensor_parallel > 1:
+        return tensor_parallel
+    return context_parallel * data_per_replica if zero_stage == 0 else 1
+
+
 def steps_apart(update: object) -> bool:
     """Whether replicas take their optimizer steps apart (an outer step over their weights joins them), the rule
     every check of the outer step's needs asks."""
@@ -72,11 +90,13 @@ def steps_apart(update: object) -> bool:
 
 
 def replica_problems(data_ranks: Optional[int], replicas: int, update: object, sync_every: object,
-                     offloaded: bool = False, max_staleness: object = 0) -> list[Problem]:
+                     offloaded: bool = False, max_staleness: object = 0, copies_inside: int = 1) -> list[Problem]:
     """Replicas divide the ``data_ranks`` (tp x cp x pp copies of the model; None while that is not whole), are only
     separate when they step apart (``local``, ``async``), and synchronise every ``sync_every >= 1`` steps; the outer
     step acts on the fp32 master weights in memory, which ZeRO offload (``offloaded``) moves away; ``async`` needs
-    two replicas or more, and its staleness bound ``max_staleness`` counts rounds (>= 0)."""
+    two replicas or more, and its staleness bound ``max_staleness`` counts rounds (>= 0); above 0, no two ranks of a
+    replica may hold a copy of the same master weight (``copies_inside``: the most that do), since each pulls its
+    slices on its own."""
     out = []
     if steps_apart(update) and offloaded:
         out.append(Problem("replica_update", update, "cannot run with ZeRO offload (the outer step updates the fp32 "
@@ -97,6 +117,12 @@ def replica_problems(data_ranks: Optional[int], replicas: int, update: object, s
         out.append(Problem("replicas", replicas, "splits the data-parallel ranks into groups that synchronise on "
                            "their own, which replica_update='sync' does not do", "set replica_update='local' (or "
                            "'async') or replicas=1"))
+    if update == "async" and isinstance(max_staleness, int) and max_staleness > 0 and copies_inside > 1:
+        out.append(Problem("max_staleness", max_staleness, "lets the ranks of one replica continue from different "
+                           "versions of the global weights (each pulls its own slices), so the copies of a parameter "
+                           f"that {copies_inside} of its ranks hold (tensor-parallel ranks' replicated norms, ZeRO-0 data "
+                           "ranks' whole weights) would drift apart", "use max_staleness=0 with tensor parallelism or "
+                           "ZeRO-0, or ZeRO >= 1 without tensor parallelism"))
     if data_ranks is not None and data_ranks % replicas:
         valid = [r for r in range(1, data_ranks + 1) if data_ranks % r == 0]
         out.append(Problem("replicas", replicas, f"does not divide the {data_ranks} data-parallel ranks",

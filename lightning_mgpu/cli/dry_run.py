@@ -101,7 +101,7 @@ def cross_replica_line(spec: RunSpec, layout: ParallelLayout, shares: list[RankS
     gpus = layout.world_size // layout.size("rep")
     t = replica_traffic(share, layout.size("rep"), layout.sync_every, gpus,
                         spec.config.parallel.outer_optimizer.momentum, str(spec.config.trainer.precision),
-                        replica_update=layout.replica_update)
+                        replica_update=layout.replica_update, max_staleness=layout.max_staleness)
     return (f"cross-replica bytes per outer step (every {t.sync_every} steps): {t.outer_bytes / GB:.2f} GB sent per "
             f"GPU (an all-reduce of its {share:,.0f} fp32 master parameters over {t.replicas} replicas), "
             f"{t.site_outer_bytes / GB:.1f} GB per replica of {gpus} GPUs, {t.job_outer_bytes / GB:.1f} GB for the "

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_mgpu.cli.rule_base import _positive, keyed
 from lightning_mgpu.data.batching import batch_problems
 from lightning_mgpu.layout import ModelShape, chunks_per_rank, layout_problems
-from lightning_mgpu.split_rules import context_document_problems, sequence_problems
+from lightning_mgpu.split_rules import context_document_problems, sequence_problems, timer_problems
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
 from lightning_mgpu.parallel.stragglers import slow_rank_problems
@@ -59,6 +59,7 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
     if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
         out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
     out += keyed(replica_precision_problems(str(t.precision), p.zero_stage, p.replica_update), t)
+    out += [f"trainer.{problem}" for problem in timer_problems(p.replica_update, t.max_time)]
     slow = OmegaConf.to_container(p.slow_ranks) if isinstance(p.slow_ranks, DictConfig) else p.slow_ranks
     out += keyed(slow_rank_problems(slow, world if sizes_ok else None), t)
     if isinstance(P, int) and P > 1:

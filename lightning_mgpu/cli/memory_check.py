@@ -88,7 +88,8 @@ def run_memory(spec: RunSpec, on_gpu: bool) -> ProcessMemory:
         return need
     share = master_share(model, tp, pp, chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size), dp * cp,
                          p.zero_stage)
-    extra = outer_copy_bytes(share, spec.config.parallel.outer_optimizer.momentum, p.replica_update, p.replicas)
+    extra = outer_copy_bytes(share, spec.config.parallel.outer_optimizer.momentum, p.replica_update, p.replicas,
+                             p.max_staleness)
     return dataclasses.replace(need, model_states=need.model_states + extra)
 
 

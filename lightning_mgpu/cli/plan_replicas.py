@@ -19,7 +19,7 @@ from lightning_mgpu.planner.replicas import (ReplicaTraffic, master_share, outer
                                              replica_cluster_problems, replica_traffic)
 from lightning_mgpu.planner.search import USABLE_MEMORY
 from lightning_mgpu.precision import replica_precision_problems
-from lightning_mgpu.split_rules import replica_problems, steps_apart
+from lightning_mgpu.split_rules import copies_inside, replica_problems, steps_apart
 
 GB = 1e9
 #: The ``parallel.*`` overrides that say how replicas synchronise: the suggested command lines keep them (a layout's
@@ -57,7 +57,7 @@ def with_outer_copies(model: LlamaConfig, cluster: ClusterSpec, row: PlanRow, pa
     """``row`` (a layout of one replica) with the outer step's fp32 copies added to its optimizer memory."""
     c, p = row.candidate, parallel
     extra = outer_copy_bytes(master_share(model, c.tp, c.pp, c.virtual, c.dp * c.cp, c.zero_stage),
-                             p.outer_optimizer.momentum, p.replica_update, p.replicas)
+                             p.outer_optimizer.momentum, p.replica_update, p.replicas, p.max_staleness)
     memory = dataclasses.replace(row.memory, optimizer=row.memory.optimizer + extra)
     return PlanRow(c, memory, row.time, memory.total <= USABLE_MEMORY * cluster.gpu.memory_bytes)
 
@@ -69,8 +69,15 @@ def replica_rows(cfg: DictConfig, model: LlamaConfig, inner: ClusterSpec, precis
     rows = plan_layouts(model, inner, cfg.data.seq_len, cfg.data.global_batch_size // p.replicas, precision,
                         cfg.plan.achievable)
     rows = [with_outer_copies(model, inner, r, p) for r in rows
-            if not replica_precision_problems(precision, r.candidate.zero_stage, p.replica_update)]
+            if not replica_precision_problems(precision, r.candidate.zero_stage, p.replica_update)
+            and not _drifting_copies(p, r.candidate)]
     return sorted(rows, key=lambda r: (not r.fits, r.time.total, r.memory.total))
+
+
+def _drifting_copies(p: DictConfig, c) -> list:
+    """The layout rule that an ``async`` replica above a staleness bound of 0 holds no two copies of a weight."""
+    copies = copies_inside(c.tp, c.cp, c.dp, c.zero_stage)
+    return replica_problems(None, p.replicas, p.replica_update, p.sync_every, False, p.max_staleness, copies)
 
 
 def traffic_of(cfg: DictConfig, model: LlamaConfig, inner: ClusterSpec, row: PlanRow, precision: str) -> ReplicaTraffic:
@@ -78,7 +85,7 @@ def traffic_of(cfg: DictConfig, model: LlamaConfig, inner: ClusterSpec, row: Pla
     c, p = row.candidate, cfg.parallel
     share = master_share(model, c.tp, c.pp, c.virtual, c.dp * c.cp, c.zero_stage)
     return replica_traffic(share, p.replicas, p.sync_every, inner.world_size, p.outer_optimizer.momentum, precision,
-                           row.time.total, p.replica_update)
+                           row.time.total, p.replica_update, p.max_staleness)
 
 
 def _rate(bytes_per_second: float) -> str:

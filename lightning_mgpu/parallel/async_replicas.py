@@ -43,9 +43,12 @@ class AsyncReplicaSync:
         self.masters = engines.master_weights(engine)
         start_together(engine, layout, self.masters)
         self.replicas, self.replica = layout.size("rep"), layout.rank("rep")
-        self.anchor = self._flat()  #: the weights this round started from (this rank's share)
-        self.bounds = [len(s) for s in torch.tensor_split(torch.arange(self.anchor.numel()), self.replicas)]
+        #: the weights this round started from (this rank's share), in host memory where the server's slices travel
+        self.anchor = self._flat()
+        n, r = self.anchor.numel(), self.replicas
+        self.bounds = [n // r + (1 if j < n % r else 0) for j in range(r)]  # replica j owns slice j
         self.owner = SliceOwner(self._slices(self.anchor)[self.replica].clone(), outer, self.replicas)
+        self.timeout = (timeout or timedelta(minutes=30)).total_seconds()  #: how long a pull waits for the others
         self.groups = ServerGroups(layout.group_ranks("rep"), dist.get_rank(), timeout)
         self.errors: list = []
         self.server = threading.Thread(target=serve, args=(self.owner, self.groups, self.replicas - 1, self.errors),
@@ -108,23 +111,27 @@ class AsyncReplicaSync:
             self.base[j] = self._pull(j, want, piece)
         offset = 0
         for master in self.masters:
-            master.view(-1).copy_(self.anchor[offset:offset + master.numel()])
+            master.view(-1).copy_(self.anchor[offset:offset + master.numel()].to(master.device))
             offset += master.numel()
         engines.refresh_working_weights(self.engine)
         self.outer_steps = min(self.base)
 
     def _push(self, owner: int, piece: torch.Tensor) -> None:
         if owner == self.replica:
-            self.owner.push(self.rounds, self.base[owner], piece)
+            self.owner.push(self.rounds, self.base[owner], piece, self.replica)
             return
         self._request(owner, PUSH, self.rounds, self.base[owner])
         self.groups.requests.send([piece.contiguous()], owner, PAYLOAD_TAG).wait()
         self.sent_elements += piece.numel()
 
     def _pull(self, owner: int, want: int, into: torch.Tensor) -> int:
-        """Fill ``into`` with slice ``owner`` at version ``want`` or newer; return its version."""
+        """Fill ``into`` with slice ``owner`` at version ``want`` or newer; return its version. Waiting longer than
+        the collective timeout raises, naming the replicas the slice waits for (stopped, or that much slower)."""
+        began = time.monotonic()
         while True:
             self._raise_server_error()
+            if time.monotonic() - began > self.timeout:
+                raise RuntimeError(self._waited_too_long(owner, want))
             if owner == self.replica:
                 found = self.owner.pull(want)
                 if found is not None:
@@ -139,6 +146,13 @@ class AsyncReplicaSync:
                     self.received_elements += into.numel()
                     return int(version)
             time.sleep(POLL_SECONDS)
+
+    def _waited_too_long(self, owner: int, want: int) -> str:
+        what = "the weights after every replica's last round" if want == FINAL else f"round {want}"
+        waiting = f"; replica {', '.join(map(str, self.owner.missing(want)))} has not pushed its part" \
+            if owner == self.replica and self.owner.missing(want) else ""
+        return (f"replica {self.replica} waited {self.timeout:.0f} s for {what} of slice {owner} (owned by replica "
+                f"{owner}){waiting}: a replica stopped or is slower than the timeout (parallel.timeout)")
 
     def _request(self, owner: int, kind: int, value: int, base: int = 0) -> None:
         if owner == self.replica:
@@ -157,7 +171,7 @@ class AsyncReplicaSync:
         return [j for j in range(self.replicas) if j != self.replica]
 
     def _flat(self) -> torch.Tensor:
-        return torch.cat([m.detach().reshape(-1) for m in self.masters])
+        return torch.cat([m.detach().reshape(-1).cpu() for m in self.masters])
 
     def _slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return list(torch.split(flat, self.bounds))

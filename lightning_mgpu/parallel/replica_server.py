@@ -13,7 +13,8 @@ replica (the arithmetic of ``replica_update="local"``), a larger bound lets a fa
 Written by hand: gloo has no one-sided operations and torch's RPC framework does not run over it, so each rank runs
 a thread that answers requests with point-to-point messages on two process groups of its own (requests in, replies
 out): the training thread's collectives never share a group with it, and gloo's receives block without holding the
-GIL.
+GIL. Those groups are gloo's on every device (NCCL has no receive from any source), so the global slices live in host
+memory and travel through it.
 """
 
 from __future__ import annotations
@@ -49,16 +50,25 @@ class SliceOwner:
         self.weights = torch.nn.Parameter(weights, requires_grad=False)
         self.optimizer = outer.build([self.weights])
         self.replicas, self.version = replicas, 0
-        self.pending: dict[int, list] = {}  #: round -> [sum of scaled pseudo-gradients, pushes]
+        self.pending: dict[int, list] = {}  #: round -> [sum of scaled pseudo-gradients, replicas that pushed it]
         self.last_rounds: dict[int, int] = {}  #: replica -> its last round, once it has finished
         self.lock = threading.Lock()
 
-    def push(self, round_: int, base_version: int, delta: torch.Tensor) -> None:
+    def push(self, round_: int, base_version: int, delta: torch.Tensor, replica: int) -> None:
         with self.lock:
-            bucket = self.pending.setdefault(round_, [torch.zeros_like(delta), 0])
+            bucket = self.pending.setdefault(round_, [torch.zeros_like(delta), set()])
             bucket[0].add_(delta, alpha=1.0 / (1 + staleness(round_, base_version)))
-            bucket[1] += 1
+            bucket[1].add(replica)
             self._apply_complete_rounds()
+
+    def missing(self, want: int) -> list[int]:
+        """The replicas a pull of ``want`` waits for: those that have not pushed the round after this slice's
+        version (or, for :data:`FINAL`, not finished)."""
+        with self.lock:
+            if want == FINAL:
+                return sorted(set(range(self.replicas)) - set(self.last_rounds))
+            pushed = self.pending.get(self.version + 1, [None, set()])[1]
+            return sorted(set(range(self.replicas)) - pushed - set(self.last_rounds))
 
     def finish(self, replica: int, last_round: int) -> None:
         with self.lock:
@@ -82,9 +92,9 @@ class SliceOwner:
 
     @torch.no_grad()
     def _apply_complete_rounds(self) -> None:
-        while (bucket := self.pending.get(self.version + 1)) is not None and bucket[1] >= self._expected(
+        while (bucket := self.pending.get(self.version + 1)) is not None and len(bucket[1]) >= self._expected(
                 self.version + 1):
-            self.weights.grad = bucket[0].div_(bucket[1])
+            self.weights.grad = bucket[0].div_(len(bucket[1]))
             self.optimizer.step()
             self.weights.grad = None
             del self.pending[self.version + 1]
@@ -98,8 +108,8 @@ class ServerGroups:
     def __init__(self, all_rep_ranks: list[list[int]], rank: int, timeout: Optional[timedelta]) -> None:
         self.requests = self.replies = None
         for ranks in all_rep_ranks:  # new_group is collective over the world: every rank creates every group
-            requests = dist.new_group(ranks, timeout=IDLE_TIMEOUT)
-            replies = dist.new_group(ranks, timeout=timeout)
+            requests = dist.new_group(ranks, timeout=IDLE_TIMEOUT, backend="gloo")
+            replies = dist.new_group(ranks, timeout=timeout, backend="gloo")
             if rank in ranks:
                 self.requests, self.replies, self.ranks = requests, replies, ranks
 
@@ -122,7 +132,7 @@ def _answer(owner: SliceOwner, groups: ServerGroups, source: int, header: list[i
     if kind == PUSH:
         delta = torch.empty_like(owner.weights)
         groups.requests.recv([delta], source, PAYLOAD_TAG).wait()
-        owner.push(value, base, delta)
+        owner.push(value, base, delta, replica)
     elif kind == PULL:
         found = owner.pull(value)
         groups.replies.send([torch.tensor([-2 if found is None else found[0]])], source, REPLY_TAG).wait()

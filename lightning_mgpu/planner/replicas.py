@@ -38,14 +38,16 @@ def master_share(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: int, zero_
     return held / zero_ranks if zero_stage >= 1 else float(held)
 
 
-def outer_copy_bytes(share: float, momentum: float, replica_update: str = "local", replicas: int = 1) -> float:
+def outer_copy_bytes(share: float, momentum: float, replica_update: str = "local", replicas: int = 1,
+                     max_staleness: int = 0) -> float:
     """The outer step's extra fp32 copies of a rank's ``share`` (parameters): the weights of the last outer step, and
     the outer momentum when ``momentum > 0`` (torch's SGD allocates no buffer without momentum). Under ``async`` the
-    rank keeps the weights its round started from whole, and owns one slice of ``replicas``: its global weights, its
-    momentum and the sum of one round's pushes (``lightning_mgpu.parallel.replica_server``)."""
+    rank keeps the weights its round started from whole and a whole copy of its masters while a round ends, and owns
+    one slice of ``replicas``: its global weights, its momentum, and the sums of the rounds pushed ahead of its
+    version (at most ``max_staleness + 1``; ``lightning_mgpu.parallel.replica_server``)."""
     with_momentum = 1 if momentum > 0 else 0
     if replica_update == "async":
-        return FP32 * share * (1 + (2 + with_momentum) / replicas)
+        return FP32 * share * (2 + (1 + with_momentum + max_staleness + 1) / replicas)
     return FP32 * share * (1 + with_momentum)
 
 
@@ -92,12 +94,12 @@ class ReplicaTraffic:
 
 def replica_traffic(share: float, replicas: int, sync_every: int, gpus_per_replica: int, momentum: float,
                     precision: str = "bf16-mixed", step_seconds: Optional[float] = None,
-                    replica_update: str = "local") -> ReplicaTraffic:
+                    replica_update: str = "local", max_staleness: int = 0) -> ReplicaTraffic:
     """The memory, bytes and bandwidth of a rank holding ``share`` master parameters (see the module's formulas)."""
     problems = _traffic_problems(share, replicas, sync_every, gpus_per_replica, step_seconds)
     raise_problems("replica plan", problems)
     return ReplicaTraffic(replicas, sync_every, gpus_per_replica, share,
-                          outer_copy_bytes(share, momentum, replica_update, replicas),
+                          outer_copy_bytes(share, momentum, replica_update, replicas, max_staleness),
                           _ring(FP32 * share, replicas, 1.0),  # a ring's seconds at 1 byte/s are its bytes
                           _ring(gradient_bytes(precision) * share, replicas, 1.0), step_seconds)
 

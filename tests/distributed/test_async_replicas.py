@@ -31,6 +31,15 @@ def test_async_in_lockstep_equals_diloco(token_file, name):
     assert weight_diff(results[0]["weights"], wrong["weights"]) > 1e-4
 
 
+def test_async_with_a_checkpoint_callback_is_refused_before_training(token_file):
+    """Lightning's default ``ModelCheckpoint`` (``enable_checkpointing=True``) would save at the end of the epoch,
+    which an ``async`` run cannot: refused at setup, naming the callback and the fix."""
+    with pytest.raises(Exception, match=r"cannot save or resume checkpoints.*ModelCheckpoint in the callbacks; "
+                                        r"Trainer\(enable_checkpointing=False\)"):
+        run_distributed(fit_weights, 2, token_file, 2, zero_stage=1, replicas=2, replica_update="async",
+                        trainer_kw=dict(enable_checkpointing=True))
+
+
 COMPUTE_SECONDS = 0.03  # each batch's stand-in for the compute of a larger model (the tiny one takes milliseconds)
 SLOW_STEPS = 12
 
@@ -46,11 +55,14 @@ class ComputeModule(LLMModule):
 def timed_fit(rank: int, token_file, **kw) -> dict:
     from helpers import GLOBAL_BATCH, OPTIM, TINY, fit
 
-    module = ComputeModule(TINY, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    from test_replicas import FinalWeights
+
+    module, weights = ComputeModule(TINY, **OPTIM, global_batch_size=GLOBAL_BATCH), FinalWeights()
     fit(rank, token_file, 2, max_steps=SLOW_STEPS, clip=None, module=module, slow_ranks={1: 2.0}, zero_stage=1,
-        check_layout=False, **kw)
-    clock = module.trainer.strategy._clock
-    return {"rank": rank, "ends": clock.ends, "busy": clock.busy, "report": module.trainer.strategy.straggler_report}
+        check_layout=False, callbacks=[weights], **kw)
+    clock, sync = module.trainer.strategy._clock, module.trainer.strategy._replica_sync
+    return {"rank": rank, "ends": clock.ends, "busy": clock.busy, "report": module.trainer.strategy.straggler_report,
+            "weights": weights.weights, "staleness": getattr(sync, "staleness", None)}
 
 
 def long_steps(result: dict) -> list[int]:
@@ -70,9 +82,11 @@ def test_a_slow_rank_holds_back_sync_every_step_local_every_round_and_async_neve
     """Rank 1 made 2x slower (``slow_ranks={1: 2.0}``), 12 steps. ``sync`` (one replica of 2 ranks): rank 0 waits
     for it at every step. ``local`` (2 replicas of one rank, H=2): only at the steps that end a round. ``async``
     (H=2, at most 8 rounds ahead): never before its last step, and it completes at least 1.8x the slow replica's
-    inner steps meanwhile; its staleness is reported. The straggler report names rank 1 in each."""
+    inner steps meanwhile, its rounds starting from stale weights (and the slow one's not); both end on the same
+    weights. With at most 1 round ahead, the fast replica waits again. The straggler report names rank 1 in each."""
     runs = {"sync": {}, "local": dict(replicas=2, replica_update="local", sync_every=2),
-            "async": dict(replicas=2, replica_update="async", sync_every=2, max_staleness=8)}
+            "async": dict(replicas=2, replica_update="async", sync_every=2, max_staleness=8),
+            "bounded": dict(replicas=2, replica_update="async", sync_every=2, max_staleness=1)}
     results = {name: run_distributed(timed_fit, 2, token_file, **kw) for name, kw in runs.items()}
     for name, (fast, slow) in results.items():
         assert "straggler: rank 1 is busy" in fast["report"], (name, fast["report"])
@@ -81,4 +95,9 @@ def test_a_slow_rank_holds_back_sync_every_step_local_every_round_and_async_neve
     assert long_steps(results["async"][0])[:-1] == []
     assert steps_ahead(*results["async"]) >= 1.8, steps_ahead(*results["async"])
     assert steps_ahead(*results["local"]) < 1.3 and steps_ahead(*results["sync"]) < 1.3
-    assert "replica 0 staleness" in results["async"][0]["report"]
+    fast, slow = results["async"]
+    assert max(fast["staleness"]) >= 2 and max(slow["staleness"]) == 0, (fast["staleness"], slow["staleness"])
+    assert "replica 0 staleness: max" in fast["report"]
+    assert weight_diff(fast["weights"], slow["weights"]) == 0.0
+    bounded = results["bounded"]
+    assert max(bounded[0]["staleness"]) <= 1 and steps_ahead(*bounded) < 1.6, steps_ahead(*bounded)

@@ -43,8 +43,10 @@ def test_a_round_reshards_inside_each_replica(token_file, uninterrupted, inside)
         assert weight_diff(resumed[0]["weights"], uninterrupted["results"][0]["weights"]) < 1e-5
 
 
-def test_other_replica_settings_are_refused_by_name(token_file, uninterrupted):
-    with pytest.raises(Exception, match=r"replicas=2, replica_update='local' and this run trains with replicas=1, "
-                                        r"replica_update='sync'"):
+@pytest.mark.parametrize("now", [dict(replicas=1, replica_update="sync"), dict(replicas=1, replica_update="local")])
+def test_other_replica_settings_are_refused_by_name(token_file, uninterrupted, now):
+    """Another update rule, or the same rule with another number of replicas."""
+    with pytest.raises(Exception, match=rf"replicas=2, replica_update='local' and this run trains with replicas=1, "
+                                        rf"replica_update='{now['replica_update']}'"):
         run_distributed(fit_weights, 4, token_file, 4, max_steps_=STEPS, zero_stage=1,
-                        ckpt_path=str(uninterrupted["dir"] / "step-00000004"))
+                        ckpt_path=str(uninterrupted["dir"] / "step-00000004"), **now)

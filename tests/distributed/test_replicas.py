@@ -174,7 +174,7 @@ def test_diloco_equals_a_one_process_simulation_of_its_replicas(token_file, name
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv",
-               "batch_isend_irecv")
+               "batch_isend_irecv", "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
 
 
 class CollectiveTrace(L.Callback):

@@ -47,9 +47,10 @@ def test_a_rank_s_share_and_its_copies():
     assert master_share(cfg, 2, 1, 1, zero_ranks=8, zero_stage=1) == held / 8  # partitioned from ZeRO-1 on
     assert master_share(cfg, 2, 1, 1, zero_ranks=8, zero_stage=0) == held  # ZeRO-0: the whole shard
     assert outer_copy_bytes(1e6, 0.9) == 8e6 and outer_copy_bytes(1e6, 0.0) == 4e6
-    # async: the round's starting weights whole, and a slice of 4 owned: its weights, momentum and one round's sum
-    assert outer_copy_bytes(1e6, 0.9, "async", 4) == 4e6 * (1 + 3 / 4)
-    assert outer_copy_bytes(1e6, 0.0, "async", 2) == 4e6 * (1 + 2 / 2)
+    # async: the round's starting weights and a copy of the masters whole, and a slice of 4 owned: its weights,
+    # momentum and up to max_staleness + 1 rounds' sums
+    assert outer_copy_bytes(1e6, 0.9, "async", 4, max_staleness=2) == 4e6 * (2 + (1 + 1 + 3) / 4)
+    assert outer_copy_bytes(1e6, 0.0, "async", 2) == 4e6 * (2 + (1 + 1) / 2)
 
 
 @pytest.mark.parametrize("precision, gradient_bytes", [("bf16-mixed", 2), ("32-true", 4)])
