@@ -103,8 +103,13 @@ def _tear_next_file(where: str) -> None:
 
 
 def fault_callbacks(environ: Optional[Mapping[str, str]] = None) -> list:
-    """The Lightning callbacks that inject the faults the environment asks for (none when no variable is set)."""
+    """The Lightning callbacks that inject the faults the environment asks for (none when no variable is set, and
+    none in a restarted attempt: a fault rehearses one failure, which the restart recovers from)."""
+    from lightning_mgpu.cli.restarts import attempt
+
     environ = os.environ if environ is None else environ
+    if attempt() > 0:
+        return []
     problems: list[str] = []
     rank_faults = {}
     for name, action in RANK_FAULTS.items():

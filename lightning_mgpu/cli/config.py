@@ -219,6 +219,9 @@ class ClusterConfig:
     fork_on_cpu: bool = True
     #: refuse a run whose estimated peak memory per GPU (CPU: per machine) cannot fit, before anything starts
     check_memory: bool = True
+    #: cluster=local: start a failed or preempted job again, at most this many times, from its newest checkpoint
+    #: (needs checkpoint.resume=auto and checkpoint.every_n_steps; torchrun: --max-restarts; SLURM: requeue)
+    max_restarts: int = 0
 
 
 @dataclass

@@ -17,6 +17,7 @@ from lightning_mgpu.checkpoint.formats import (CheckpointSettings, complete_chec
 from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
 from lightning_mgpu.cli.errors import did_you_mean
 from lightning_mgpu.cli.layout_rules import parallel_problems
+from lightning_mgpu.cli.restarts import restart_problems
 from lightning_mgpu.cli.run_data import RunData, resolve_data, unread_data
 from lightning_mgpu.cli.run_model import resolve_model
 from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive
@@ -91,6 +92,8 @@ def trainer_problems(cfg: DictConfig) -> list[str]:
                    "set; lower it, or set trainer.check_val_every_n_epoch=null to count it over the whole run")
     if cfg.cluster.launcher not in LAUNCHERS:
         out.append(f"cluster.launcher={cfg.cluster.launcher!r} is unknown; choose cluster=local, torchrun or slurm")
+    out += restart_problems(cfg.cluster.max_restarts, cfg.cluster.launcher, cfg.checkpoint.resume,
+                            cfg.checkpoint.every_n_steps)
     return out
 
 

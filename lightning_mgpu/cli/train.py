@@ -25,6 +25,7 @@ from lightning_mgpu.cli.dry_run import dry_run_report
 from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.memory_check import memory_problems
+from lightning_mgpu.cli.restarts import ATTEMPT_VARIABLE, RestartRecord, supervise
 from lightning_mgpu.cli.spec import RunSpec, run_spec
 from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
@@ -139,6 +140,7 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     requeue = slurm_requeue_command(dict(os.environ)) if cfg.cluster.launcher == "slurm" else None
     out.append(Preemption(saver if can_save else None, requeue=requeue))
 
+    out.append(RestartRecord(run_dir))  # the last step finished, for what a restart loses
     out.extend(fault_callbacks())  # fault injection for tests (MGPU_*_AT variables); none without them
     return out
 
@@ -230,8 +232,12 @@ def generate_sample(module, spec: RunSpec) -> str:
 
 @hydra.main(version_base=None, config_path=str(conf_dir()), config_name="config")
 def _hydra_main(cfg: DictConfig) -> None:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     with refusal_exits():
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        if cfg.cluster.max_restarts and not cfg.dry_run and ATTEMPT_VARIABLE not in os.environ:
+            check_run(cfg)  # refused here, once, not by every attempt
+            raise SystemExit(supervise(list(HydraConfig.get().overrides.task), run_dir, cfg.cluster.max_restarts))
+        train(cfg, run_dir)
 
 
 def main() -> None:

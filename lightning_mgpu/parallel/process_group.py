@@ -3,6 +3,7 @@ communication, and the heartbeat that names lost ranks. The strategy calls it on
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -13,13 +14,28 @@ from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.parallel.liveness import Heartbeat
 
+def attempt_store(timeout: Optional[timedelta]) -> Optional[Any]:
+    """Under torchrun, the agent's store seen through a prefix of the restart count. torchrun keeps that store
+    across restarts, and a restarted rank could read the failed attempt's gloo addresses from it before its peer
+    wrote the new ones (with torch 2.13, 3 of 4 restarts tried here failed so: ``connectFullMesh ... Connection
+    refused``; 3 of 3 passed with the prefix); the prefix also keeps the failed attempt's heartbeats and failure records out of the new one's."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    import torch.distributed as dist
+
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                           is_master=False, timeout=timeout or timedelta(minutes=30))
+    return dist.PrefixStore(f"mgpu/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
 def start_process_group(cluster_environment: Any, root_device: torch.device, backend: Optional[str],
                         timeout: Optional[timedelta], request: LayoutRequest, devices_per_node: int,
                         global_rank: int) -> tuple[str, ParallelLayout, Optional[Heartbeat]]:
     """(the backend used, the one layout of this process with its groups created, the heartbeat or None alone)."""
     backend = backend or _get_default_process_group_backend_for_device(root_device)
     engines.preload()  # while the other ranks start: the rendezvous below waits for them anyway
-    _init_dist_connection(cluster_environment, backend, timeout=timeout)
+    store = attempt_store(timeout)
+    _init_dist_connection(cluster_environment, backend, timeout=timeout, **({"store": store} if store else {}))
     layout = request.build(cluster_environment.world_size(), devices_per_node=devices_per_node)
     layout.init_groups(global_rank, timeout=timeout)
     engines.init_engine_comm(timeout)

@@ -1,0 +1,124 @@
+"""Automatic restarts: ``cluster.max_restarts=N`` under ``cluster=local`` (torchrun's ``--max-restarts`` for
+``cluster=torchrun``), and the record of what each restart lost.
+
+Under ``cluster=local`` the command the user ran becomes a supervisor: it runs the job as a child process (the same
+overrides, the same run directory, ``checkpoint.resume=auto``) and starts it again when it exits with a failure or
+with the preemption status, at most ``N`` times. The supervisor holds no process group and no model, so a job whose
+rank 0 dies is restarted like one whose other ranks do. Each attempt knows its number (``MGPU_ATTEMPT``; torchrun's
+``TORCHELASTIC_RESTART_COUNT``); rank 0 of every attempt writes the last step it finished into the run directory, so
+the next attempt can say how many steps the restart lost (the steps after the checkpoint it resumed from), and
+appends it to ``restarts.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+#: The attempt number of a supervised job (0 first); torchrun's restart count plays the same part.
+ATTEMPT_VARIABLE = "MGPU_ATTEMPT"
+RESTART_COUNTS = (ATTEMPT_VARIABLE, "TORCHELASTIC_RESTART_COUNT")
+PROGRESS, RESTARTS = "progress.json", "restarts.jsonl"
+
+
+def attempt() -> int:
+    """This job's attempt: 0 the first time, k after k restarts (by the supervisor or by torchrun)."""
+    for name in RESTART_COUNTS:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def restart_problems(max_restarts: object, launcher: str, resume: Optional[str], every_n_steps: object) -> list[str]:
+    """``cluster.max_restarts``: an integer >= 0, for ``cluster=local`` (torchrun has ``--max-restarts``; SLURM
+    requeues), with each restart resuming from the newest periodic checkpoint."""
+    if max_restarts == 0:
+        return []
+    if not isinstance(max_restarts, int) or isinstance(max_restarts, bool) or max_restarts < 0:
+        return [f"cluster.max_restarts={max_restarts!r} must be an integer >= 0"]
+    out = []
+    if launcher != "local":
+        out.append(f"cluster.max_restarts={max_restarts} restarts cluster=local jobs; with cluster={launcher} use "
+                   + ("torchrun --max-restarts" if launcher == "torchrun" else "the scheduler's requeue"))
+    if resume != "auto" or not every_n_steps:
+        out.append(f"cluster.max_restarts={max_restarts} needs checkpoint.resume=auto and checkpoint.every_n_steps "
+                   "(each restart continues from the newest checkpoint instead of from step 0)")
+    return out
+
+
+def supervise(overrides: Sequence[str], run_dir: Path, max_restarts: int) -> int:
+    """Run the job as a child until it succeeds or ``max_restarts`` restarts are used; return its exit status. A
+    signal to the supervisor (Ctrl-C, a scheduler's SIGTERM) is passed to the job and ends the restarts."""
+    command = [sys.executable, "-m", "lightning_mgpu.cli.train", *overrides, f"hydra.run.dir={run_dir}"]
+    stopping: list[int] = []
+    for number in range(max_restarts + 1):
+        code = _attempt(command, number, stopping)
+        if code == 0 or stopping:
+            break
+        if number < max_restarts:
+            print(f"mgpu-train: attempt {number + 1} exited with status {code}; restart {number + 1} of "
+                  f"{max_restarts}", file=sys.stderr, flush=True)
+    restarts = read_restarts(run_dir)
+    lost = sum(r["lost_steps"] for r in restarts)
+    print(f"mgpu-train: {len(restarts)} restart(s), {lost} step(s) lost; exit status {code}", flush=True)
+    return code
+
+
+def _attempt(command: list[str], number: int, stopping: list[int]) -> int:
+    """One attempt, in a session of its own: when it ends, whatever of it is left (a rank forked by a rank 0 that
+    was killed, blocked in a collective) is killed with it, so the next attempt starts clean."""
+    child = subprocess.Popen(command, env=dict(os.environ, **{ATTEMPT_VARIABLE: str(number)}), start_new_session=True)
+
+    def forward(signum: int, frame: object) -> None:
+        stopping.append(signum)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    try:
+        return child.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+
+
+def read_restarts(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / RESTARTS
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+class RestartRecord(L.Callback):
+    """Rank 0 writes the last finished step into ``run_dir`` after every optimizer step; a restarted attempt reads
+    it at the start of training and records the steps it lost."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = Path(run_dir)
+
+    def on_train_start(self, trainer: L.Trainer, *args) -> None:
+        number, progress = attempt(), self.run_dir / PROGRESS
+        if number == 0 or not trainer.is_global_zero:
+            return
+        reached = json.loads(progress.read_text())["step"] if progress.is_file() else 0
+        record = {"attempt": number + 1, "resumed_at": trainer.global_step, "previous_reached": reached,
+                  "lost_steps": max(0, reached - trainer.global_step)}
+        with (self.run_dir / RESTARTS).open("a") as out:
+            out.write(json.dumps(record) + "\n")
+        rank_zero_info(f"Restart {number}: resumed at step {trainer.global_step}; the attempt before reached step "
+                       f"{reached}: {record['lost_steps']} step(s) lost")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
+        if trainer.is_global_zero:
+            path = self.run_dir / PROGRESS
+            path.with_suffix(".tmp").write_text(json.dumps({"step": trainer.global_step, "attempt": attempt()}))
+            os.replace(path.with_suffix(".tmp"), path)
