@@ -70,6 +70,11 @@ def cli_args(token_file, steps: int, n_layers: int = 2) -> list[str]:
             "sample.max_new_tokens=4", "trainer.enable_progress_bar=false"]
 
 
+#: The settings of the failure tests' runs: ZeRO-1, checkpoints every 2 steps, resumed automatically (they do not
+#: change the losses: the uninterrupted run has them too).
+RESTARTABLE = ["parallel.zero_stage=1", "checkpoint.every_n_steps=2", "checkpoint.resume=auto"]
+
+
 def cli_reference(token_file, steps: int, n_layers: int = 2, val_batches: int = 0) -> dict:
     model = LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64,
                         max_seq_len=64)

@@ -259,6 +259,10 @@ class PlanConfig:
     top: int = 15  #: rows of the table
     per_stage: bool = False  #: also print every pipeline rank's memory for the configured layout
     commands: int = 3  #: best layouts printed as mgpu-train command lines
+    #: one GPU's mean time between job interruptions (with its share of host, network, software): Llama 3's report
+    gpu_mtbf_hours: float = 45600.0
+    write_gbs_per_node: float = 2.0  #: GB/s each node writes a checkpoint at (shared file system)
+    restart_s: float = 300.0  #: seconds from a failure to training again (requeue, start-up, loading)
 
 
 @dataclass

@@ -24,9 +24,12 @@ from lightning_mgpu.planner import GPUS, ClusterSpec, PlanRow, plan_layouts
 from lightning_mgpu.planner.replicas import replica_cluster
 from lightning_mgpu.layout import chunks_per_rank, stage_ids
 from lightning_mgpu.planner.memory import stage_memory
+from lightning_mgpu.planner.goodput import plan_goodput, save_seconds
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
 
 GB = 1e9
+#: A universal checkpoint's bytes per parameter: the fp32 weight and Adam's two moments.
+CHECKPOINT_BYTES_PER_PARAMETER = 12
 
 
 def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
@@ -50,7 +53,26 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     lines += configured
     if alone and cfg.parallel.replicas > 1 and mine is not None:
         lines += replica_lines(cfg, traffic_of(cfg, model, inner, mine, precision))
+    if mine is not None:
+        lines += goodput_lines(cfg, model, cluster, mine.time.total)
     return "\n".join(lines + command_lines(cfg, overrides, [r for r in rows if r.fits], on_cpu))
+
+
+def goodput_lines(cfg: DictConfig, model, cluster: ClusterSpec, step_s: float) -> list[str]:
+    """The configured layout's expected effective training time under failures, and the Young/Daly interval."""
+    pl, every = cfg.plan, cfg.checkpoint.every_n_steps
+    ckpt_bytes = CHECKPOINT_BYTES_PER_PARAMETER * model.num_parameters()
+    save = save_seconds(ckpt_bytes, cluster.nodes, pl.write_gbs_per_node * GB)
+    g = plan_goodput(cluster.world_size, pl.gpu_mtbf_hours, every or 1, step_s, save, pl.restart_s)
+    best_steps = max(1, round(g.best_interval_s / step_s))
+    lines = ["", f"failures: one every {g.job_mtbf_s / 3600:.1f} h for {cluster.world_size} GPUs (one GPU's MTBF "
+                 f"{pl.gpu_mtbf_hours:,.0f} h, plan.gpu_mtbf_hours); a checkpoint ({ckpt_bytes / GB:.0f} GB) blocks "
+                 f"{save:.1f} s at {pl.write_gbs_per_node:g} GB/s per node (plan.write_gbs_per_node), a restart "
+                 f"{pl.restart_s:.0f} s (plan.restart_s)"]
+    now = (f"checkpoint every {every} steps = {g.interval_s:,.0f} s: effective training time {g.fraction:.1%}; "
+           if every else "no periodic checkpoints (checkpoint.every_n_steps): every failure restarts from step 0; ")
+    return lines + [now + f"Young/Daly: every {g.best_interval_s:,.0f} s = checkpoint.every_n_steps={best_steps} "
+                          f"({g.best_fraction:.1%})"]
 
 
 def header_lines(cfg: DictConfig, model, cluster: ClusterSpec, inner: ClusterSpec, precision: str,

@@ -10,10 +10,11 @@ from cli_helpers import BIN, cli_args, read_losses, run
 from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT
 
 
-def test_cli_preempted_run_exits_for_a_requeue_and_resumes_with_no_step_lost(token_file, tmp_path):
+def test_cli_preempted_run_exits_for_a_requeue_and_resumes_with_no_step_lost(token_file, tmp_path,
+                                                                             uninterrupted_losses):
+    """Without periodic checkpoints: the emergency checkpoint is the only one."""
     args = [str(BIN / "mgpu-train"), *cli_args(token_file, 6), "parallel.zero_stage=1", "checkpoint.resume=auto"]
-    whole, again = tmp_path / "whole", tmp_path / "again"
-    run([*args, f"hydra.run.dir={whole}"], tmp_path)
+    again = tmp_path / "again"
     env = dict(os.environ, MGPU_SIGNAL_RANK_AT="1:3")
     first = subprocess.run([*args, f"hydra.run.dir={again}"], cwd=tmp_path, capture_output=True, text=True,
                            timeout=240, env=env)
@@ -23,4 +24,4 @@ def test_cli_preempted_run_exits_for_a_requeue_and_resumes_with_no_step_lost(tok
     assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["step-00000004"]
     second = run([*args, f"hydra.run.dir={again}"], tmp_path)  # the requeued job: same command, same directory
     assert "Loaded the checkpoint of step 4" in second.stdout + second.stderr
-    assert read_losses(again / "metrics.csv")[-2:] == read_losses(whole / "metrics.csv")[-2:]
+    assert read_losses(again / "metrics.csv")[-2:] == uninterrupted_losses[-2:]

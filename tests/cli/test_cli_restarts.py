@@ -6,19 +6,16 @@ import json
 import os
 import subprocess
 
-from cli_helpers import BIN, cli_args, read_losses, run
+from cli_helpers import BIN, RESTARTABLE, cli_args, read_losses, run
 
 from lightning_mgpu.testing import free_port
 
-RESTARTABLE = ["parallel.zero_stage=1", "checkpoint.every_n_steps=2", "checkpoint.resume=auto"]
 
-
-def test_local_job_with_a_killed_rank_restarts_and_completes(token_file, tmp_path):
+def test_local_job_with_a_killed_rank_restarts_and_completes(token_file, tmp_path, uninterrupted_losses):
     """Rank 0 (the process that started the job, under a plain launch) SIGKILLs itself as step 4 begins; the
     supervisor starts the job again, which resumes from step 2's checkpoint and finishes: 1 restart, 1 step lost
     (step 3), and the losses of steps 5 and 6 are the uninterrupted run's."""
-    whole, again = tmp_path / "whole", tmp_path / "again"
-    run([str(BIN / "mgpu-train"), *cli_args(token_file, 6), *RESTARTABLE, f"hydra.run.dir={whole}"], tmp_path)
+    again = tmp_path / "again"
     proc = run([str(BIN / "mgpu-train"), *cli_args(token_file, 6), *RESTARTABLE, "cluster.max_restarts=2",
                 f"hydra.run.dir={again}"], tmp_path, env=dict(os.environ, MGPU_KILL_RANK_AT="0:3"))
     out = proc.stdout + proc.stderr
@@ -27,10 +24,10 @@ def test_local_job_with_a_killed_rank_restarts_and_completes(token_file, tmp_pat
     assert "mgpu-train: 1 restart(s), 1 step(s) lost; exit status 0" in out
     records = [json.loads(line) for line in (again / "restarts.jsonl").read_text().splitlines()]
     assert records == [{"attempt": 2, "resumed_at": 2, "previous_reached": 3, "lost_steps": 1}]
-    assert read_losses(again / "metrics.csv")[-2:] == read_losses(whole / "metrics.csv")[-2:]
+    assert read_losses(again / "metrics.csv")[-2:] == uninterrupted_losses[-2:]
 
 
-def test_torchrun_restarts_a_job_whose_rank_was_killed(token_file, tmp_path):
+def test_torchrun_restarts_a_job_whose_rank_was_killed(token_file, tmp_path, uninterrupted_losses):
     """``torchrun --max-restarts=1``: rank 1 killed as step 4 begins, torchrun starts both ranks again (its restart
     count tells the attempt), and the job resumes from step 2 and completes with the uninterrupted run's losses."""
     # torchrun keeps its store across restarts: the strategy sees it through a prefix of the restart count
@@ -44,6 +41,4 @@ def test_torchrun_restarts_a_job_whose_rank_was_killed(token_file, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "Restart 1: resumed at step 2; the attempt before reached step 3: 1 step(s) lost" in out, out[-3000:]
-    whole = tmp_path / "whole"
-    run([str(BIN / "mgpu-train"), *cli_args(token_file, 6), *RESTARTABLE, f"hydra.run.dir={whole}"], tmp_path)
-    assert read_losses(tmp_path / "run" / "metrics.csv")[-2:] == read_losses(whole / "metrics.csv")[-2:]
+    assert read_losses(tmp_path / "run" / "metrics.csv")[-2:] == uninterrupted_losses[-2:]

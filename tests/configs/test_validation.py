@@ -105,6 +105,8 @@ BAD_INPUTS = [
      "trainer.max_time='00:01:00:00' makes every rank meet after every batch"),
     (["trainer.devices=4", "parallel.replicas=2", "parallel.replica_update=async", "parallel.tensor_parallel_size=2"],
      "parallel.max_staleness=2 lets the ranks of one replica continue from different versions"),
+    (["cluster.max_restarts=2"], "cluster.max_restarts=2 needs checkpoint.resume=auto and checkpoint.every_n_steps"),
+    (["cluster.max_restarts=-1"], "cluster.max_restarts=-1 must be an integer >= 0"),
     (["parallel.slow_ranks={5: 2.0}"], "parallel.slow_ranks=5 is not a rank of this job (ranks 0 to 1)"),
     (["parallel.slow_ranks={1: 0.5}"], "parallel.slow_ranks={1: 0.5} must slow the rank by a factor >= 1"),
     (["parallel.replica_update=local", "parallel.sync_every=0"], "parallel.sync_every=0 must be a positive integer"),

@@ -1,0 +1,31 @@
+"""The planner's goodput under failures (Young/Daly) against hand-computed numbers, and mgpu-plan's lines."""
+
+import math
+
+import pytest
+from cli_helpers import composed
+
+from lightning_mgpu.cli.plan import plan_report
+from lightning_mgpu.planner.goodput import LLAMA3_GPU_MTBF_HOURS, goodput_fraction, plan_goodput, save_seconds
+
+
+def test_the_goodput_formula_and_the_young_daly_interval():
+    # 1,000 GPUs of 10,000 h: the job fails every 10 h = 36,000 s; saves of 20 s every 100 steps of 6 s (600 s)
+    g = plan_goodput(1000, 10_000, every_n_steps=100, step_s=6.0, save_s=20.0, restart_s=300.0)
+    assert g.job_mtbf_s == 36_000 and g.interval_s == 600
+    assert g.fraction == pytest.approx(1 - 20 / 600 - (300 + 300) / 36_000)
+    assert g.best_interval_s == pytest.approx(math.sqrt(2 * 20 * 36_000)) == pytest.approx(1200)
+    assert g.best_fraction == pytest.approx(1 - 20 / 1200 - (300 + 600) / 36_000) and g.best_fraction > g.fraction
+    for other in (900, 1500):  # Young/Daly's interval is the best one
+        assert goodput_fraction(other, 20, 300, 36_000) < g.best_fraction
+    assert goodput_fraction(10, 20, 300, 36_000) == 0.0  # saving takes longer than training between saves
+    assert save_seconds(96e9, 4, 2e9) == 12.0
+    assert LLAMA3_GPU_MTBF_HOURS == pytest.approx(45_570, rel=1e-3)
+
+
+def test_mgpu_plan_prints_the_goodput_of_the_configured_layout():
+    cfg = composed("recipe=llama3_405b_64node", "checkpoint.every_n_steps=500", "plan.restart_s=600")
+    report = plan_report(cfg)
+    assert "failures: one every 89.1 h for 512 GPUs (one GPU's MTBF 45,600 h" in report
+    assert "a restart 600 s" in report and "checkpoint every 500 steps =" in report
+    assert "Young/Daly: every" in report and "checkpoint.every_n_steps=" in report.split("Young/Daly")[1]
