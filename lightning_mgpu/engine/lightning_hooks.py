@@ -4,6 +4,7 @@ gradient accumulation are the engine's (DeepSpeed's), not torch's or Lightning's
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any, Generator, Optional
 
 import torch
@@ -64,6 +65,8 @@ class EngineHooks:
             self._clock.after_step()
 
     def on_train_start(self) -> None:
+        if self._heartbeat is not None:  # a hang report writes this rank's collective trace and stacks there
+            self._heartbeat.report_dir = Path(self.lightning_module.trainer.default_root_dir)
         if self._replica_sync is not None:
             keep_sigterm_check_inside_replicas(self.lightning_module.trainer, self.layout)
         self._clock.start()

@@ -11,13 +11,17 @@ torch 1.x): it is already shared by every rank and needs no extra port.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Optional
 
 import torch.distributed as dist
+
+from lightning_mgpu.parallel import collective_trace
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 0.5
@@ -59,6 +63,8 @@ class Heartbeat:
 
     def __init__(self, store, rank: int, world_size: int) -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
+        #: where a hang report writes this rank's collective trace and stacks (the strategy sets the run directory)
+        self.report_dir: Optional[Path] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mgpu-heartbeat", daemon=True)
 
@@ -84,6 +90,15 @@ class Heartbeat:
 
     def _stamp(self) -> None:
         self.store.set(f"mgpu/heartbeat/{self.rank}", repr(time.time()))
+        self.store.set(f"mgpu/at/{self.rank}", json.dumps(collective_trace.place()))
+
+    def where(self) -> Optional[str]:
+        """Where this rank and the others part in the collective this rank waits in (from everyone's last stamp)."""
+        theirs = {}
+        for r in range(self.world_size):
+            if r != self.rank and self.store.check([f"mgpu/at/{r}"]):
+                theirs[r] = json.loads(self.store.get(f"mgpu/at/{r}").decode())
+        return collective_trace.divergence(self.rank, collective_trace.place(), theirs)
 
     def _run(self) -> None:
         while not self._stop.wait(INTERVAL_S):
@@ -126,6 +141,21 @@ class Heartbeat:
             time.sleep(INTERVAL_S / 2)
 
 
+def _safely(read):
+    try:
+        return read()
+    except Exception:  # the store or the trace is gone: the report goes without it
+        return None
+
+
+def _report_files(heartbeat: Heartbeat) -> str:
+    """Write this rank's collective trace and stacks into the run directory; the sentence that points to them."""
+    if heartbeat.report_dir is None:
+        return ""
+    files = _safely(lambda: collective_trace.write_report(heartbeat.report_dir, heartbeat.rank))
+    return f" Rank {heartbeat.rank}'s collective trace and stacks: {', '.join(map(str, files))}." if files else ""
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -156,14 +186,17 @@ def name_lost_ranks(heartbeat: Optional[Heartbeat]) -> Iterator[None]:
         if heartbeat is None or not is_collective_failure(err):
             raise
         found = heartbeat.lost_peers()
-        if not found:
+        where = None if found.store_gone else _safely(heartbeat.where)
+        if not found and not where:
             raise
         advice = (["that rank's own traceback shows where it raised"] if found.failed else []) + \
             (["restart the job (checkpoint.resume=auto continues from the newest complete checkpoint)"]
              if found.stale or found.store_gone else [])
-        error = LostRankError(f"{describe(found, heartbeat)}, while rank {heartbeat.rank} waited on it: the job "
-                              f"cannot continue; {'; '.join(advice)}. The collective on rank {heartbeat.rank} failed "
-                              f"with: {type(err).__name__}: {err}")
+        who = describe(found, heartbeat) if found else "every rank is alive (fresh heartbeats)"
+        error = LostRankError(f"{who}, while rank {heartbeat.rank} waited: the job cannot continue"
+                              f"{'; ' + '; '.join(advice) if advice else ''}.{f' Where: {where}.' if where else ''}"
+                              f"{_report_files(heartbeat)} The collective on rank {heartbeat.rank} failed with: "
+                              f"{type(err).__name__}: {err}")
         # Logged at once as well: Lightning's local launcher SIGKILLs the surviving ranks within 5 s of a rank's exit,
         # often before the traceback of this error is printed.
         log.error("LostRankError: %s", error)

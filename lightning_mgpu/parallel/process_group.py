@@ -12,6 +12,7 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 
 from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
+from lightning_mgpu.parallel import collective_trace
 from lightning_mgpu.parallel.liveness import Heartbeat
 
 def attempt_store(timeout: Optional[timedelta]) -> Optional[Any]:
@@ -34,6 +35,7 @@ def start_process_group(cluster_environment: Any, root_device: torch.device, bac
     """(the backend used, the one layout of this process with its groups created, the heartbeat or None alone)."""
     backend = backend or _get_default_process_group_backend_for_device(root_device)
     engines.preload()  # while the other ranks start: the rendezvous below waits for them anyway
+    collective_trace.enable()  # before the first group: a hang report names the collective where ranks part
     store = attempt_store(timeout)
     _init_dist_connection(cluster_environment, backend, timeout=timeout, **({"store": store} if store else {}))
     layout = request.build(cluster_environment.world_size(), devices_per_node=devices_per_node)

@@ -86,6 +86,12 @@ def test_hung_rank_is_named_as_unresponsive_after_the_timeout(token_file, tmp_pa
     stopped = fault_time(lines, "stops")
     reported, line = report(lines, "LostRankError: rank 1 of 2 stopped responding")
     assert "Timed out" in line  # the collective timeout fired: the stopped rank's sockets stayed open
+    print(line)
+    # the collective it waits in, and the stopped rank's last one, with rank 0's trace and stacks in the run directory
+    assert re.search(r"Where: rank 1 has not entered collective #\d+ \(gloo:\w+\) of process group \S+, which rank 0 "
+                     r"waits in \(its heartbeat, every 0.5 s, ", line), line
+    for name in ("hang-rank0-collectives.json", "hang-rank0-stacks.txt"):
+        assert str(tmp_path / "stopped" / name) in line and (tmp_path / "stopped" / name).stat().st_size > 0
     elapsed = reported - stopped
     print(f"stopped at {stopped:.3f}, reported {elapsed:.2f} s later (timeout {TIMEOUT_S} s)")
     assert TIMEOUT_S - 1 <= elapsed <= TIMEOUT_S + SLACK_S, elapsed
