@@ -1,9 +1,10 @@
-"""Preemption: SIGTERM, SIGUSR1 or SIGUSR2 delivered to any rank stops every rank at the next step boundary, by
-agreement, after an emergency checkpoint written through the atomic path; then the job exits with
-:data:`REQUEUE_EXIT` so that its scheduler or launcher starts it again, and ``checkpoint.resume=auto`` continues at the
-next step: no step is lost.
+"""Preemption: SIGTERM, SIGUSR1 or SIGUSR2 delivered to any rank once ``fit`` has started stops every rank at the next
+optimizer step boundary, by agreement, after an emergency checkpoint written through the atomic path; then the job
+exits with :data:`REQUEUE_EXIT` so that its scheduler or launcher starts it again, and ``checkpoint.resume=auto``
+continues at the next step: no step is lost.
 
-The signal handler only sets a flag. Saving inside the handler (Lightning's SLURM requeue does) can interrupt a
+The handler is installed when ``fit`` starts (and again before the sanity check and training, since Lightning
+registers its own in between; before ``fit`` starts a signal ends the process as usual), and only sets a flag. Saving inside the handler (Lightning's SLURM requeue does) can interrupt a
 collective or a write halfway and hang; exiting from it (submitit's) leaves the other ranks blocked in their next
 collective until the timeout. After every optimizer step the ranks all-reduce the flag (two elements: the signal and
 the highest rank that received one), which replaces the check Lightning makes before every batch, which reads rank 0's
@@ -70,14 +71,27 @@ class Preemption(L.Callback):
         self._previous: dict[int, Any] = {}
         self._step_seen = -1
 
+    def on_fit_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._install(trainer)
+
+    def on_sanity_check_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._install(trainer)  # again: Lightning registers its own handlers between fit start and the sanity check
+
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._install(trainer)
+        self._step_seen = trainer.global_step  # the first boundary is the end of the first optimizer step
+        loop = trainer.fit_loop.epoch_loop
+        if self._previous and "_broadcast_sigterm_tensor" not in vars(loop):  # Lightning's rank-0-only check
+            loop._broadcast_sigterm_tensor = lambda: None
+
+    def _install(self, trainer: L.Trainer) -> None:
+        """Make this callback's handler the one for every signal (idempotent); remember the handlers it replaced
+        first, to put back at the end of training."""
         if _replica_update(trainer) == "async" or threading.current_thread() is not threading.main_thread():
             return
         for signum in self.signals:
-            self._previous[signum] = signal.signal(signum, self._handle)
-        loop = trainer.fit_loop.epoch_loop
-        if "_broadcast_sigterm_tensor" not in vars(loop):  # Lightning's rank-0-only check: the agreement replaces it
-            loop._broadcast_sigterm_tensor = lambda: None
+            if signal.getsignal(signum) != self._handle:
+                self._previous.setdefault(signum, signal.signal(signum, self._handle))
 
     def _handle(self, signum: int, frame: Any) -> None:
         if not self.received:
@@ -101,6 +115,9 @@ class Preemption(L.Callback):
         return int(flag[0]), int(flag[1])
 
     def _stop(self, trainer: L.Trainer, signum: int, rank: int, step: int) -> None:
+        if 0 < trainer.max_steps <= step:  # the run ends here anyway, with its own saves: nothing to resume
+            rank_zero_info(f"{signal.Signals(signum).name} reached rank {rank} in the last step: the run ends as planned")
+            return
         path = None
         if self.checkpoint is not None:
             path = self.checkpoint.directory / f"step-{step:08d}"
@@ -114,10 +131,15 @@ class Preemption(L.Callback):
         rank_zero_info(self.preempted.describe())
         trainer.should_stop = True
 
-    def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
+    def on_fit_end(self, trainer: L.Trainer, *args: Any) -> None:
+        """Put back the handlers of before ``fit`` (after Lightning's teardown, which puts back the ones it found
+        when it registered its own: this callback's)."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+
+    def on_exception(self, trainer: L.Trainer, *args: Any) -> None:
+        self.on_fit_end(trainer)
 
 
 def _replica_update(trainer: L.Trainer) -> str:

@@ -58,7 +58,8 @@ def restart_problems(max_restarts: object, launcher: str, resume: Optional[str],
 def supervise(overrides: Sequence[str], run_dir: Path, max_restarts: int) -> int:
     """Run the job as a child until it succeeds or ``max_restarts`` restarts are used; return its exit status. A
     signal to the supervisor (Ctrl-C, a scheduler's SIGTERM) is passed to the job and ends the restarts."""
-    command = [sys.executable, "-m", "lightning_mgpu.cli.train", *overrides, f"hydra.run.dir={run_dir}"]
+    # -P: the child imports the installed package, not a lightning_mgpu folder in the working directory
+    command = [sys.executable, "-P", "-m", "lightning_mgpu.cli.train", *overrides, f"hydra.run.dir={run_dir}"]
     stopping: list[int] = []
     for number in range(max_restarts + 1):
         code = _attempt(command, number, stopping)
@@ -69,28 +70,44 @@ def supervise(overrides: Sequence[str], run_dir: Path, max_restarts: int) -> int
                   f"{max_restarts}", file=sys.stderr, flush=True)
     restarts = read_restarts(run_dir)
     lost = sum(r["lost_steps"] for r in restarts)
+    code = code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
     print(f"mgpu-train: {len(restarts)} restart(s), {lost} step(s) lost; exit status {code}", flush=True)
     return code
 
 
 def _attempt(command: list[str], number: int, stopping: list[int]) -> int:
     """One attempt, in a session of its own: when it ends, whatever of it is left (a rank forked by a rank 0 that
-    was killed, blocked in a collective) is killed with it, so the next attempt starts clean."""
-    child = subprocess.Popen(command, env=dict(os.environ, **{ATTEMPT_VARIABLE: str(number)}), start_new_session=True)
+    was killed, blocked in a collective) is killed with it, so the next attempt starts clean. A signal to the
+    supervisor goes to the whole attempt; if the supervisor dies, the attempt's first process gets SIGTERM (and
+    stops after its step, as when preempted)."""
+    children: list = []
 
     def forward(signum: int, frame: object) -> None:
         stopping.append(signum)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signum)
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
+    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in forwarded}  # before the child exists: no signal is missed
     try:
-        return child.wait()
+        children.append(subprocess.Popen(command, env=dict(os.environ, **{ATTEMPT_VARIABLE: str(number)}),
+                                         start_new_session=True, preexec_fn=_terminate_with_parent))
+        return children[0].wait()
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(child.pid, signal.SIGKILL)
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+
+
+def _terminate_with_parent() -> None:
+    """In the child, before it runs: SIGTERM when the supervisor dies (Linux's PR_SET_PDEATHSIG; elsewhere none)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
 def read_restarts(run_dir: Path) -> list[dict]:
@@ -118,7 +135,8 @@ class RestartRecord(L.Callback):
                        f"{reached}: {record['lost_steps']} step(s) lost")
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and trainer.global_step != getattr(self, "_written", None):
+            self._written = trainer.global_step
             path = self.run_dir / PROGRESS
             path.with_suffix(".tmp").write_text(json.dumps({"step": trainer.global_step, "attempt": attempt()}))
             os.replace(path.with_suffix(".tmp"), path)

@@ -131,6 +131,7 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     out: list[L.Callback] = [SameConfigOnEveryRank(cfg)]
     if cfg.throughput.enabled:
         out.append(ThroughputCallback(cfg.throughput.peak_flops))
+    out.append(RestartRecord(run_dir))  # the last step finished, for what a restart loses: before its save
     saver = PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps or 1, cfg.checkpoint.keep_last)
     if cfg.checkpoint.every_n_steps:
         out.append(saver)
@@ -140,7 +141,6 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     requeue = slurm_requeue_command(dict(os.environ)) if cfg.cluster.launcher == "slurm" else None
     out.append(Preemption(saver if can_save else None, requeue=requeue))
 
-    out.append(RestartRecord(run_dir))  # the last step finished, for what a restart loses
     out.extend(fault_callbacks())  # fault injection for tests (MGPU_*_AT variables); none without them
     return out
 
@@ -236,7 +236,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     with refusal_exits():
         if cfg.cluster.max_restarts and not cfg.dry_run and ATTEMPT_VARIABLE not in os.environ:
             check_run(cfg)  # refused here, once, not by every attempt
-            raise SystemExit(supervise(list(HydraConfig.get().overrides.task), run_dir, cfg.cluster.max_restarts))
+            # the child is one run in this job's run directory, even inside a sweep
+            hydra_overrides = [o for o in HydraConfig.get().overrides.hydra
+                               if not o.startswith(("hydra.run.dir=", "hydra.mode=", "hydra.sweep.", "hydra.job."))]
+            code = supervise([*HydraConfig.get().overrides.task, *hydra_overrides], run_dir, cfg.cluster.max_restarts)
+            if code:  # a sweep (-m) goes on to its next job after a success
+                raise SystemExit(code)
+            return
         train(cfg, run_dir)
 
 

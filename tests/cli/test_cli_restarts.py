@@ -25,6 +25,9 @@ def test_local_job_with_a_killed_rank_restarts_and_completes(token_file, tmp_pat
     records = [json.loads(line) for line in (again / "restarts.jsonl").read_text().splitlines()]
     assert records == [{"attempt": 2, "resumed_at": 2, "previous_reached": 3, "lost_steps": 1}]
     assert read_losses(again / "metrics.csv")[-2:] == uninterrupted_losses[-2:]
+    # nothing of the killed attempt is left (its rank 1, blocked in a collective, was killed with its session)
+    left = subprocess.run(["pgrep", "-f", f"hydra.run.dir={again}"], capture_output=True, text=True).stdout
+    assert left.strip() == "", left
 
 
 def test_torchrun_restarts_a_job_whose_rank_was_killed(token_file, tmp_path, uninterrupted_losses):

@@ -17,17 +17,23 @@ STEPS = 6
 def preemptible_fit(rank: int, token_file, directory, environ: dict, requeue=None, **kw) -> dict:
     """2 ZeRO-1 ranks with a checkpoint directory (periodic saves too rare to matter) and preemption handling; the
     fault injection of ``environ`` (``MGPU_SIGNAL_RANK_AT`` ...)."""
+    import signal
+
     os.environ.update(environ)
     checkpoint = PeriodicCheckpoint(directory, every_n_steps=100)
     preemption = Preemption(checkpoint, requeue=requeue)
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)]
     out = fit_weights(rank, token_file, 2, max_steps_=STEPS, zero_stage=1,
                       callbacks=(checkpoint, preemption, *fault_callbacks()), **kw)
-    return {**out, "preempted": preemption.preempted}
+    restored = before == [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)]
+    return {**out, "preempted": preemption.preempted, "handlers_restored": restored}
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(token_file, tmp_path_factory):
-    return run_distributed(preemptible_fit, 2, token_file, tmp_path_factory.mktemp("whole"), {})
+    results = run_distributed(preemptible_fit, 2, token_file, tmp_path_factory.mktemp("whole"), {})
+    assert all(r["handlers_restored"] for r in results)  # the signal handlers before fit are back after it
+    return results
 
 
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGUSR1"])
@@ -45,6 +51,25 @@ def test_a_signal_to_one_rank_stops_every_rank_and_loses_no_step(token_file, tmp
     for whole, again in zip(uninterrupted, resumed):
         assert again["losses"] == whole["losses"][4:] and again["preempted"] is None
         assert weight_diff(whole["weights"], again["weights"]) == 0.0
+
+
+def test_with_gradient_accumulation_the_stop_waits_for_the_optimizer_step(token_file, tmp_path):
+    """2 batches per optimizer step: a signal in the first batch of step 1 stops every rank after that step (not
+    between its two batches), and the resumed run ends on the uninterrupted run's weights."""
+    whole = run_distributed(preemptible_fit, 2, token_file, tmp_path / "whole", {}, accumulate=2)
+    stopped = run_distributed(preemptible_fit, 2, token_file, tmp_path / "ckpt", {"MGPU_SIGNAL_RANK_AT": "1:0"},
+                              accumulate=2)
+    assert [r["preempted"].step for r in stopped] == [1, 1]
+    resumed = run_distributed(preemptible_fit, 2, token_file, tmp_path / "ckpt", {}, accumulate=2,
+                              ckpt_path=str(tmp_path / "ckpt"))
+    for w, again in zip(whole, resumed):
+        assert weight_diff(w["weights"], again["weights"]) == 0.0
+
+
+def test_a_signal_in_the_last_step_lets_the_run_end_as_planned(token_file, tmp_path):
+    ended = run_distributed(preemptible_fit, 2, token_file, tmp_path, {"MGPU_SIGNAL_RANK_AT": f"1:{STEPS - 1}"})
+    assert all(r["preempted"] is None and len(r["losses"]) == STEPS for r in ended)
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())  # no emergency checkpoint
 
 
 def test_under_slurm_rank_0_requeues_the_job_once(token_file, tmp_path, monkeypatch):
