@@ -123,11 +123,14 @@ class Preemption(L.Callback):
             path = self.checkpoint.directory / f"step-{step:08d}"
             if not path.is_dir():  # the periodic checkpoint of this step, if any, is already published
                 path = self.checkpoint.save(trainer, step)
-        requeued = False
+        requeued = bool(self.requeue)
         if self.requeue and trainer.is_global_zero:
-            subprocess.run(self.requeue, check=True)
-            requeued = True
-        self.preempted = Preempted(signal.Signals(signum).name, rank, step, path, requeued or bool(self.requeue))
+            try:  # a failed requeue must not leave rank 0 behind the others: it is reported, and the job still exits
+                subprocess.run(self.requeue, check=True)
+            except (OSError, subprocess.CalledProcessError) as error:
+                requeued = False
+                rank_zero_info(f"Preempted, but {' '.join(self.requeue)} failed ({error}): requeue the job yourself")
+        self.preempted = Preempted(signal.Signals(signum).name, rank, step, path, requeued)
         rank_zero_info(self.preempted.describe())
         trainer.should_stop = True
 
