@@ -296,6 +296,21 @@ def test_refused_at_setup_with_what_to_do_instead():
     assert "StochasticWeightAveraging" in swa and "not supported" in swa
 
 
+@pytest.mark.parametrize("update", ["local", "async"])
+def test_plain_module_trains_with_replicas_stepping_apart(update):
+    """The Classifier with its own DataLoaders, 2 epochs with validation after each, as 2 replicas of one rank that
+    step apart (H=2): each epoch the replicas read disjoint halves of the data, the loss falls, and the validation
+    loss after the last (outer) step is logged."""
+    results = run_distributed(train, 2, dict(zero_stage=1, replicas=2, replica_update=update, sync_every=2),
+                              trainer_kw=dict(limit_val_batches=2))
+    half = N_SAMPLES // 2
+    for epoch in range(2):
+        shards = [set(r["seen"][epoch * half:(epoch + 1) * half]) for r in results]
+        assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == N_SAMPLES
+    for r in results:
+        assert r["global_step"] == 16 and r["losses"][-1] < r["losses"][0] - 0.3 and "val_loss" in r["metrics"]
+
+
 def _compare(ddp: list[dict], stage: str, **kw: Any) -> str:
     try:
         assert_same_training(run_distributed(train, 2, ZERO[stage], **kw), ddp)
