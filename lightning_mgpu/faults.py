@@ -35,6 +35,8 @@ KILL_POINTS = {
     "step": "after the optimizer step that ends at step",
     "trained": "after a step that ends at a checkpoint step, before its save",
     "torn": "while writing the checkpoint of step: rank 0's first whole file half written",
+    "staged": "checkpoint.async_save: the checkpoint of step snapshotted, its trainer state written, no tensor yet",
+    "written": "checkpoint.async_save: rank 0's tensors of step written in the background, no checksums yet",
     "saving": "checkpoint of step written by every rank, not yet published",
     "published": "checkpoint of step published, older ones not yet deleted",
     "resume": "while restoring the checkpoint of step (read, not yet applied to the trainer)",

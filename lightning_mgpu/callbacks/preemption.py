@@ -28,10 +28,9 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import lightning as L
-import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mgpu.callbacks.agreement import agree, at_boundary
 from lightning_mgpu.callbacks.checkpoint import PeriodicCheckpoint
 
 #: The signals that mean "stop soon": SLURM's preemption and time limit, torchrun's and Kubernetes' shutdown.
@@ -99,20 +98,17 @@ class Preemption(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         step = trainer.global_step
-        if step == self._step_seen or not self._previous or not _at_boundary(trainer):
+        if step == self._step_seen or not self._previous or not at_boundary(trainer):
             return  # not an optimizer step (gradient accumulation), or replicas between outer steps
         self._step_seen = step
-        signum, rank = self._agree()
+        signum, rank = self._agree(trainer)
         if signum:
             self._stop(trainer, signum, rank, step)
 
-    def _agree(self) -> tuple[int, int]:
+    def _agree(self, trainer: L.Trainer) -> tuple[int, int]:
         """(the signal, the highest rank that received one), the same on every rank; (0, -1) when none did."""
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        flag = torch.tensor([self.received, rank if self.received else -1], dtype=torch.int64)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag[0]), int(flag[1])
+        signum, rank = agree(trainer, [self.received, trainer.global_rank if self.received else -1])
+        return signum, rank
 
     def _stop(self, trainer: L.Trainer, signum: int, rank: int, step: int) -> None:
         if 0 < trainer.max_steps <= step:  # the run ends here anyway, with its own saves: nothing to resume
@@ -122,7 +118,7 @@ class Preemption(L.Callback):
         if self.checkpoint is not None:
             path = self.checkpoint.directory / f"step-{step:08d}"
             if not path.is_dir():  # the periodic checkpoint of this step, if any, is already published
-                path = self.checkpoint.save(trainer, step)
+                path = self.checkpoint.save(trainer, step, blocking=True)
         requeued = bool(self.requeue)
         if self.requeue and trainer.is_global_zero:
             try:  # a failed requeue must not leave rank 0 behind the others: it is reported, and the job still exits
@@ -148,12 +144,6 @@ class Preemption(L.Callback):
 def _replica_update(trainer: L.Trainer) -> str:
     layout = getattr(trainer.strategy, "layout", None)
     return getattr(layout, "replica_update", "sync")
-
-
-def _at_boundary(trainer: L.Trainer) -> bool:
-    """Whether every rank can meet here: always, unless replicas step apart and this step did not end a round."""
-    sync = getattr(trainer.strategy, "_replica_sync", None)
-    return sync is None or sync.synced_at == sync.inner_steps
 
 
 def slurm_requeue_command(environ: dict) -> Optional[list[str]]:

@@ -60,6 +60,16 @@ def replica_checkpoint_problems(replica_update: str, checkpoint_format: str) -> 
     return []
 
 
+def background_save_problems(checkpoint_format: str, key: str = "checkpoint.async_save") -> list[str]:
+    """The rule: only universal checkpoints are written in the background (DCP's ``async_save``); DeepSpeed's own
+    format is written by the engine, blocking."""
+    if checkpoint_format != "universal":
+        return [f"{key}=true writes universal checkpoints in the background, and the checkpoint format is "
+                f"{checkpoint_format!r} (DeepSpeed writes its own format, blocking): use checkpoint.format=universal "
+                f"(MGPUStrategy(checkpoint_format='universal')) or {key}=false"]
+    return []
+
+
 def format_name_problems(value: object, key: str = "checkpoint_format") -> list[str]:
     """The format-name rule: one of :data:`FORMATS`."""
     if value in FORMATS:

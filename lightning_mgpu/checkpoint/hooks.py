@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_mgpu.checkpoint import store as checkpoints
+from lightning_mgpu.checkpoint.background import InBackground
 from lightning_mgpu.checkpoint.formats import replica_checkpoint_problems
 from lightning_mgpu.parallel.liveness import name_lost_ranks
 from lightning_mgpu.problems import raise_problems
@@ -44,9 +45,12 @@ class EngineCheckpointHooks:
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write a checkpoint directory: DeepSpeed's model and ZeRO shards plus Lightning's state as client state."""
-        if storage_options is not None:
-            raise TypeError("storage_options is not supported by MGPUStrategy: DeepSpeed writes the checkpoint")
+        """Write a checkpoint directory: the engine's state in the run's format plus Lightning's as client state.
+        ``storage_options``: an :class:`~lightning_mgpu.checkpoint.background.InBackground` to write it in the
+        background (the started save is left in it), else None."""
+        if storage_options is not None and not isinstance(storage_options, InBackground):
+            raise TypeError(f"storage_options={storage_options!r}: MGPUStrategy takes None or InBackground (the engine "
+                            "writes the checkpoint)")
         raise_problems("Cannot save a checkpoint", replica_checkpoint_problems(self.layout.replica_update,
                                                                                self.checkpoints.format))
         filepath = self.broadcast(str(filepath))
@@ -54,8 +58,13 @@ class EngineCheckpointHooks:
         with name_lost_ranks(self._heartbeat):
             extra = functools.partial(checkpoints.write_consolidated_weights, self.model, self.layout,
                                       self.lightning_module) if self.save_consolidated_weights else None
-            checkpoints.save(self.model, self.layout, filepath, client_state, self.checkpoints, extra,
-                             self._replica_sync)
+            if storage_options is None:
+                checkpoints.save(self.model, self.layout, filepath, client_state, self.checkpoints, extra,
+                                 self._replica_sync)
+            else:
+                storage_options.started = checkpoints.save_in_background(
+                    self.model, self.layout, filepath, client_state, self.checkpoints, storage_options.group, extra,
+                    self._replica_sync)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

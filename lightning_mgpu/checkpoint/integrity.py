@@ -53,18 +53,41 @@ def _share(directory: Path, names: list[str], rank: int, world: int) -> list[str
 
 def record_checksums(directory: str | Path, rank: int = 0, world: int = 1, gather: Gather = single_process) -> None:
     """Write ``checksums.json`` for the files in ``directory`` (collective: every rank calls it once its files are
-    written; each checksums a share)."""
+    written; each checksums a share). A rank that fails (an unreadable file, a full disk) still takes part in every
+    gather, so that all ranks raise :class:`ChecksumRecordError` together instead of leaving the others waiting."""
     directory = Path(directory)
-    names = checkpoint_files(directory) if rank == 0 else None
+    names = _attempt(lambda: checkpoint_files(directory)) if rank == 0 else None
     names = gather(names)[0]
-    mine = {n: {"bytes": (directory / n).stat().st_size, ALGORITHM: file_checksum(directory / n)}
-            for n in _share(directory, names, rank, world)}
-    entries = {n: e for part in gather(mine) for n, e in part.items()}
-    if rank == 0:
-        partial = directory / (CHECKSUMS + ".tmp")
-        partial.write_text(json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(entries.items()))}, indent=1))
-        os.replace(partial, directory / CHECKSUMS)
-    gather(None)  # every rank returns after the list is in place
+    mine = _attempt(lambda: {n: {"bytes": (directory / n).stat().st_size, ALGORITHM: file_checksum(directory / n)}
+                             for n in _share(directory, names, rank, world)}) if isinstance(names, list) else names
+    parts = gather(mine)
+    failed = [f"rank {r}: {part}" for r, part in enumerate(parts) if isinstance(part, str)]
+    written = None
+    if rank == 0 and not failed:
+        entries = {n: e for part in parts for n, e in part.items()}
+        written = _attempt(lambda: _write_checksums(directory, entries))
+    written = gather(written)[0]  # every rank returns after the list is in place, or raises with the others
+    failed += [f"rank 0: {written}"] if isinstance(written, str) else []
+    if failed:
+        raise ChecksumRecordError(f"checksums of {directory} not recorded: " + "; ".join(failed))
+
+
+class ChecksumRecordError(OSError):
+    """Some rank could not checksum its share of a checkpoint, or rank 0 could not write the list."""
+
+
+def _attempt(work: Callable[[], Any]) -> Any:
+    """``work()``, or its error as a string (what a rank sends the others instead of its result)."""
+    try:
+        return work()
+    except OSError as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def _write_checksums(directory: Path, entries: dict) -> None:
+    partial = directory / (CHECKSUMS + ".tmp")
+    partial.write_text(json.dumps({"algorithm": ALGORITHM, "files": dict(sorted(entries.items()))}, indent=1))
+    os.replace(partial, directory / CHECKSUMS)
 
 
 def recorded_checksums(directory: str | Path) -> tuple[Optional[dict], list[str]]:

@@ -20,6 +20,7 @@ from lightning_mgpu.checkpoint.formats import (
     CheckpointRefusedError,
     LOADED_FROM,
     CheckpointSettings,
+    background_save_problems,
     complete_checkpoints,
     format_of,
     read_refusal,
@@ -72,6 +73,22 @@ def save(engine: Any, layout: ParallelLayout, path: str | Path, client_state: di
     if write_extra is not None:
         write_extra(Path(path))
     record(path)
+
+
+def save_in_background(engine: Any, layout: ParallelLayout, path: str | Path, client_state: dict,
+                       settings: CheckpointSettings, group: Any, write_extra: Optional[Callable[[Path], None]] = None,
+                       replica_sync: Any = None) -> Any:
+    """Start writing the universal checkpoint ``path`` in the background (collective) and return its
+    :class:`~lightning_mgpu.checkpoint.background.BackgroundSave`; ``write_extra`` (the consolidated weights) is written
+    first, blocking, so that the background checksums cover it."""
+    from lightning_mgpu.checkpoint.background import start_background_save
+
+    problems = background_save_problems(settings.format)
+    if problems:
+        raise ValueError(problems[0])
+    if write_extra is not None:
+        write_extra(Path(path))
+    return start_background_save(engine, layout, path, client_state, group, replica_sync)
 
 
 def write_consolidated_weights(engine: Any, layout: ParallelLayout, module: Any, directory: Path) -> None:

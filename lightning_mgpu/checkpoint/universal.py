@@ -22,7 +22,7 @@ from __future__ import annotations
 import pickle
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -64,19 +64,36 @@ def _plain(obj: Any) -> Any:
     return None  # e.g. functions in an LR scheduler's state: not needed to resume
 
 
-def save_universal(engine: Any, layout: ParallelLayout, path: str | Path, trainer_state: dict,
-                   replica_sync: Any = None) -> None:
-    """Write a layout-independent checkpoint into ``path`` (collective over all ranks); with ``replica_sync`` (a
-    ``ReplicaSync``), each replica's own weights and moments and the outer step's (``checkpoint.replica_state``)."""
+def universal_state(engine: Any, layout: ParallelLayout, trainer_state: dict,
+                    replica_sync: Any = None) -> tuple[dict, Optional[dict]]:
+    """(this rank's tensors for DCP, the trainer state rank 0 writes; None elsewhere): a snapshot, since every tensor is
+    a fresh fp32 copy out of the engine (``ParameterState.get`` clones), which training may change at once. With
+    ``replica_sync`` (a ``ReplicaSync``), each replica's own weights and moments and the outer step's
+    (``checkpoint.replica_state``)."""
     state, params = _tensor_state(engine, layout, fill=True, prefix=replica_state.prefix(layout, replica_sync))
     if replica_sync is not None:
         state.update(replica_state.outer_tensors(engine, layout, replica_sync, params, fill=True))
         trainer_state = dict(trainer_state, **{replica_state.KEY: replica_state.counters(layout, replica_sync)})
+    if dist.get_rank() != 0:
+        return state, None
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in ParameterState(engine).param_groups()]
+    return state, _plain(dict(trainer_state, rng_state=torch.get_rng_state(), optimizer_param_groups=groups))
+
+
+def write_trainer_state(path: str | Path, trainer_state: Optional[dict]) -> None:
+    """Rank 0's part of a universal checkpoint beside the tensors (``trainer_state``: from :func:`universal_state`)."""
+    if trainer_state is not None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        torch.save(trainer_state, Path(path) / TRAINER_STATE)
+
+
+def save_universal(engine: Any, layout: ParallelLayout, path: str | Path, trainer_state: dict,
+                   replica_sync: Any = None) -> None:
+    """Write a layout-independent checkpoint into ``path`` (collective over all ranks); ``replica_sync``: see
+    :func:`universal_state`."""
+    state, plain = universal_state(engine, layout, trainer_state, replica_sync)
     dcp.save(state, checkpoint_id=str(path))
-    if dist.get_rank() == 0:
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in ParameterState(engine).param_groups()]
-        trainer_state = dict(trainer_state, rng_state=torch.get_rng_state(), optimizer_param_groups=groups)
-        torch.save(_plain(trainer_state), Path(path) / TRAINER_STATE)
+    write_trainer_state(path, plain)
     dist.barrier()
 
 

@@ -242,6 +242,8 @@ class CheckpointConfig:
     #: null | a checkpoint directory | auto (the newest complete, intact one of this run's format in dir)
     resume: Optional[str] = None
     save_last: bool = False  #: also save when training ends
+    #: write periodic checkpoints in the background (universal format): training waits only for the snapshot
+    async_save: bool = False
     format: str = "universal"  #: universal (any layout can resume) | deepspeed (same layout only)
     #: read DeepSpeed-format checkpoints, which DeepSpeed unpickles (code in them runs): only files you trust
     trust_deepspeed_checkpoints: bool = False
@@ -263,6 +265,21 @@ class PlanConfig:
     gpu_mtbf_hours: float = 45600.0
     write_gbs_per_node: float = 2.0  #: GB/s each node writes a checkpoint at (shared file system)
     restart_s: float = 300.0  #: seconds from a failure to training again (requeue, start-up, loading)
+    #: the run's token budget, e.g. 2e12: prints each layout's time to train, GPU-hours, energy and cost; null: not
+    tokens: Optional[float] = None
+    #: hours the run must finish in (needs plan.tokens): node counts up to plan.max_nodes that do, cheapest first
+    deadline_hours: Optional[float] = None
+    #: price of one GPU-hour (an assumed on-demand cloud H100 figure, USD; set your own)
+    price_per_gpu_hour: float = 2.5
+    #: watts one GPU draws for the energy figure; null: its kind's board power (TDP: A100 400, H100 and H200 700)
+    gpu_power_w: Optional[float] = None
+    #: watts a node draws besides its GPUs (CPUs, memory, NICs, fans, storage); an assumed 8-GPU server figure
+    node_overhead_w: float = 2000.0
+    pue: float = 1.0  #: power usage effectiveness: facility energy over the machines' (1.0: the machines alone)
+    #: a PNG (or .svg, .pdf) of tokens/s per GPU and scaling efficiency against the node count; null: not drawn
+    scaling_curve: Optional[str] = None
+    #: the largest node count of the scaling curve and the deadline's search; null: trainer.num_nodes
+    max_nodes: Optional[int] = None
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Composed like ``mgpu-train`` (same configs, recipes and overrides): the model from ``model``, the sequence
 length and global batch from ``data``, the cluster from ``trainer.num_nodes`` x ``trainer.devices`` and
-``plan.gpu``. Prints a table and the best layouts as ``mgpu-train`` command lines.
+``plan.gpu``. Prints a table and the best layouts as ``mgpu-train`` command lines; with ``plan.tokens``, each
+layout's whole run (time, GPU-hours, energy, cost), with ``plan.deadline_hours`` the node counts that finish in time,
+cheapest first, and with ``plan.scaling_curve`` a picture of the scaling over node counts.
 """
 
 from __future__ import annotations
@@ -24,12 +26,11 @@ from lightning_mgpu.planner import GPUS, ClusterSpec, PlanRow, plan_layouts
 from lightning_mgpu.planner.replicas import replica_cluster
 from lightning_mgpu.layout import chunks_per_rank, stage_ids
 from lightning_mgpu.planner.memory import stage_memory
-from lightning_mgpu.planner.goodput import plan_goodput, save_seconds
+from lightning_mgpu.cli.plan_run import whole_run_lines
+from lightning_mgpu.planner.goodput import CHECKPOINT_BYTES_PER_PARAMETER, plan_goodput, save_seconds
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
 
 GB = 1e9
-#: A universal checkpoint's bytes per parameter: the fp32 weight and Adam's two moments.
-CHECKPOINT_BYTES_PER_PARAMETER = 12
 
 
 def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
@@ -55,6 +56,7 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
         lines += replica_lines(cfg, traffic_of(cfg, model, inner, mine, precision))
     if mine is not None:
         lines += goodput_lines(cfg, model, cluster, mine.time.total)
+    lines += whole_run_lines(cfg, model, cluster, precision, [r for r in rows[: cfg.plan.top] if r.fits], mine)
     return "\n".join(lines + command_lines(cfg, overrides, [r for r in rows if r.fits], on_cpu))
 
 
@@ -193,7 +195,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="mgpu-plan", description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  mgpu-plan recipe=llama3_70b_8node\n"
-               "  mgpu-plan model=llama3_8b trainer.num_nodes=2 plan.gpu=h200_141gb data.seq_len=8192")
+               "  mgpu-plan model=llama3_8b trainer.num_nodes=2 plan.gpu=h200_141gb data.seq_len=8192\n"
+               "  mgpu-plan recipe=llama3_70b_8node plan.tokens=1e12 plan.deadline_hours=720 plan.max_nodes=64 "
+               "plan.scaling_curve=scaling.png")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                         help=f"Hydra overrides, as for mgpu-train; plan.gpu is one of {', '.join(GPUS)}")
     overrides = parser.parse_args(argv).overrides

@@ -7,13 +7,15 @@ them all; ``plan_problems`` does the same for ``mgpu-plan``."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import math
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.checkpoint.formats import (CheckpointSettings, complete_checkpoints, format_name_problems,
-                                               read_refusal, replica_checkpoint_problems)
+                                               read_refusal, replica_checkpoint_problems, background_save_problems)
 from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
 from lightning_mgpu.cli.errors import did_you_mean
 from lightning_mgpu.cli.layout_rules import parallel_problems
@@ -26,6 +28,7 @@ from lightning_mgpu.models.llama import activation_checkpointing_problems
 from lightning_mgpu.module import lr_scaling_problems
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.precision import SUPPORTED_PRECISIONS
+from lightning_mgpu.split_rules import steps_apart
 
 
 def model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaConfig], list[str]]:
@@ -129,6 +132,8 @@ def checkpoint_problems(cfg: DictConfig) -> list[str]:
         settings = CheckpointSettings(c.format, c.trust_deepspeed_checkpoints)
         if (refusal := read_refusal(c.resume, settings)) is not None:
             out.append(f"checkpoint.resume: {refusal}")
+    if c.async_save:
+        out += background_save_problems(c.format)
     if c.every_n_steps or c.save_last or c.resume:
         out += replica_checkpoint_problems(cfg.parallel.replica_update, c.format)
     if cfg.parallel.timeout is not None and not cfg.parallel.timeout > 0:
@@ -182,4 +187,59 @@ def plan_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
     if plan.achievable is not None and not 0.0 < plan.achievable <= 1.0:
         out.append(f"plan.achievable={plan.achievable} must be a fraction of the peak in (0, 1], e.g. 0.5")
     out += _positive("plan.top", plan.top) + _positive("plan.commands", plan.commands, allow_zero=True)
-    return model, out
+    return model, out + run_plan_problems(cfg)
+
+
+#: The whole run's numbers: the key under ``plan``, the lowest value, whether the lowest is allowed, what the
+#: setting is and the fix.
+_RUN_NUMBERS = (
+    ("tokens", 0.0, False, "the run's token budget", "e.g. plan.tokens=2e12, or null for no whole-run plan"),
+    ("deadline_hours", 0.0, False, "hours the run must finish in", "e.g. plan.deadline_hours=720 (30 days), or null"),
+    ("price_per_gpu_hour", 0.0, True, "the price of one GPU-hour", "e.g. plan.price_per_gpu_hour=2.5"),
+    ("gpu_power_w", 0.0, False, "watts one GPU draws", "e.g. plan.gpu_power_w=700, or null for the board power"),
+    ("node_overhead_w", 0.0, True, "watts a node draws besides its GPUs", "e.g. plan.node_overhead_w=2000"),
+    ("pue", 1.0, True, "facility energy over the machines' energy", "e.g. plan.pue=1.2, or 1.0 for the machines"),
+)
+
+#: What ``plan.scaling_curve`` can be written as (matplotlib's formats by file name).
+CURVE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def run_plan_problems(cfg: DictConfig) -> list[str]:
+    """The whole run's settings (``plan.tokens``, the deadline, prices and powers, the scaling curve), before any
+    layout is searched: a curve that could not be written is refused here, not after the search."""
+    plan, out = cfg.plan, []
+    for key, low, inclusive, what, fix in _RUN_NUMBERS:
+        value = plan[key]
+        if value is not None and not (math.isfinite(value) and (value >= low if inclusive else value > low)):
+            out.append(f"plan.{key}={value:g} must be a finite number {'>=' if inclusive else '>'} {low:g} ({what}); "
+                       f"set {fix}")
+    if plan.deadline_hours is not None and plan.tokens is None:
+        out.append(f"plan.deadline_hours={plan.deadline_hours:g} needs the token budget it is a deadline for; set "
+                   "plan.tokens, e.g. plan.tokens=2e12")
+    if plan.max_nodes is not None:
+        out += _positive("plan.max_nodes", plan.max_nodes)
+    if plan.scaling_curve is not None:
+        out += curve_problems(str(plan.scaling_curve))
+    asked = [k for k in ("tokens", "deadline_hours", "scaling_curve") if plan[k] is not None]
+    if asked and steps_apart(cfg.parallel.replica_update):
+        out.append(f"parallel.replica_update={cfg.parallel.replica_update!r} plans one replica's layout, while "
+                   f"{', '.join('plan.' + k for k in asked)} plan{'s' if len(asked) == 1 else ''} one job that steps "
+                   "together; plan the whole run with parallel.replica_update=sync parallel.replicas=1, or leave "
+                   f"{' and '.join('plan.' + k for k in asked)} null")
+    return out
+
+
+def curve_problems(path: str) -> list[str]:
+    """``plan.scaling_curve``: a picture file matplotlib writes, in a folder that exists, with matplotlib there."""
+    out, target = [], Path(path)
+    if target.suffix.lower() not in CURVE_SUFFIXES:
+        out.append(f"plan.scaling_curve={path!r} must name a picture file ending in {', '.join(CURVE_SUFFIXES)}; "
+                   "e.g. plan.scaling_curve=scaling.png")
+    if not target.parent.is_dir():
+        out.append(f"plan.scaling_curve={path!r} is in a folder that does not exist ({target.parent}); create it or "
+                   "give a path in an existing folder")
+    if importlib.util.find_spec("matplotlib") is None:
+        out.append(f"plan.scaling_curve={path!r} needs matplotlib, which is not installed; pip install "
+                   "'lightning_mgpu[plot]', or set plan.scaling_curve=null")
+    return out

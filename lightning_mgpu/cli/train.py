@@ -132,7 +132,8 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     if cfg.throughput.enabled:
         out.append(ThroughputCallback(cfg.throughput.peak_flops))
     out.append(RestartRecord(run_dir))  # the last step finished, for what a restart loses: before its save
-    saver = PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps or 1, cfg.checkpoint.keep_last)
+    saver = PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps or 1, cfg.checkpoint.keep_last,
+                               cfg.checkpoint.async_save)
     if cfg.checkpoint.every_n_steps:
         out.append(saver)
     # a signal to any rank: every rank stops after the step, with an emergency checkpoint (none where the run cannot

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 #: One GPU's mean time between job interruptions, in hours, from Llama 3's report (466 in 54 days on 16,384 GPUs).
 LLAMA3_GPU_MTBF_HOURS = 54 * 24 * 16384 / 466
 
+#: A universal checkpoint's bytes per parameter: the fp32 weight and Adam's two moments.
+CHECKPOINT_BYTES_PER_PARAMETER = 12
+
 
 @dataclass(frozen=True)
 class Goodput:

@@ -33,13 +33,13 @@ BIN = Path(sys.executable).parent
 STEPS = 6
 
 
-def attempt(token_file, tmp_path, name, checkpoints, kill=None):
+def attempt(token_file, tmp_path, name, checkpoints, kill=None, every=1, extra=()):
     """One launch; returns its logged losses by step and the step it printed that it resumed at (None: fresh)."""
     run_dir = tmp_path / name
     env = dict(os.environ, **({"MGPU_KILL_AT": kill} if kill else {}))
     proc = subprocess.run(
         [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}",
-         f"trainer.max_steps={STEPS}", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2",
+         f"trainer.max_steps={STEPS}", f"checkpoint.every_n_steps={every}", "checkpoint.keep_last=2", *extra,
          f"checkpoint.dir={checkpoints}", "checkpoint.resume=auto", "throughput.enabled=false", *TINY_ARGS,
          f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
@@ -65,9 +65,16 @@ def on_disk(checkpoints):
     return complete, partial
 
 
-def test_killed_in_four_states_resumes_from_the_right_checkpoint_bit_identically(token_file, tmp_path):
-    whole, resumed = attempt(token_file, tmp_path, "uninterrupted", tmp_path / "ckpt-uninterrupted")
-    assert sorted(whole) == list(range(STEPS)) and resumed is None
+@pytest.fixture(scope="module")
+def whole(token_file, tmp_path_factory):
+    """The losses of the uninterrupted run."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    losses, resumed = attempt(token_file, tmp_path, "uninterrupted", tmp_path / "ckpt")
+    assert sorted(losses) == list(range(STEPS)) and resumed is None
+    return losses
+
+
+def test_killed_in_four_states_resumes_from_the_right_checkpoint_bit_identically(token_file, tmp_path, whole):
     ckpt = tmp_path / "ckpt"
     logged = {}
 
@@ -105,3 +112,29 @@ def test_killed_in_four_states_resumes_from_the_right_checkpoint_bit_identically
         for step, loss in losses.items():
             assert loss == whole[step], (name, step, loss, whole[step])
     assert sorted(step for losses in logged.values() for step in losses) == [0, 1, 2, 3, 5]
+
+
+def test_background_saves_killed_while_staged_written_and_unpublished_resume_bit_identically(token_file, tmp_path,
+                                                                                             whole):
+    """``checkpoint.async_save=true``, every 2 steps: the job is killed with the checkpoint of step 4 snapshotted (its
+    trainer state written, no tensor yet), with rank 0's tensors written in the background (no checksums), and with
+    every rank's write finished but not yet published. Each time the checkpoint of step 2 is the newest complete one
+    and the next attempt resumes from it; the last attempt runs to the end (the end of fit waits for the save of
+    step 6 and publishes it), and every logged loss equals the uninterrupted run's."""
+    ckpt, logged = tmp_path / "ckpt", {}
+    background = ["checkpoint.async_save=true"]
+    for number, kill in enumerate(["staged:4", "written:4", "saving:4"]):
+        losses, resumed = attempt(token_file, tmp_path, kill.split(":")[0], ckpt, kill=kill, every=2, extra=background)
+        assert resumed == (None if number == 0 else 2) and (number or sorted(losses) == [0, 1, 2]), (kill, losses)
+        complete, partial = on_disk(ckpt)
+        assert complete == [2] and partial == [4], (kill, complete, partial)
+        files = {p.name for p in (ckpt / "step-00000004.partial").iterdir()}
+        assert ("trainer_state.pt" in files, ".metadata" in files, "checksums.json" in files) == \
+            [(True, False, False), (True, True, False), (True, True, True)][number], (kill, files)
+        logged[kill] = losses
+    losses, resumed = attempt(token_file, tmp_path, "final", ckpt, every=2, extra=background)
+    assert resumed == 2 and sorted(losses) == [2, 3, 4, 5] and on_disk(ckpt) == ([4, 6], [])
+    logged["final"] = losses
+    for name, losses in logged.items():
+        for step, loss in losses.items():
+            assert loss == whole[step], (name, step, loss, whole[step])

@@ -1,0 +1,113 @@
+"""Checkpoints written in the background (``PeriodicCheckpoint(async_save=True)``): training goes on while they are
+written, each is published only after every rank's write has finished, a resume from one is bit-identical, and a
+failed write is reported with its rank and path. The kills at each stage, through ``mgpu-train``, are in
+``tests/cli/test_async_checkpoint_kills.py``."""
+
+import time
+
+import pytest
+from test_replicas import fit_weights, weight_diff
+
+import lightning as L
+
+from lightning_mgpu.callbacks import PeriodicCheckpoint
+from lightning_mgpu.callbacks.checkpoint import CheckpointWriteError
+from lightning_mgpu.testing import run_distributed
+
+STEPS = 6
+
+
+class Boundaries(L.Callback):
+    """The time each optimizer step ended, and the published checkpoints seen then (placed before the saver)."""
+
+    def __init__(self, directory) -> None:
+        self.directory, self.seen = directory, []
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        published = sorted(p.name for p in self.directory.glob("step-*") if not p.name.endswith(".partial"))
+        self.seen.append((trainer.global_step, time.time(), published))
+
+
+def background_fit(rank: int, token_file, directory, slow_rank: int = -1, fail: str = "", ckpt_path=None) -> dict:
+    """2 ZeRO-1 ranks saving every 2 steps in the background; ``slow_rank``'s writes take 1.5 s longer (recorded
+    when they end); with ``fail``, rank 1's write of step 4 fails: DCP's writing of its tensor files (``write``: a
+    full disk) or the checksumming of its share (``checksum``: an unreadable file)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_mgpu.checkpoint import background, integrity
+
+    record, write, checksum = background.record_checksums, dcp.FileSystemWriter.write_data, integrity.file_checksum
+    ends = []
+
+    def slow_record(path, *args, **kwargs):
+        time.sleep(1.5)
+        ends.append(time.time())
+        return record(path, *args, **kwargs)
+
+    def failing_write(self, plan, planner):
+        if "step-00000004" in str(self.path):
+            raise OSError(28, "No space left on device")
+        return write(self, plan, planner)
+
+    def failing_checksum(path):
+        if "step-00000004" in str(path):
+            raise OSError(5, "Input/output error")
+        return checksum(path)
+
+    if rank == slow_rank:
+        background.record_checksums = slow_record
+    if rank == 1 and fail:
+        if fail == "write":
+            dcp.FileSystemWriter.write_data = failing_write
+        else:
+            integrity.file_checksum = failing_checksum
+    saver = PeriodicCheckpoint(directory, every_n_steps=2, async_save=True)
+    boundaries = Boundaries(directory)
+    try:
+        out = fit_weights(rank, token_file, 2, max_steps_=STEPS, zero_stage=1, callbacks=(boundaries, saver),
+                          ckpt_path=ckpt_path)
+    except CheckpointWriteError as error:
+        return {"error": str(error), "published": sorted(p.name for p in directory.iterdir())}
+    return {**out, "seen": boundaries.seen, "write_ends": ends, "blocked_s": saver.blocked_s,
+            "in_flight": saver.in_flight}
+
+
+@pytest.fixture(scope="module")
+def synchronous(token_file, tmp_path_factory):
+    def fit(rank, token_file, directory):
+        return fit_weights(rank, token_file, 2, max_steps_=STEPS, zero_stage=1,
+                           callbacks=(PeriodicCheckpoint(directory, every_n_steps=2),))
+    return run_distributed(fit, 2, token_file, tmp_path_factory.mktemp("sync"))
+
+
+def test_published_only_after_every_rank_has_written_while_training_goes_on(token_file, tmp_path, synchronous):
+    """Rank 1's writes end 1.5 s late: steps go on meanwhile (the checkpoint of step 2 is not published at step 3),
+    rank 0 publishes it only after rank 1's write has ended, the end of fit waits for the last one, and the weights
+    are those of the run that saved synchronously; resumed from the background checkpoint of step 4, the run ends
+    on the same weights, bit for bit."""
+    results = run_distributed(background_fit, 2, token_file, tmp_path, slow_rank=1)
+    seen, rank1_ends = results[0]["seen"], results[1]["write_ends"]
+    assert len(rank1_ends) == 3 and all(r["in_flight"] is None for r in results)
+    first_with_2 = next((step, t) for step, t, published in seen if "step-00000002" in published)
+    assert first_with_2[0] >= 4  # steps 3.. trained while the checkpoint of step 2 was written
+    assert first_with_2[1] >= rank1_ends[0]  # ... and it appeared only once rank 1 had finished writing it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000006"]  # the end waited for 6
+    for whole, mine in zip(synchronous, results):
+        assert mine["losses"] == whole["losses"] and weight_diff(whole["weights"], mine["weights"]) == 0.0
+    resumed = run_distributed(background_fit, 2, token_file, tmp_path / "again",
+                              ckpt_path=str(tmp_path / "step-00000004"))
+    for whole, again in zip(synchronous, resumed):
+        assert again["losses"] == whole["losses"][4:] and weight_diff(whole["weights"], again["weights"]) == 0.0
+
+
+@pytest.mark.parametrize("fail, said", [("write", "OSError: [Errno 28] No space left on device"),
+                                        ("checksum", "OSError: [Errno 5] Input/output error")])
+def test_a_failed_background_write_stops_every_rank_naming_rank_and_path(token_file, tmp_path, fail, said):
+    """Rank 1's write of step 4 fails (its tensor files, or the checksums of its share): both ranks stop at the next
+    boundary with one error naming rank 1, the cause and the checkpoint; it is not published, and the checkpoint of
+    step 2 is whole."""
+    results = run_distributed(background_fit, 2, token_file, tmp_path, fail=fail, timeout=120)
+    for r in results:
+        assert f"rank 1: {said}" in r["error"] and "rank 0:" not in r["error"], r["error"]
+        assert "step-00000004.partial" in r["error"]
+        assert "step-00000002" in r["published"] and "step-00000004" not in r["published"]
