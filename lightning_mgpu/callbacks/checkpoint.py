@@ -24,13 +24,13 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mgpu.callbacks.agreement import agree, at_boundary
-from lightning_mgpu.checkpoint.background import FAILED, WRITING, BackgroundSave, InBackground, background_group
+from lightning_mgpu.checkpoint.background import FAILED, WRITING, BackgroundSave, InBackground
 from lightning_mgpu.checkpoint.formats import LOADED_FROM, complete_checkpoints
 from lightning_mgpu.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
 
@@ -58,7 +58,7 @@ class PeriodicCheckpoint(L.Callback):
         self.async_save, self.in_flight = async_save, None
         self.loaded_from: Optional[str] = None
         self.blocked_s: list[float] = []
-        self._group: Any = None
+        self._background = InBackground() if async_save else None
         self._step_seen = -1
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -75,8 +75,8 @@ class PeriodicCheckpoint(L.Callback):
         self._step_seen = trainer.global_step
         if self.loaded_from is not None:
             rank_zero_info(f"Resumed at step {trainer.global_step} from {self.loaded_from}")
-        if self.async_save and self._group is None and trainer.world_size > 1:
-            self._group = background_group(getattr(trainer.strategy, "_timeout", None))
+        if self._background is not None:  # the background groups wait as long as the strategy's
+            self._background.timeout = getattr(trainer.strategy, "_timeout", None)
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
         step = trainer.global_step
@@ -96,7 +96,8 @@ class PeriodicCheckpoint(L.Callback):
     def save(self, trainer: L.Trainer, step: int, blocking: bool = False) -> Path:
         """Save the checkpoint of ``step``; in the background with ``async_save`` unless ``blocking`` (an emergency
         checkpoint, published before this returns). Returns where it is (or will be) published."""
-        self.settle(trainer, wait=True)  # at most one save in flight
+        begin = time.perf_counter()
+        self.settle(trainer, wait=True)  # at most one save in flight: waiting for it is blocked time too
         final = self.directory / f"step-{step:08d}"
         partial = final.with_name(final.name + ".partial")
         kill_job_at("trained", step, trainer.global_rank)
@@ -104,11 +105,9 @@ class PeriodicCheckpoint(L.Callback):
             self.directory.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)  # left by a crash during an earlier attempt
         trainer.strategy.barrier()
-        begin = time.perf_counter()
         if self.async_save and not blocking:
-            options = InBackground(self._group)
-            trainer.save_checkpoint(str(partial), weights_only=False, storage_options=options)
-            self.in_flight = options.started
+            trainer.save_checkpoint(str(partial), weights_only=False, storage_options=self._background)
+            self.in_flight, self._background.started = self._background.started, None
             self.blocked_s.append(time.perf_counter() - begin)
             return final
         trainer.save_checkpoint(str(partial), weights_only=False)  # the full training state (says so: no info line)

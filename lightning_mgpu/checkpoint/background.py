@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -28,20 +28,42 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from lightning_mgpu.checkpoint.integrity import record_checksums
-from lightning_mgpu.checkpoint.universal import universal_state, write_trainer_state
+from lightning_mgpu.checkpoint.universal import Deferred, universal_state, write_trainer_state
 from lightning_mgpu.layout import ParallelLayout
 
 #: What :meth:`BackgroundSave.state` says: the write is still going, finished, or failed.
 WRITING, WRITTEN, FAILED = 0, 1, 2
 
 
-class SnapshotStager(AsyncStager):
-    """Hands DCP the state as staged: it is a snapshot already (fresh copies no training step touches)."""
+class AssemblingStager(AsyncStager):
+    """Stages the snapshot for DCP in a thread of its own: each ZeRO 1-2 tensor still in this rank's pieces
+    (:class:`~lightning_mgpu.checkpoint.universal.Deferred`) is assembled over its data-parallel group's background
+    twin; whole tensors are a snapshot already (fresh copies no training step touches) and pass as they are. DCP's
+    writing thread waits for the staged dict."""
 
     _synchronize_after_execute = False
 
-    def stage(self, state_dict: dict) -> dict:
-        return state_dict
+    def __init__(self, groups: "BackgroundGroups") -> None:
+        self.groups = groups
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mgpu-checkpoint-staging")
+
+    def stage(self, state_dict: dict) -> Future:
+        staged = self._executor.submit(self._assemble, state_dict)
+        staged.add_done_callback(lambda _: self._executor.shutdown(wait=False))
+        return staged
+
+    def _assemble(self, state_dict: dict) -> dict:
+        return {key: value.assemble(self.groups.twins[value.piece.ranks]) if isinstance(value, Deferred) else value
+                for key, value in state_dict.items()}
+
+
+@dataclass
+class BackgroundGroups:
+    """The gloo groups background writes use, so that their collectives never meet training's: ``world`` (DCP's
+    planning and the checksums) and a twin of every data-parallel group the ZeRO 1-2 pieces are assembled over."""
+
+    world: Any
+    twins: dict[tuple[int, ...], Any]
 
 
 @dataclass
@@ -87,32 +109,44 @@ def _one_line(error: BaseException) -> str:
 
 @dataclass
 class InBackground:
-    """``storage_options`` of ``trainer.save_checkpoint`` asking ``MGPUStrategy`` to write in the background on
-    ``group`` (from :func:`background_group`); the strategy leaves the started save in :attr:`started`."""
+    """``storage_options`` of ``trainer.save_checkpoint`` asking ``MGPUStrategy`` to write in the background; the
+    strategy creates :attr:`groups` at the first save (collective) and leaves the started save in :attr:`started`.
+    One per periodic checkpoint, kept from save to save."""
 
-    group: Any
+    timeout: Optional[timedelta] = None
+    groups: Optional[BackgroundGroups] = None
     started: Optional[BackgroundSave] = None
 
 
-def background_group(timeout: Optional[timedelta] = None) -> Any:
-    """A gloo group of every rank for background writes (collective: every rank calls it, at the same point)."""
-    return dist.new_group(backend="gloo", timeout=timeout)
+def background_groups(state: dict, timeout: Optional[timedelta]) -> BackgroundGroups:
+    """Create the gloo groups of background writes for the pieces in ``state`` (collective over the world: every rank
+    creates every group, in the same order)."""
+    mine = sorted({value.piece.ranks for value in state.values() if isinstance(value, Deferred)})
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    world = dist.new_group(backend="gloo", timeout=timeout)
+    twins = {ranks: dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+             for ranks in sorted({tuple(r) for ranks in everyone for r in ranks})}
+    return BackgroundGroups(world, twins)
 
 
 def start_background_save(engine: Any, layout: ParallelLayout, path: str | Path, client_state: dict,
-                          group: Any, replica_sync: Any = None) -> BackgroundSave:
-    """Snapshot this rank's share, write rank 0's trainer state, and return while DCP writes the tensors (collective:
-    every rank calls it for the same ``path``)."""
+                          options: InBackground, replica_sync: Any = None) -> BackgroundSave:
+    """Snapshot this rank's share (its own pieces under ZeRO 1-2), write rank 0's trainer state, and return while DCP
+    stages and writes the tensors (collective: every rank calls it for the same ``path``)."""
     from lightning_mgpu.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
 
     begin, path = time.perf_counter(), Path(path)
     step = int(client_state.get("global_step", -1))
-    state, plain = universal_state(engine, layout, client_state, replica_sync)
+    state, plain = universal_state(engine, layout, client_state, replica_sync, defer=True)
+    if options.groups is None:
+        options.groups = background_groups(state, options.timeout)
     write_trainer_state(path, plain)
     kill_job_at("staged", step, dist.get_rank())
-    written = dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=SnapshotStager())
+    response = dcp.async_save(state, checkpoint_id=str(path), process_group=options.groups.world,
+                              async_stager=AssemblingStager(options.groups))
     done: Future = Future()
-    written.add_done_callback(lambda f: _finish(f, done, path, group, step))
+    response.upload_completion.add_done_callback(lambda f: _finish(f, done, path, options.groups.world, step))
     return BackgroundSave(path, step, time.perf_counter() - begin, done)
 
 

@@ -63,7 +63,7 @@ class EngineCheckpointHooks:
                                  self._replica_sync)
             else:
                 storage_options.started = checkpoints.save_in_background(
-                    self.model, self.layout, filepath, client_state, self.checkpoints, storage_options.group, extra,
+                    self.model, self.layout, filepath, client_state, self.checkpoints, storage_options, extra,
                     self._replica_sync)
 
     @override

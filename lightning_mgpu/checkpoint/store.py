@@ -76,10 +76,11 @@ def save(engine: Any, layout: ParallelLayout, path: str | Path, client_state: di
 
 
 def save_in_background(engine: Any, layout: ParallelLayout, path: str | Path, client_state: dict,
-                       settings: CheckpointSettings, group: Any, write_extra: Optional[Callable[[Path], None]] = None,
+                       settings: CheckpointSettings, options: Any, write_extra: Optional[Callable[[Path], None]] = None,
                        replica_sync: Any = None) -> Any:
     """Start writing the universal checkpoint ``path`` in the background (collective) and return its
-    :class:`~lightning_mgpu.checkpoint.background.BackgroundSave`; ``write_extra`` (the consolidated weights) is written
+    :class:`~lightning_mgpu.checkpoint.background.BackgroundSave`; ``options``: the periodic checkpoint's
+    :class:`~lightning_mgpu.checkpoint.background.InBackground`; ``write_extra`` (the consolidated weights) is written
     first, blocking, so that the background checksums cover it."""
     from lightning_mgpu.checkpoint.background import start_background_save
 
@@ -88,7 +89,7 @@ def save_in_background(engine: Any, layout: ParallelLayout, path: str | Path, cl
         raise ValueError(problems[0])
     if write_extra is not None:
         write_extra(Path(path))
-    return start_background_save(engine, layout, path, client_state, group, replica_sync)
+    return start_background_save(engine, layout, path, client_state, options, replica_sync)
 
 
 def write_consolidated_weights(engine: Any, layout: ParallelLayout, module: Any, directory: Path) -> None:

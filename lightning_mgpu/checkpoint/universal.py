@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pickle
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,11 +35,14 @@ from lightning_mgpu.checkpoint.formats import TRAINER_STATE
 from lightning_mgpu.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
 from lightning_mgpu.checkpoint.saved_tensors import as_saved, canonical_name, from_saved
 from lightning_mgpu.engine import MOMENTS, ParameterState
+from lightning_mgpu.engine.pieces import Piece, assemble, own_piece
 from lightning_mgpu.layout import ParallelLayout
 
 
-def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str = "") -> tuple[dict, list]:
-    """``prefix``: this replica's keys, when replicas that step apart each save their own weights and moments."""
+def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str = "", defer: bool = False
+                  ) -> tuple[dict, list]:
+    """``prefix``: this replica's keys, when replicas that step apart each save their own weights and moments.
+    ``defer``: under ZeRO 1-2, this rank's pieces (:class:`Deferred`), assembled later, instead of whole tensors."""
     access = ParameterState(engine)
     mesh = DeviceMesh.from_group(layout.group("tp"), "cpu")
     state: dict[str, Any] = {}
@@ -47,10 +51,27 @@ def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str =
         fqn = canonical_name(name, layout)
         params.append((fqn, param))
         for key in (None, *MOMENTS):
+            piece = own_piece(access, param, key) if fill and defer else None
+            if piece is not None:
+                state[f"{prefix}{key or 'param'}/{fqn}"] = Deferred(piece, param, layout, mesh)
+                continue
             value = access.get(param, key) if fill else access.like(param)
             state[f"{prefix}{key or 'param'}/{fqn}"] = as_saved(value, param, layout, mesh)
     state["step"] = torch.tensor(float(access.step()))
     return state, params
+
+
+@dataclass
+class Deferred:
+    """A tensor of the checkpoint still in pieces over the data-parallel group: :meth:`assemble` it (collective)."""
+
+    piece: Piece
+    param: torch.nn.Parameter
+    layout: ParallelLayout
+    mesh: DeviceMesh
+
+    def assemble(self, group: Any) -> Any:
+        return as_saved(assemble(self.piece, group), self.param, self.layout, self.mesh)
 
 
 def _plain(obj: Any) -> Any:
@@ -64,13 +85,14 @@ def _plain(obj: Any) -> Any:
     return None  # e.g. functions in an LR scheduler's state: not needed to resume
 
 
-def universal_state(engine: Any, layout: ParallelLayout, trainer_state: dict,
-                    replica_sync: Any = None) -> tuple[dict, Optional[dict]]:
+def universal_state(engine: Any, layout: ParallelLayout, trainer_state: dict, replica_sync: Any = None,
+                    defer: bool = False) -> tuple[dict, Optional[dict]]:
     """(this rank's tensors for DCP, the trainer state rank 0 writes; None elsewhere): a snapshot, since every tensor is
     a fresh fp32 copy out of the engine (``ParameterState.get`` clones), which training may change at once. With
     ``replica_sync`` (a ``ReplicaSync``), each replica's own weights and moments and the outer step's
-    (``checkpoint.replica_state``)."""
-    state, params = _tensor_state(engine, layout, fill=True, prefix=replica_state.prefix(layout, replica_sync))
+    (``checkpoint.replica_state``). ``defer``: ZeRO 1-2 tensors as this rank's pieces (:class:`Deferred`)."""
+    state, params = _tensor_state(engine, layout, fill=True, prefix=replica_state.prefix(layout, replica_sync),
+                                  defer=defer)
     if replica_sync is not None:
         state.update(replica_state.outer_tensors(engine, layout, replica_sync, params, fill=True))
         trainer_state = dict(trainer_state, **{replica_state.KEY: replica_state.counters(layout, replica_sync)})

@@ -11,6 +11,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 #: benchmark -> a line its output must hold (its table's header, or the line with its figure)
 SMOKE = {
     "activation_memory.py": "| shape | precision | checkpointing |",
+    "async_checkpoint.py": "async / sync",
     "checkpoint_io.py": "save s",
     "checkpoint_verify.py": "verify alone",
     "context_parallel.py": "MB sent per rank",

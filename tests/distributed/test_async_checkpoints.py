@@ -111,3 +111,18 @@ def test_a_failed_background_write_stops_every_rank_naming_rank_and_path(token_f
         assert f"rank 1: {said}" in r["error"] and "rank 0:" not in r["error"], r["error"]
         assert "step-00000004.partial" in r["error"]
         assert "step-00000002" in r["published"] and "step-00000004" not in r["published"]
+
+
+def test_tensor_parallel_pieces_are_assembled_over_each_data_parallel_group(token_file, tmp_path):
+    """tp2 x dp2 at ZeRO-2 on 4 ranks: each rank snapshots only its own ZeRO pieces, assembled in the background over
+    a twin of its data-parallel group and saved as tensor-parallel shards; resumed from the background checkpoint of
+    step 2, the run ends on the weights of the run that wrote it, bit for bit."""
+    def fit(rank, token_file, directory, ckpt_path=None):
+        saver = PeriodicCheckpoint(directory, every_n_steps=2, async_save=True)
+        return fit_weights(rank, token_file, 4, max_steps_=4, zero_stage=2, tensor_parallel_size=2,
+                           callbacks=(saver,), ckpt_path=ckpt_path)
+
+    whole = run_distributed(fit, 4, token_file, tmp_path / "whole")
+    again = run_distributed(fit, 4, token_file, tmp_path / "again", ckpt_path=str(tmp_path / "whole" / "step-00000002"))
+    for w, a in zip(whole, again):
+        assert a["losses"] == w["losses"][2:] and weight_diff(w["weights"], a["weights"]) == 0.0
