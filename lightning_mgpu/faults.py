@@ -23,9 +23,11 @@ from lightning_mgpu.problems import format_problems
 #: hangs with its sockets open), or raises :class:`InjectedFault` inside that step's backward pass (``raise``); the
 #: last two first print ``MGPU fault: ... at time <unix time>`` on stderr. ``MGPU_SIGNAL_RANK_AT``: that rank sends
 #: itself the signal ``MGPU_SIGNAL`` names (default ``SIGUSR2``, as SLURM before a time limit) inside that step's
-#: backward pass (a preemption).
+#: backward pass (a preemption). ``MGPU_SPIN_RANK_AT``: that rank spins in Python forever as the step begins (alive,
+#: its heartbeat going on, never entering a collective again). ``MGPU_SKIP_RANK_AT``: after that step, every other
+#: rank enters one all-reduce on the default group that this rank skips. The last four print their time first.
 RANK_FAULTS = {"MGPU_KILL_RANK_AT": "kill", "MGPU_STOP_RANK_AT": "stop", "MGPU_RAISE_RANK_AT": "raise",
-               "MGPU_SIGNAL_RANK_AT": "signal"}
+               "MGPU_SIGNAL_RANK_AT": "signal", "MGPU_SPIN_RANK_AT": "spin", "MGPU_SKIP_RANK_AT": "skip"}
 SIGNAL_VARIABLE = "MGPU_SIGNAL"
 #: ``MGPU_KILL_AT=<point>:<step>``: rank 0 SIGKILLs the whole job (its process group) at that point of that step.
 KILL_JOB_VARIABLE = "MGPU_KILL_AT"
@@ -104,6 +106,13 @@ def _tear_next_file(where: str) -> None:
     torch.save = torn_save
 
 
+def _spin_forever() -> None:
+    """Busy in Python, forever: the interpreter still switches to other threads (the heartbeat goes on)."""
+    count = 0
+    while True:
+        count += 1
+
+
 def fault_callbacks(environ: Optional[Mapping[str, str]] = None) -> list:
     """The Lightning callbacks that inject the faults the environment asks for (none when no variable is set, and
     none in a restarted attempt: a fault rehearses one failure, which the restart recovers from)."""
@@ -130,36 +139,55 @@ def fault_callbacks(environ: Optional[Mapping[str, str]] = None) -> list:
     return [_fault_injection(rank_faults, kill_job)]
 
 
+def _act(action: Optional[str], trainer: Any, rank: int, step: int) -> None:
+    """What ``action`` does to this rank as step ``step`` begins (``skip`` acts after the step: see the callback)."""
+    if action == "kill":
+        _say(f"rank {rank} kills itself (SIGKILL) at step {step}")
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "stop":
+        _say(f"rank {rank} stops (SIGSTOP) at step {step} at time {time.time():.3f}")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "raise":
+        def fail() -> None:
+            where = f"in the backward pass of step {step}"
+            _say(f"rank {rank} raises InjectedFault {where} at time {time.time():.3f}")
+            raise InjectedFault(f"injected on rank {rank} {where}")
+
+        _in_backward(trainer.strategy.model, fail)
+    elif action == "signal":
+        name = os.environ.get(SIGNAL_VARIABLE, "SIGUSR2")
+
+        def preempt() -> None:
+            _say(f"rank {rank} sends itself {name} in the backward pass of step {step}")
+            os.kill(os.getpid(), signal.Signals[name])
+
+        _in_backward(trainer.strategy.model, preempt)
+    elif action == "spin":
+        _say(f"rank {rank} spins in Python at step {step} at time {time.time():.3f}")
+        _spin_forever()
+
+
 def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional[tuple[str, int]]):
     import lightning as L
 
     class FaultInjection(L.Callback):
         def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
             rank, step = trainer.global_rank, trainer.global_step
-            action = rank_faults.get((rank, step))
-            if action == "kill":
-                _say(f"rank {rank} kills itself (SIGKILL) at step {step}")
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif action == "stop":
-                _say(f"rank {rank} stops (SIGSTOP) at step {step} at time {time.time():.3f}")
-                os.kill(os.getpid(), signal.SIGSTOP)
-            elif action == "raise":
-                def fail() -> None:
-                    where = f"in the backward pass of step {step}"
-                    _say(f"rank {rank} raises InjectedFault {where} at time {time.time():.3f}")
-                    raise InjectedFault(f"injected on rank {rank} {where}")
-
-                _in_backward(trainer.strategy.model, fail)
-            elif action == "signal":
-                name = os.environ.get(SIGNAL_VARIABLE, "SIGUSR2")
-
-                def preempt() -> None:
-                    _say(f"rank {rank} sends itself {name} in the backward pass of step {step}")
-                    os.kill(os.getpid(), signal.Signals[name])
-
-                _in_backward(trainer.strategy.model, preempt)
+            _act(rank_faults.get((rank, step)), trainer, rank, step)
             if kill_job == ("backward", step) and rank == 0:
                 _in_backward(trainer.strategy.model, lambda: _kill_job(f"backward:{step} (inside the backward pass)"))
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            step = trainer.global_step - 1  # the step that just ended
+            skipper = next((r for (r, s), a in rank_faults.items() if a == "skip" and s == step), None)
+            if skipper is None:
+                return
+            if trainer.global_rank == skipper:
+                _say(f"rank {skipper} skips a collective after step {step} at time {time.time():.3f}")
+            else:
+                from lightning_mgpu.callbacks.agreement import agree
+
+                agree(trainer, [0])
 
         def on_save_checkpoint(self, trainer: L.Trainer, *args: Any) -> None:
             if kill_job == ("torn", trainer.global_step) and trainer.global_rank == 0:

@@ -12,6 +12,8 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
+from lightning_mgpu.parallel.liveness import name_lost_ranks
+
 
 def agree(trainer: L.Trainer, values: Sequence[int], op: str = "max") -> list[int]:
     """``values`` reduced over every rank (``op``: ``max`` or ``sum``); the values themselves in one process."""
@@ -19,7 +21,8 @@ def agree(trainer: L.Trainer, values: Sequence[int], op: str = "max") -> list[in
         return [int(v) for v in values]
     device = getattr(trainer.strategy, "root_device", torch.device("cpu"))
     flag = torch.tensor(list(values), dtype=torch.int64, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    with name_lost_ranks(getattr(trainer.strategy, "_heartbeat", None)):  # a rank lost here is named too
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return [int(v) for v in flag.tolist()]
 
 

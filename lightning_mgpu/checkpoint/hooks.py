@@ -19,6 +19,7 @@ from lightning_mgpu.checkpoint import store as checkpoints
 from lightning_mgpu.checkpoint.background import InBackground
 from lightning_mgpu.checkpoint.formats import replica_checkpoint_problems
 from lightning_mgpu.parallel.liveness import name_lost_ranks
+from lightning_mgpu.parallel.watchdog import paused
 from lightning_mgpu.problems import raise_problems
 
 
@@ -55,7 +56,7 @@ class EngineCheckpointHooks:
                                                                                self.checkpoints.format))
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        with name_lost_ranks(self._heartbeat):
+        with name_lost_ranks(self._heartbeat), paused(self._heartbeat):  # a save is not a step
             extra = functools.partial(checkpoints.write_consolidated_weights, self.model, self.layout,
                                       self.lightning_module) if self.save_consolidated_weights else None
             if storage_options is None:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Generator, Optional
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -15,6 +16,7 @@ from lightning_mgpu.engine.runtime import backward, step
 from lightning_mgpu.parallel.replicas import keep_sigterm_check_inside_replicas
 from lightning_mgpu.parallel.stragglers import log_round, report_stragglers
 from lightning_mgpu.parallel.liveness import name_lost_ranks
+from lightning_mgpu.parallel.watchdog import StepWatchdog
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
 
 
@@ -63,14 +65,31 @@ class EngineHooks:
                 if self._replica_sync.after_inner_step(last=0 < trainer.max_steps <= trainer.global_step + 1):
                     log_round(trainer, self._replica_sync)
             self._clock.after_step()
+        if self._heartbeat is not None and self._heartbeat.watchdog is not None:
+            self._heartbeat.watchdog.beat()
 
     def on_train_start(self) -> None:
         if self._heartbeat is not None:  # a hang report writes this rank's collective trace and stacks there
             self._heartbeat.report_dir = Path(self.lightning_module.trainer.default_root_dir)
+            stall = self._timeout.total_seconds() if self._timeout is not None else default_pg_timeout.total_seconds()
+            if self._heartbeat.watchdog is None:
+                self._heartbeat.watchdog = StepWatchdog(self._heartbeat.store, self._heartbeat.rank, stall,
+                                                        self._heartbeat.report_dir)
         if self._replica_sync is not None:
             keep_sigterm_check_inside_replicas(self.lightning_module.trainer, self.layout)
         self._clock.start()
         super().on_train_start()
+
+    def on_validation_start(self) -> None:
+        """Validation is not a step: the step-progress watchdog waits for training to go on."""
+        if self._heartbeat is not None and self._heartbeat.watchdog is not None:
+            self._heartbeat.watchdog.pause()
+        super().on_validation_start()
+
+    def on_validation_end(self) -> None:
+        if self._heartbeat is not None and self._heartbeat.watchdog is not None:
+            self._heartbeat.watchdog.resume()
+        super().on_validation_end()
 
     def on_train_end(self) -> None:
         """Replicas that step apart: a round cut short ends with its outer step (every replica, the same weights).
@@ -80,6 +99,9 @@ class EngineHooks:
                 self._replica_sync.finish()
             self.straggler_report = report_stragglers(self._clock, self._replica_sync)
         rank_zero_info(self.straggler_report)
+        if self._heartbeat is not None and self._heartbeat.watchdog is not None:
+            self._heartbeat.watchdog.stop()
+            self._heartbeat.watchdog = None
         super().on_train_end()
 
     @property

@@ -47,24 +47,25 @@ def place() -> dict:
     return {"groups": groups, "waiting": waiting}
 
 
-def divergence(rank: int, mine: dict, theirs: dict[int, dict]) -> Optional[str]:
+def divergence(rank: int, mine: dict, theirs: dict[int, dict]) -> tuple[Optional[str], list[int]]:
     """Where ``rank`` and the others part, in the group ``rank`` waits in: who has not entered its collective, or
-    entered another op under the same number; None when nobody is behind or different."""
+    entered another op under the same number (None when nobody is behind or different), and the ranks behind."""
     group = mine.get("waiting")
     if group is None:
-        return None
+        return None, []
     seq, op = mine["groups"][group]
-    parts = []
+    parts, behind = [], []
     for other, where in sorted(theirs.items()):
         at = where.get("groups", {}).get(group, [0, None])
         if at[0] < seq:
+            behind.append(other)
             seen = f"last saw it at #{at[0]} ({at[1]}) there" if at[1] else "saw no collective of that group yet"
             parts.append(f"rank {other} has not entered collective #{seq} ({op}) of process group {group}, which rank "
                          f"{rank} waits in (its heartbeat, every {STAMP_S:g} s, {seen})")
         elif at[0] == seq and at[1] != op:
             parts.append(f"ranks {rank} and {other} diverged at collective #{seq} of process group {group}: {op} on "
                          f"rank {rank}, {at[1]} on rank {other}")
-    return "; ".join(parts) or None
+    return "; ".join(parts) or None, behind
 
 
 def write_report(directory: Path, rank: int) -> list[Path]:

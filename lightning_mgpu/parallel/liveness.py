@@ -17,11 +17,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
-from lightning_mgpu.parallel import collective_trace
+from lightning_mgpu.parallel import collective_trace, watchdog
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 0.5
@@ -67,6 +67,8 @@ class Heartbeat:
         self.report_dir: Optional[Path] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mgpu-heartbeat", daemon=True)
+        #: this rank's step-progress watchdog while it trains (``lightning_mgpu.parallel.watchdog``), stopped with this
+        self.watchdog: Optional[Any] = None
 
     @classmethod
     def for_default_group(cls) -> "Heartbeat":
@@ -85,6 +87,8 @@ class Heartbeat:
     def stop(self) -> None:
         """Stop stamping, and wait for the thread: the next job of a multirun then starts with no stamp in flight."""
         self._stop.set()
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=4 * INTERVAL_S)
 
@@ -92,8 +96,9 @@ class Heartbeat:
         self.store.set(f"mgpu/heartbeat/{self.rank}", repr(time.time()))
         self.store.set(f"mgpu/at/{self.rank}", json.dumps(collective_trace.place()))
 
-    def where(self) -> Optional[str]:
-        """Where this rank and the others part in the collective this rank waits in (from everyone's last stamp)."""
+    def where(self) -> tuple[Optional[str], list[int]]:
+        """Where this rank and the others part in the collective this rank waits in (from everyone's last stamp), and
+        the ranks that have not entered it."""
         theirs = {}
         for r in range(self.world_size):
             if r != self.rank and self.store.check([f"mgpu/at/{r}"]):
@@ -156,6 +161,18 @@ def _report_files(heartbeat: Heartbeat) -> str:
     return f" Rank {heartbeat.rank}'s collective trace and stacks: {', '.join(map(str, files))}." if files else ""
 
 
+def _stalled(heartbeat: Heartbeat, behind: list[int], wait: bool) -> str:
+    """What the watchdogs of the ranks ``behind`` said (``wait``: up to ``STALE_S`` for their word, when they are all
+    alive and so can still say it)."""
+    deadline = time.time() + (STALE_S if wait else 0)
+    while not (said := _safely(lambda: watchdog.stalled_ranks(heartbeat.store, behind))) and time.time() < deadline:
+        time.sleep(INTERVAL_S / 2)
+    return "".join(f" Rank {r} has made no training progress for {s['idle_s']:.0f} s while its heartbeat went on: it is "
+                   f"busy outside any collective (a loop in Python, a stuck data loader or file) or waits in another "
+                   f"one; its stacks show where"
+                   f"{': ' + ', '.join(s['files']) if s['files'] else ''}." for r, s in sorted((said or {}).items()))
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -186,17 +203,18 @@ def name_lost_ranks(heartbeat: Optional[Heartbeat]) -> Iterator[None]:
         if heartbeat is None or not is_collective_failure(err):
             raise
         found = heartbeat.lost_peers()
-        where = None if found.store_gone else _safely(heartbeat.where)
+        where, behind = (None, []) if found.store_gone else (_safely(heartbeat.where) or (None, []))
         if not found and not where:
             raise
         advice = (["that rank's own traceback shows where it raised"] if found.failed else []) + \
             (["restart the job (checkpoint.resume=auto continues from the newest complete checkpoint)"]
              if found.stale or found.store_gone else [])
         who = describe(found, heartbeat) if found else "every rank is alive (fresh heartbeats)"
+        stalled = _stalled(heartbeat, behind, wait=not found) if behind and not found.store_gone else ""
         error = LostRankError(f"{who}, while rank {heartbeat.rank} waited: the job cannot continue"
                               f"{'; ' + '; '.join(advice) if advice else ''}.{f' Where: {where}.' if where else ''}"
-                              f"{_report_files(heartbeat)} The collective on rank {heartbeat.rank} failed with: "
-                              f"{type(err).__name__}: {err}")
+                              f"{stalled}{_report_files(heartbeat)} The collective on rank {heartbeat.rank} failed "
+                              f"with: {type(err).__name__}: {err}")
         # Logged at once as well: Lightning's local launcher SIGKILLs the surviving ranks within 5 s of a rank's exit,
         # often before the traceback of this error is printed.
         log.error("LostRankError: %s", error)

@@ -109,6 +109,29 @@ def test_rank_that_raised_is_named_with_its_exception(token_file, tmp_path):
     assert reported - raised < 15  # far inside the 60 s timeout
 
 
+@pytest.mark.parametrize("fault, action", [("MGPU_SPIN_RANK_AT", "spins"), ("MGPU_SKIP_RANK_AT", "skips")])
+def test_a_live_rank_that_spins_or_skipped_a_collective_is_named_where_the_ranks_diverged(token_file, tmp_path,
+                                                                                        fault, action):
+    """Rank 1 stays alive, its heartbeat fresh: it spins in Python from step 2 on, or it skipped one all-reduce of
+    the default group after step 1. Within the timeout + 5 s, rank 0's error names rank 1, the collective and its
+    sequence number where they diverged, and points to rank 0's trace and stacks; a spinning rank's own step-progress
+    watchdog writes its stacks, which show the spin, and the error points to them."""
+    returncode, lines = launch(token_file, tmp_path, action, {fault: "1:2" if action == "spins" else "1:1"},
+                               TIMEOUT_S)
+    assert returncode is not None and returncode != 0, "".join(line for _, line in lines)[-3000:]
+    faulted = fault_time(lines, action)
+    reported, line = report(lines, "LostRankError: every rank is alive (fresh heartbeats), while rank 0 waited")
+    assert re.search(r"Where: rank 1 has not entered collective #\d+ \(gloo:\w+\) of process group \S+, which rank 0 "
+                     r"waits in", line), line
+    run_dir = tmp_path / action
+    assert str(run_dir / "hang-rank0-stacks.txt") in line and (run_dir / "hang-rank0-collectives.json").is_file()
+    if action == "spins":
+        assert "Rank 1 has made no training progress for" in line and str(run_dir / "hang-rank1-stacks.txt") in line
+        assert "_spin_forever" in (run_dir / "hang-rank1-stacks.txt").read_text()
+    print(f"{action} at {faulted:.3f}, reported {reported - faulted:.2f} s later (timeout {TIMEOUT_S} s)")
+    assert reported - faulted <= TIMEOUT_S + 5
+
+
 def test_only_a_ranks_own_failure_is_recorded_and_a_stopped_stamp_goes_stale():
     """In one process on a real TCPStore: what a survivor reads for each kind of peer loss."""
     store = dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)

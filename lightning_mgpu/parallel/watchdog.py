@@ -1,0 +1,104 @@
+"""A step-progress watchdog: the rank whose training has not moved for as long as the collective timeout writes its own
+collective trace and every thread's stacks into the run directory, and says so in the rendezvous store.
+
+The heartbeat (``lightning_mgpu.parallel.liveness``) cannot see this: its thread goes on stamping while the training
+thread spins in Python (a loop that never ends, a stuck data loader), so such a rank looks alive, and the other ranks,
+timing out in the collective it never enters, can only name it from outside. This watchdog measures progress instead:
+the time since the last optimizer step (validation and checkpoint saves pause it). When that passes ``stall_s`` (the
+collective timeout: by then the others' collective has failed too), it writes the report files once and records
+``mgpu/stalled/<rank>`` (how long, and the files), which the others' error quotes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from lightning_mgpu.parallel import collective_trace
+
+log = logging.getLogger(__name__)
+#: How often the watchdog looks at the time since the last step.
+CHECK_S = 0.5
+
+
+class StepWatchdog:
+    """Arm at the start of training; :meth:`beat` after every optimizer step; :meth:`paused` around work that is not
+    a step (validation, a checkpoint save); :meth:`stop` at the end."""
+
+    def __init__(self, store: Any, rank: int, stall_s: float, report_dir: Optional[Path]) -> None:
+        self.store, self.rank, self.stall_s, self.report_dir = store, rank, stall_s, report_dir
+        self._last, self._armed, self._reported = time.monotonic(), True, False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mgpu-step-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+        if self._reported:  # it moved again: what it said no longer holds
+            self._reported = False
+            _safely(lambda: self.store.set(f"mgpu/stalled/{self.rank}", json.dumps({"resumed": True})))
+
+    def pause(self) -> None:
+        self._armed = False
+
+    def resume(self) -> None:
+        self.beat()
+        self._armed = True
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        armed, self._armed = self._armed, False
+        try:
+            yield
+        finally:
+            self.beat()
+            self._armed = armed
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(CHECK_S):
+            idle = time.monotonic() - self._last
+            if self._armed and not self._reported and idle > self.stall_s:
+                self._reported = True
+                self._report(idle)
+
+    def _report(self, idle: float) -> None:
+        files: list[str] = []
+        try:
+            if self.report_dir is not None:
+                files = [str(p) for p in collective_trace.write_report(self.report_dir, self.rank)]
+            self.store.set(f"mgpu/stalled/{self.rank}", json.dumps({"idle_s": round(idle, 1), "files": files}))
+        except Exception:  # the store or the directory is gone: the others' error goes without this rank's word
+            pass
+        log.error("rank %d has made no training progress for %.0f s (no optimizer step); its collective trace and "
+                  "stacks: %s", self.rank, idle, ", ".join(files) or "not written (no run directory)")
+
+
+def stalled_ranks(store: Any, ranks: list[int]) -> dict[int, dict]:
+    """``{rank: {"idle_s", "files"}}`` of the ``ranks`` whose watchdog reported no progress."""
+    found = {}
+    for rank in ranks:
+        key = f"mgpu/stalled/{rank}"
+        if store.check([key]) and "idle_s" in (said := json.loads(store.get(key).decode())):
+            found[rank] = said
+    return found
+
+
+def _safely(work: Any) -> None:
+    try:
+        work()
+    except Exception:  # the store is gone: nobody is left to read it
+        pass
+
+
+def paused(heartbeat: Any) -> contextlib.AbstractContextManager:
+    """The watchdog of ``heartbeat`` (a :class:`~lightning_mgpu.parallel.liveness.Heartbeat` or None) paused."""
+    watchdog = getattr(heartbeat, "watchdog", None)
+    return watchdog.paused() if watchdog is not None else contextlib.nullcontext()
