@@ -43,3 +43,20 @@ def ref(token_file):
     from helpers import reference
 
     return reference(token_file, steps=10, clip=0.3, val_batches=1)
+
+
+@pytest.fixture
+def tcp_store():
+    """A rendezvous store for 2 ranks served by this process, destroyed after the test (collected while this process
+    still runs its server: a store left for the garbage collector of a process forked later aborts it)."""
+    import gc
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_mgpu.testing import free_port
+
+    store = dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    yield store
+    del store
+    gc.collect()

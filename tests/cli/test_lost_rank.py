@@ -11,15 +11,12 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
-import torch.distributed as dist
 from cli_helpers import TINY_ARGS
 
 from lightning_mgpu.parallel.liveness import STALE_S, Heartbeat, LostRankError, name_lost_ranks
-from lightning_mgpu.testing import free_port
 
 BIN = Path(sys.executable).parent
 #: The collective timeout of the hung-rank run. torch.distributed's rendezvous waits for the other rank under the same
@@ -132,9 +129,9 @@ def test_a_live_rank_that_spins_or_skipped_a_collective_is_named_where_the_ranks
     assert reported - faulted <= TIMEOUT_S + 5
 
 
-def test_only_a_ranks_own_failure_is_recorded_and_a_stopped_stamp_goes_stale():
+def test_only_a_ranks_own_failure_is_recorded_and_a_stopped_stamp_goes_stale(tcp_store):
     """In one process on a real TCPStore: what a survivor reads for each kind of peer loss."""
-    store = dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store = tcp_store
     survivor, peer = Heartbeat(store, 0, 2).start(), Heartbeat(store, 1, 2).start()
     closed = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
     try:

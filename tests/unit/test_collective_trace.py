@@ -3,15 +3,12 @@ a rank that is alive but has not entered the collective the others wait in."""
 
 import json
 import time
-from datetime import timedelta
 
 import pytest
-import torch.distributed as dist
 
 from lightning_mgpu.parallel import collective_trace
 from lightning_mgpu.parallel.collective_trace import divergence
 from lightning_mgpu.parallel.liveness import Heartbeat, LostRankError, name_lost_ranks
-from lightning_mgpu.testing import free_port
 
 MINE = {"groups": {"0": [22, "gloo:all_reduce"], "8": [36, "gloo:all_reduce"]}, "waiting": "8"}
 
@@ -31,10 +28,10 @@ def test_the_rank_behind_and_the_rank_with_another_op_are_named():
     assert divergence(0, {"groups": {}, "waiting": None}, {1: MINE}) == (None, [])
 
 
-def test_a_live_rank_that_did_not_enter_the_collective_is_named(monkeypatch, tmp_path):
+def test_a_live_rank_that_did_not_enter_the_collective_is_named(monkeypatch, tmp_path, tcp_store):
     """Both heartbeats fresh (a rank spinning outside collectives, or one that skipped a collective): the failed
     collective is still reported, naming the rank behind and pointing to this rank's trace and stacks."""
-    store = dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store = tcp_store
     monkeypatch.setattr(collective_trace, "place", lambda: MINE)
     monkeypatch.setattr(collective_trace, "_dump", lambda: {"entries": []})
     survivor, peer = Heartbeat(store, 0, 2).start(), Heartbeat(store, 1, 2).start()
@@ -54,13 +51,14 @@ def test_a_live_rank_that_did_not_enter_the_collective_is_named(monkeypatch, tmp
         survivor.stop()
 
 
-def test_the_watchdog_of_a_rank_without_progress_writes_its_stacks_and_is_quoted(monkeypatch, tmp_path):
+def test_the_watchdog_of_a_rank_without_progress_writes_its_stacks_and_is_quoted(monkeypatch, tmp_path,
+                                                                                    tcp_store):
     """Rank 1 makes no step for longer than its stall time while its heartbeat is fresh (it spins): its watchdog
     writes rank 1's trace and stacks and says so in the store; rank 0's error names rank 1 as behind, quotes the
     watchdog and points to rank 1's files. A step after it withdraws the word; a paused watchdog says nothing."""
     from lightning_mgpu.parallel.watchdog import StepWatchdog, stalled_ranks
 
-    store = dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    store = tcp_store
     monkeypatch.setattr(collective_trace, "place", lambda: MINE)
     monkeypatch.setattr(collective_trace, "_dump", lambda: {"entries": []})
     survivor = Heartbeat(store, 0, 2).start()
