@@ -100,6 +100,8 @@ class PeriodicCheckpoint(L.Callback):
         self.settle(trainer, wait=True)  # at most one save in flight: waiting for it is blocked time too
         final = self.directory / f"step-{step:08d}"
         partial = final.with_name(final.name + ".partial")
+        if blocking and self.async_save and final.is_dir():
+            return final  # the save in flight was this step's: published now
         kill_job_at("trained", step, trainer.global_rank)
         if trainer.is_global_zero:
             self.directory.mkdir(parents=True, exist_ok=True)

@@ -264,6 +264,8 @@ class PlanConfig:
     #: one GPU's mean time between job interruptions (with its share of host, network, software): Llama 3's report
     gpu_mtbf_hours: float = 45600.0
     write_gbs_per_node: float = 2.0  #: GB/s each node writes a checkpoint at (shared file system)
+    #: GB/s each GPU copies its share of a background checkpoint (checkpoint.async_save) to host memory at
+    snapshot_gbs_per_gpu: float = 10.0
     restart_s: float = 300.0  #: seconds from a failure to training again (requeue, start-up, loading)
     #: the run's token budget, e.g. 2e12: prints each layout's time to train, GPU-hours, energy and cost; null: not
     tokens: Optional[float] = None

@@ -26,8 +26,8 @@ from lightning_mgpu.planner import GPUS, ClusterSpec, PlanRow, plan_layouts
 from lightning_mgpu.planner.replicas import replica_cluster
 from lightning_mgpu.layout import chunks_per_rank, stage_ids
 from lightning_mgpu.planner.memory import stage_memory
-from lightning_mgpu.cli.plan_run import whole_run_lines
-from lightning_mgpu.planner.goodput import CHECKPOINT_BYTES_PER_PARAMETER, plan_goodput, save_seconds
+from lightning_mgpu.cli.plan_run import blocked_save_s, whole_run_lines
+from lightning_mgpu.planner.goodput import CHECKPOINT_BYTES_PER_PARAMETER, plan_goodput
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
 
 GB = 1e9
@@ -64,13 +64,15 @@ def goodput_lines(cfg: DictConfig, model, cluster: ClusterSpec, step_s: float) -
     """The configured layout's expected effective training time under failures, and the Young/Daly interval."""
     pl, every = cfg.plan, cfg.checkpoint.every_n_steps
     ckpt_bytes = CHECKPOINT_BYTES_PER_PARAMETER * model.num_parameters()
-    save = save_seconds(ckpt_bytes, cluster.nodes, pl.write_gbs_per_node * GB)
+    save = blocked_save_s(cfg, model, cluster)
     g = plan_goodput(cluster.world_size, pl.gpu_mtbf_hours, every or 1, step_s, save, pl.restart_s)
     best_steps = max(1, round(g.best_interval_s / step_s))
+    rate = (f"the snapshot at {pl.snapshot_gbs_per_gpu:g} GB/s per GPU (plan.snapshot_gbs_per_gpu; "
+            "checkpoint.async_save writes the rest in the background)" if cfg.checkpoint.async_save else
+            f"at {pl.write_gbs_per_node:g} GB/s per node (plan.write_gbs_per_node)")
     lines = ["", f"failures: one every {g.job_mtbf_s / 3600:.1f} h for {cluster.world_size} GPUs (one GPU's MTBF "
                  f"{pl.gpu_mtbf_hours:,.0f} h, plan.gpu_mtbf_hours); a checkpoint ({ckpt_bytes / GB:.0f} GB) blocks "
-                 f"{save:.1f} s at {pl.write_gbs_per_node:g} GB/s per node (plan.write_gbs_per_node), a restart "
-                 f"{pl.restart_s:.0f} s (plan.restart_s)"]
+                 f"{save:.1f} s, {rate}, a restart {pl.restart_s:.0f} s (plan.restart_s)"]
     now = (f"checkpoint every {every} steps = {g.interval_s:,.0f} s: effective training time {g.fraction:.1%}; "
            if every else "no periodic checkpoints (checkpoint.every_n_steps): every failure restarts from step 0; ")
     return lines + [now + f"Young/Daly: every {g.best_interval_s:,.0f} s = checkpoint.every_n_steps={best_steps} "

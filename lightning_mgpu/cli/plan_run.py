@@ -12,7 +12,8 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from lightning_mgpu.planner import GPUS, ClusterSpec, PlanRow, plan_layouts
-from lightning_mgpu.planner.goodput import CHECKPOINT_BYTES_PER_PARAMETER, plan_goodput, save_seconds
+from lightning_mgpu.planner.goodput import (CHECKPOINT_BYTES_PER_PARAMETER, plan_goodput, save_seconds,
+                                            snapshot_seconds)
 from lightning_mgpu.planner.run_cost import (RunCost, RunSettings, node_counts, rank_for_deadline, run_cost,
                                              scaling_efficiency)
 
@@ -66,12 +67,20 @@ def run_settings(cfg: DictConfig, cluster: ClusterSpec) -> Optional[RunSettings]
     return RunSettings(pl.tokens, pl.price_per_gpu_hour, power, pl.node_overhead_w, pl.pue)
 
 
+def blocked_save_s(cfg: DictConfig, model, cluster: ClusterSpec) -> float:
+    """How long one checkpoint blocks training: its whole write, or with ``checkpoint.async_save`` the snapshot of
+    each GPU's share (the write overlaps training)."""
+    ckpt_bytes = CHECKPOINT_BYTES_PER_PARAMETER * model.num_parameters()
+    if cfg.checkpoint.async_save:
+        return snapshot_seconds(ckpt_bytes, cluster.world_size, cfg.plan.snapshot_gbs_per_gpu * GB)
+    return save_seconds(ckpt_bytes, cluster.nodes, cfg.plan.write_gbs_per_node * GB)
+
+
 def layout_goodput(cfg: DictConfig, model, cluster: ClusterSpec, step_s: float) -> float:
     """The expected effective training time of a layout: at ``checkpoint.every_n_steps`` where set, else at
     Young/Daly's interval (the one ``mgpu-plan`` recommends), with the failure model of the goodput lines."""
     pl, every = cfg.plan, cfg.checkpoint.every_n_steps
-    save = save_seconds(CHECKPOINT_BYTES_PER_PARAMETER * model.num_parameters(), cluster.nodes,
-                        pl.write_gbs_per_node * GB)
+    save = blocked_save_s(cfg, model, cluster)
     g = plan_goodput(cluster.world_size, pl.gpu_mtbf_hours, every or 1, step_s, save, pl.restart_s)
     return g.fraction if every else g.best_fraction
 

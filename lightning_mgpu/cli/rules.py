@@ -198,6 +198,8 @@ _RUN_NUMBERS = (
     ("price_per_gpu_hour", 0.0, True, "the price of one GPU-hour", "e.g. plan.price_per_gpu_hour=2.5"),
     ("gpu_power_w", 0.0, False, "watts one GPU draws", "e.g. plan.gpu_power_w=700, or null for the board power"),
     ("node_overhead_w", 0.0, True, "watts a node draws besides its GPUs", "e.g. plan.node_overhead_w=2000"),
+    ("snapshot_gbs_per_gpu", 0.0, False, "GB/s a GPU copies its share of a background checkpoint at",
+     "e.g. plan.snapshot_gbs_per_gpu=10"),
     ("pue", 1.0, True, "facility energy over the machines' energy", "e.g. plan.pue=1.2, or 1.0 for the machines"),
 )
 

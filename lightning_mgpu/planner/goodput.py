@@ -53,3 +53,8 @@ def plan_goodput(gpus: int, gpu_mtbf_hours: float, every_n_steps: int, step_s: f
 def save_seconds(checkpoint_bytes: float, nodes: int, write_bytes_per_s_per_node: float) -> float:
     """A blocking universal checkpoint's time: its bytes written by every node at once at the given rate."""
     return checkpoint_bytes / (nodes * write_bytes_per_s_per_node)
+
+
+def snapshot_seconds(checkpoint_bytes: float, gpus: int, copy_bytes_per_s_per_gpu: float) -> float:
+    """A background checkpoint's blocking part: every GPU copies its share (1/G of the checkpoint) to host memory."""
+    return checkpoint_bytes / (gpus * copy_bytes_per_s_per_gpu)
