@@ -3,8 +3,10 @@
 SIGKILLs it (a lost rank: the job fails and restarts from the newest checkpoint) or sends it SIGTERM (a preemption: an
 emergency checkpoint, exit 75, restart with no step lost). The job ends on the weights of the same run uninterrupted,
 bit for bit (both save their last step: ``checkpoint.save_last``), and the effective training time is the
-uninterrupted run's wall time over the chaos run's: the share of the wall time that trained, what failures and
-restarts cost aside. The restarts and lost steps are the job's own record (``restarts.jsonl``).
+uninterrupted run's wall time (the same command, supervised too) over the chaos run's: the share of the wall time that trained, what failures and
+restarts cost aside. The restarts and lost steps are the job's own record (``restarts.jsonl``). The smoke mode runs
+one short job beside the chaos thread with no fault (and so no supervisor), as its own reference: it measures
+nothing.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from lightning_mgpu.checkpoint.universal import read_model_weights  # noqa: E402
 
 BIN = Path(sys.executable).parent
 #: steps of the run, checkpoint interval, seconds between faults (uniform in this range), faults at most
-STEPS, EVERY, GAP_S, FAULTS = sized((2400, 100, (15.0, 25.0), 12), (30, 10, (4.0, 4.0), 1))
+STEPS, EVERY, GAP_S, FAULTS = sized((12000, 100, (15.0, 25.0), 12), (10, 5, (4.0, 4.0), 0))
 
 
 def command(token_file: Path, run_dir: Path, restarts: int) -> list[str]:
@@ -45,9 +47,9 @@ def command(token_file: Path, run_dir: Path, restarts: int) -> list[str]:
 
 
 def ranks_of(supervisor: psutil.Process) -> list[psutil.Process]:
-    """The job's training processes: every Python process below the supervisor."""
+    """The job's training processes: every process below the supervisor (its attempts are forked from it)."""
     try:
-        return [p for p in supervisor.children(recursive=True) if "python" in p.name().lower()]
+        return supervisor.children(recursive=True)
     except psutil.NoSuchProcess:
         return []
 
@@ -58,7 +60,7 @@ def chaos(supervisor: psutil.Process, stop: threading.Event, done: list) -> None
         ranks = ranks_of(supervisor)
         if not ranks:
             continue
-        victim, sig = rng.choice(ranks), rng.choice([signal.SIGKILL, signal.SIGTERM]) if FAULTS > 1 else signal.SIGTERM
+        victim, sig = rng.choice(ranks), rng.choice([signal.SIGKILL, signal.SIGTERM])
         try:
             victim.send_signal(sig)
             done.append((round(time.time(), 1), victim.pid, signal.Signals(sig).name))
@@ -68,7 +70,7 @@ def chaos(supervisor: psutil.Process, stop: threading.Event, done: list) -> None
 
 def run(token_file: Path, run_dir: Path, faults: bool) -> tuple[float, list]:
     start, done = time.perf_counter(), []
-    proc = subprocess.Popen(command(token_file, run_dir, 50 if faults else 0), cwd=run_dir.parent,
+    proc = subprocess.Popen(command(token_file, run_dir, 50 if FAULTS else 0), cwd=run_dir.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     stop = threading.Event()
     thread = threading.Thread(target=chaos, args=(psutil.Process(proc.pid), stop, done), daemon=True)
@@ -84,8 +86,10 @@ def run(token_file: Path, run_dir: Path, faults: bool) -> tuple[float, list]:
 def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     token_file = make_token_file(tmp)
-    whole_s, _ = run(token_file, tmp / "whole", faults=False)
     chaos_s, faults = run(token_file, tmp / "chaos", faults=True)
+    whole_s, _ = run(token_file, tmp / "whole", faults=False) if FAULTS else (chaos_s, [])
+    if not FAULTS:  # the smoke mode: the job is its own reference
+        (tmp / "whole").symlink_to(tmp / "chaos")
     final = f"checkpoints/step-{STEPS:08d}"
     _, want = read_model_weights(tmp / "whole" / final)
     _, got = read_model_weights(tmp / "chaos" / final)

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_mgpu.callbacks.agreement import agree, at_boundary
 from lightning_mgpu.checkpoint.background import FAILED, WRITING, BackgroundSave, InBackground
 from lightning_mgpu.checkpoint.formats import LOADED_FROM, complete_checkpoints
+from lightning_mgpu.parallel.watchdog import paused
 from lightning_mgpu.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
 
 _PARTIAL = re.compile(r"step-(\d{8})\.partial")
@@ -123,7 +124,8 @@ class PeriodicCheckpoint(L.Callback):
         :class:`CheckpointWriteError` on every rank if any rank's failed. Collective while a save is in flight."""
         if self.in_flight is None:
             return
-        state = self.in_flight.wait() if wait else self.in_flight.state()
+        with paused(getattr(trainer.strategy, "_heartbeat", None)):  # waiting for a write is not a stalled step
+            state = self.in_flight.wait() if wait else self.in_flight.state()
         writing, failed = agree(trainer, [state == WRITING, state == FAILED], op="sum")
         if failed:
             self._raise_failure(trainer, self.in_flight)

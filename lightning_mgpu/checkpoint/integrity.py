@@ -80,7 +80,7 @@ def _attempt(work: Callable[[], Any]) -> Any:
     """``work()``, or its error as a string (what a rank sends the others instead of its result)."""
     try:
         return work()
-    except OSError as error:
+    except Exception as error:  # noqa: BLE001 - any failure is sent to the others, who raise with it
         return f"{type(error).__name__}: {error}"
 
 

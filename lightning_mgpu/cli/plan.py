@@ -26,7 +26,7 @@ from lightning_mgpu.planner import GPUS, ClusterSpec, PlanRow, plan_layouts
 from lightning_mgpu.planner.replicas import replica_cluster
 from lightning_mgpu.layout import chunks_per_rank, stage_ids
 from lightning_mgpu.planner.memory import stage_memory
-from lightning_mgpu.cli.plan_run import blocked_save_s, whole_run_lines
+from lightning_mgpu.cli.plan_run import checkpoint_seconds, whole_run_lines
 from lightning_mgpu.planner.goodput import CHECKPOINT_BYTES_PER_PARAMETER, plan_goodput
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
 
@@ -64,11 +64,14 @@ def goodput_lines(cfg: DictConfig, model, cluster: ClusterSpec, step_s: float) -
     """The configured layout's expected effective training time under failures, and the Young/Daly interval."""
     pl, every = cfg.plan, cfg.checkpoint.every_n_steps
     ckpt_bytes = CHECKPOINT_BYTES_PER_PARAMETER * model.num_parameters()
-    save = blocked_save_s(cfg, model, cluster)
-    g = plan_goodput(cluster.world_size, pl.gpu_mtbf_hours, every or 1, step_s, save, pl.restart_s)
+    par = cfg.parallel
+    dp = cluster.world_size // (par.tensor_parallel_size * par.pipeline_parallel_size * par.context_parallel_size)
+    snapshot, write = checkpoint_seconds(cfg, model, cluster, par.zero_stage, dp)
+    g = plan_goodput(cluster.world_size, pl.gpu_mtbf_hours, every or 1, step_s, snapshot, pl.restart_s, write)
+    save = g.save_s
     best_steps = max(1, round(g.best_interval_s / step_s))
     rate = (f"the snapshot at {pl.snapshot_gbs_per_gpu:g} GB/s per GPU (plan.snapshot_gbs_per_gpu; "
-            "checkpoint.async_save writes the rest in the background)" if cfg.checkpoint.async_save else
+            f"checkpoint.async_save writes the rest in the background, {write:.1f} s)" if cfg.checkpoint.async_save else
             f"at {pl.write_gbs_per_node:g} GB/s per node (plan.write_gbs_per_node)")
     lines = ["", f"failures: one every {g.job_mtbf_s / 3600:.1f} h for {cluster.world_size} GPUs (one GPU's MTBF "
                  f"{pl.gpu_mtbf_hours:,.0f} h, plan.gpu_mtbf_hours); a checkpoint ({ckpt_bytes / GB:.0f} GB) blocks "

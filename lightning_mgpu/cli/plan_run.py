@@ -67,27 +67,29 @@ def run_settings(cfg: DictConfig, cluster: ClusterSpec) -> Optional[RunSettings]
     return RunSettings(pl.tokens, pl.price_per_gpu_hour, power, pl.node_overhead_w, pl.pue)
 
 
-def blocked_save_s(cfg: DictConfig, model, cluster: ClusterSpec) -> float:
-    """How long one checkpoint blocks training: its whole write, or with ``checkpoint.async_save`` the snapshot of
-    each GPU's share (the write overlaps training)."""
+def checkpoint_seconds(cfg: DictConfig, model, cluster: ClusterSpec, zero_stage: int, dp: int) -> tuple[float, float]:
+    """(how long one checkpoint blocks training, how long its background write runs): the whole write and 0, or with
+    ``checkpoint.async_save`` the snapshot of each GPU's share and the write."""
     ckpt_bytes = CHECKPOINT_BYTES_PER_PARAMETER * model.num_parameters()
-    if cfg.checkpoint.async_save:
-        return snapshot_seconds(ckpt_bytes, cluster.world_size, cfg.plan.snapshot_gbs_per_gpu * GB)
-    return save_seconds(ckpt_bytes, cluster.nodes, cfg.plan.write_gbs_per_node * GB)
+    write = save_seconds(ckpt_bytes, cluster.nodes, cfg.plan.write_gbs_per_node * GB)
+    if not cfg.checkpoint.async_save:
+        return write, 0.0
+    copies = 1 if zero_stage in (1, 2) else dp
+    return snapshot_seconds(ckpt_bytes, cluster.world_size, copies, cfg.plan.snapshot_gbs_per_gpu * GB), write
 
 
-def layout_goodput(cfg: DictConfig, model, cluster: ClusterSpec, step_s: float) -> float:
+def layout_goodput(cfg: DictConfig, model, cluster: ClusterSpec, row: PlanRow) -> float:
     """The expected effective training time of a layout: at ``checkpoint.every_n_steps`` where set, else at
     Young/Daly's interval (the one ``mgpu-plan`` recommends), with the failure model of the goodput lines."""
-    pl, every = cfg.plan, cfg.checkpoint.every_n_steps
-    save = blocked_save_s(cfg, model, cluster)
-    g = plan_goodput(cluster.world_size, pl.gpu_mtbf_hours, every or 1, step_s, save, pl.restart_s)
+    pl, every, c = cfg.plan, cfg.checkpoint.every_n_steps, row.candidate
+    save, write = checkpoint_seconds(cfg, model, cluster, c.zero_stage, c.dp)
+    g = plan_goodput(cluster.world_size, pl.gpu_mtbf_hours, every or 1, row.time.total, save, pl.restart_s, write)
     return g.fraction if every else g.best_fraction
 
 
 def row_run(cfg: DictConfig, model, cluster: ClusterSpec, row: PlanRow, settings: RunSettings) -> RunCost:
     t = row.time
-    return run_cost(t.tokens_per_step, t.total, layout_goodput(cfg, model, cluster, t.total), cluster.nodes,
+    return run_cost(t.tokens_per_step, t.total, layout_goodput(cfg, model, cluster, row), cluster.nodes,
                     cluster.gpus_per_node, settings)
 
 
@@ -128,7 +130,7 @@ def scaling_points(cfg: DictConfig, model, cluster: ClusterSpec, precision: str,
     for n in node_counts(pl.max_nodes or cluster.nodes, cluster.nodes):
         at = ClusterSpec(n, cluster.gpus_per_node, cluster.gpu)
         rows = plan_layouts(model, at, cfg.data.seq_len, cfg.data.global_batch_size, precision, pl.achievable)
-        scored = [(r, layout_goodput(cfg, model, at, r.time.total)) for r in rows if r.fits]
+        scored = [(r, layout_goodput(cfg, model, at, r)) for r in rows if r.fits]
         if not scored:
             out.append(ScalePoint(n, at.world_size, len(rows), None))
             continue

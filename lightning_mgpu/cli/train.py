@@ -237,10 +237,13 @@ def _hydra_main(cfg: DictConfig) -> None:
     with refusal_exits():
         if cfg.cluster.max_restarts and not cfg.dry_run and ATTEMPT_VARIABLE not in os.environ:
             check_run(cfg)  # refused here, once, not by every attempt
-            # the child is one run in this job's run directory, even inside a sweep
+            # each attempt is one run in this job's run directory, even inside a sweep; -P: a fresh interpreter
+            # imports the installed package, not a lightning_mgpu folder in the working directory
             hydra_overrides = [o for o in HydraConfig.get().overrides.hydra
                                if not o.startswith(("hydra.run.dir=", "hydra.mode=", "hydra.sweep.", "hydra.job."))]
-            code = supervise([*HydraConfig.get().overrides.task, *hydra_overrides], run_dir, cfg.cluster.max_restarts)
+            command = [sys.executable, "-P", "-m", "lightning_mgpu.cli.train", *HydraConfig.get().overrides.task,
+                       *hydra_overrides, f"hydra.run.dir={run_dir}"]
+            code = supervise(lambda: train(cfg, run_dir), command, run_dir, cfg.cluster.max_restarts)
             if code:  # a sweep (-m) goes on to its next job after a success
                 raise SystemExit(code)
             return

@@ -68,10 +68,11 @@ def divergence(rank: int, mine: dict, theirs: dict[int, dict]) -> tuple[Optional
     return "; ".join(parts) or None, behind
 
 
-def write_report(directory: Path, rank: int) -> list[Path]:
-    """This rank's Flight Recorder trace and every thread's stack, into ``directory``."""
+def write_report(directory: Path, rank: int, kind: str = "hang") -> list[Path]:
+    """This rank's Flight Recorder trace and every thread's stack, into ``directory`` (``kind``: the files' first
+    word: ``hang`` from a failed collective, ``stall`` from the step-progress watchdog, which may write at once)."""
     directory.mkdir(parents=True, exist_ok=True)
-    trace, stacks = directory / f"hang-rank{rank}-collectives.json", directory / f"hang-rank{rank}-stacks.txt"
+    trace, stacks = directory / f"{kind}-rank{rank}-collectives.json", directory / f"{kind}-rank{rank}-stacks.txt"
     trace.write_text(json.dumps(_dump(), indent=1, default=str))
     with stacks.open("w") as out:
         faulthandler.dump_traceback(out, all_threads=True)

@@ -33,6 +33,7 @@ class StepWatchdog:
     def __init__(self, store: Any, rank: int, stall_s: float, report_dir: Optional[Path]) -> None:
         self.store, self.rank, self.stall_s, self.report_dir = store, rank, stall_s, report_dir
         self._last, self._armed, self._reported = time.monotonic(), True, False
+        self._beats, self._lock = 0, threading.Lock()  # a step during a report withdraws it (see _report)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mgpu-step-watchdog", daemon=True)
         self._thread.start()
@@ -40,8 +41,10 @@ class StepWatchdog:
     def beat(self) -> None:
         self._last = time.monotonic()
         if self._reported:  # it moved again: what it said no longer holds
-            self._reported = False
-            _safely(lambda: self.store.set(f"mgpu/stalled/{self.rank}", json.dumps({"resumed": True})))
+            with self._lock:
+                self._beats += 1
+                self._reported = False
+                _safely(lambda: self.store.set(f"mgpu/stalled/{self.rank}", json.dumps({"resumed": True})))
 
     def pause(self) -> None:
         self._armed = False
@@ -70,15 +73,20 @@ class StepWatchdog:
                 self._report(idle)
 
     def _report(self, idle: float) -> None:
+        """Write the files (``stall-rank<r>-*``), then say so in the store, unless a step came meanwhile."""
         files: list[str] = []
+        beats = self._beats
         try:
             if self.report_dir is not None:
-                files = [str(p) for p in collective_trace.write_report(self.report_dir, self.rank)]
-            self.store.set(f"mgpu/stalled/{self.rank}", json.dumps({"idle_s": round(idle, 1), "files": files}))
+                files = [str(p) for p in collective_trace.write_report(self.report_dir, self.rank, "stall")]
+            with self._lock:
+                if self._beats != beats:
+                    return
+                self.store.set(f"mgpu/stalled/{self.rank}", json.dumps({"idle_s": round(idle, 1), "files": files}))
         except Exception:  # the store or the directory is gone: the others' error goes without this rank's word
-            pass
-        log.error("rank %d has made no training progress for %.0f s (no optimizer step); its collective trace and "
-                  "stacks: %s", self.rank, idle, ", ".join(files) or "not written (no run directory)")
+            return
+        log.error("rank %d has made no optimizer step for %.0f s (busy, or waiting in a collective); its collective "
+                  "trace and stacks: %s", self.rank, idle, ", ".join(files) or "not written (no run directory)")
 
 
 def stalled_ranks(store: Any, ranks: list[int]) -> dict[int, dict]:

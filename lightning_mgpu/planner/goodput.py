@@ -41,13 +41,21 @@ def goodput_fraction(interval_s: float, save_s: float, restart_s: float, job_mtb
 
 
 def plan_goodput(gpus: int, gpu_mtbf_hours: float, every_n_steps: int, step_s: float, save_s: float,
-                 restart_s: float) -> Goodput:
-    """The goodput of a job of ``gpus`` GPUs checkpointing every ``every_n_steps`` steps of ``step_s`` seconds."""
+                 restart_s: float, background_write_s: float = 0.0) -> Goodput:
+    """The goodput of a job of ``gpus`` GPUs checkpointing every ``every_n_steps`` steps of ``step_s`` seconds.
+    ``background_write_s``: the write of a checkpoint saved in the background, which overlaps training, unless the
+    next save comes before it ends (that save waits for the rest: ``C = save + max(0, write - tau)``); the best
+    interval is then at least the write."""
     job_mtbf = gpu_mtbf_hours * 3600 / gpus
     interval = every_n_steps * step_s
-    best = math.sqrt(2 * save_s * job_mtbf)
-    return Goodput(gpus, job_mtbf, interval, save_s, restart_s, goodput_fraction(interval, save_s, restart_s, job_mtbf),
-                   best, goodput_fraction(best, save_s, restart_s, job_mtbf))
+
+    def blocked(tau: float) -> float:
+        return save_s + max(0.0, background_write_s - tau)
+
+    best = max(math.sqrt(2 * save_s * job_mtbf), background_write_s)
+    return Goodput(gpus, job_mtbf, interval, blocked(interval), restart_s,
+                   goodput_fraction(interval, blocked(interval), restart_s, job_mtbf), best,
+                   goodput_fraction(best, blocked(best), restart_s, job_mtbf))
 
 
 def save_seconds(checkpoint_bytes: float, nodes: int, write_bytes_per_s_per_node: float) -> float:
@@ -55,6 +63,8 @@ def save_seconds(checkpoint_bytes: float, nodes: int, write_bytes_per_s_per_node
     return checkpoint_bytes / (nodes * write_bytes_per_s_per_node)
 
 
-def snapshot_seconds(checkpoint_bytes: float, gpus: int, copy_bytes_per_s_per_gpu: float) -> float:
-    """A background checkpoint's blocking part: every GPU copies its share (1/G of the checkpoint) to host memory."""
-    return checkpoint_bytes / (gpus * copy_bytes_per_s_per_gpu)
+def snapshot_seconds(checkpoint_bytes: float, gpus: int, copies: int, copy_bytes_per_s_per_gpu: float) -> float:
+    """A background checkpoint's blocking part: every GPU copies its share to host memory, ``copies`` x 1/G of the
+    checkpoint (1 under ZeRO 1-2, where each rank copies its own pieces; the data-parallel size under ZeRO 0 and 3,
+    where each rank holds or gathers its whole tensor-parallel and pipeline shard)."""
+    return checkpoint_bytes * copies / (gpus * copy_bytes_per_s_per_gpu)

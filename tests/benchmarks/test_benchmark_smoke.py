@@ -12,6 +12,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 SMOKE = {
     "activation_memory.py": "| shape | precision | checkpointing |",
     "async_checkpoint.py": "async / sync",
+    "chaos_goodput.py": "effective training time",
     "checkpoint_io.py": "save s",
     "checkpoint_verify.py": "verify alone",
     "context_parallel.py": "MB sent per rank",

@@ -69,9 +69,10 @@ def test_the_watchdog_of_a_rank_without_progress_writes_its_stacks_and_is_quoted
         store.set("mgpu/at/1", json.dumps({"groups": {"8": [35, "gloo:all_reduce"]}, "waiting": "8"}))
         store.set("mgpu/heartbeat/1", repr(time.time() + 60))
         time.sleep(1.2)
-        assert (tmp_path / "hang-rank1-stacks.txt").is_file() and not (tmp_path / "hang-rank0-stacks.txt").exists()
+        assert (tmp_path / "stall-rank1-stacks.txt").is_file() and not (tmp_path / "stall-rank0-stacks.txt").exists()
         with pytest.raises(LostRankError, match=r"Rank 1 has made no training progress for \d+ s while its heartbeat "
-                                                r"went on: it is busy outside any collective .* its stacks show where: .*hang-rank1-stacks\.txt"):
+                                                r"went on: it is busy outside any collective .* its stacks show "
+                                                r"where: .*stall-rank1-stacks\.txt"):
             with name_lost_ranks(survivor):
                 raise RuntimeError("[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting")
         assert list(stalled_ranks(store, [0, 1])) == [1]

@@ -44,3 +44,16 @@ def test_a_background_checkpoint_blocks_only_for_its_snapshot_in_the_plan():
     assert "blocks 38.0 s, at 2 GB/s per node" in sync
     assert "blocks 1.0 s, the snapshot at 10 GB/s per GPU (plan.snapshot_gbs_per_gpu;" in background
     assert fraction(background) > fraction(sync)
+
+
+def test_a_background_write_longer_than_the_interval_blocks_the_next_save():
+    """``C = snapshot + max(0, write - tau)``: at tau 50 s a 60 s background write holds the next save 10 s; the best
+    interval is at least the write; the snapshot copies 1/G of the bytes under ZeRO 1-2, dp/G under ZeRO 0 and 3."""
+    from lightning_mgpu.planner.goodput import plan_goodput, snapshot_seconds
+
+    g = plan_goodput(1000, 36_000, 50, 1.0, 1.0, 300, background_write_s=60.0)  # job MTBF 36 h = 129,600 s
+    assert g.save_s == 11.0 and g.fraction == pytest.approx(1 - 11 / 50 - (300 + 25) / 129_600)
+    assert g.best_interval_s == pytest.approx((2 * 1.0 * 129_600) ** 0.5) and g.best_interval_s > 60
+    assert plan_goodput(1000, 36_000, 100, 1.0, 1.0, 300, background_write_s=60.0).save_s == 1.0
+    assert plan_goodput(10**6, 36_000, 10, 1.0, 1.0, 300, background_write_s=60.0).best_interval_s == 60.0
+    assert snapshot_seconds(80e9, 8, 1, 10e9) == 1.0 and snapshot_seconds(80e9, 8, 4, 10e9) == 4.0
