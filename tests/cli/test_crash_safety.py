@@ -119,8 +119,8 @@ def test_background_saves_killed_while_staged_written_and_unpublished_resume_bit
     """``checkpoint.async_save=true``, every 2 steps: the job is killed with the checkpoint of step 4 snapshotted (its
     trainer state written, no tensor yet), with rank 0's tensors written in the background (no checksums), and with
     every rank's write finished but not yet published. Each time the checkpoint of step 2 is the newest complete one
-    and the next attempt resumes from it; the last attempt runs to the end (the end of fit waits for the save of
-    step 6 and publishes it), and every logged loss equals the uninterrupted run's."""
+    and the next attempt resumes from it, and every logged loss equals the uninterrupted run's (that the end of fit
+    waits for the last save: ``tests/distributed/test_async_checkpoints.py``)."""
     ckpt, logged = tmp_path / "ckpt", {}
     background = ["checkpoint.async_save=true"]
     for number, kill in enumerate(["staged:4", "written:4", "saving:4"]):
@@ -132,9 +132,6 @@ def test_background_saves_killed_while_staged_written_and_unpublished_resume_bit
         assert ("trainer_state.pt" in files, ".metadata" in files, "checksums.json" in files) == \
             [(True, False, False), (True, True, False), (True, True, True)][number], (kill, files)
         logged[kill] = losses
-    losses, resumed = attempt(token_file, tmp_path, "final", ckpt, every=2, extra=background)
-    assert resumed == 2 and sorted(losses) == [2, 3, 4, 5] and on_disk(ckpt) == ([4, 6], [])
-    logged["final"] = losses
     for name, losses in logged.items():
         for step, loss in losses.items():
             assert loss == whole[step], (name, step, loss, whole[step])
