@@ -1,16 +1,18 @@
 """Universal checkpoints written in the background while training goes on (``checkpoint.async_save``).
 
-Training is blocked only while each rank takes its snapshot (:func:`~lightning_mgpu.checkpoint.universal.universal_state`
-gathers fresh fp32 copies out of the engine, which a synchronous save takes too) and rank 0 writes the small trainer
-state. ``torch.distributed.checkpoint.async_save`` then writes the tensors from a thread; it is given the snapshot as
-already staged (:class:`SnapshotStager`), because copying it again would double the blocked time for nothing. The same
-thread, once this rank's files are written, meets the other ranks and records the checksums of every file
-(``lightning_mgpu.checkpoint.integrity``). All of it runs on a gloo group of its own (:func:`background_group`), so the
-thread's collectives never interleave with training's on the default group.
+Training is blocked only while each rank takes its snapshot
+(:func:`~lightning_mgpu.checkpoint.universal.universal_state` with ``defer``: under ZeRO 1-2 a copy of this rank's own
+pieces of every fp32 weight and moment, no collective; at other stages the whole tensors, gathered as a synchronous
+save gathers them) and rank 0 writes the small trainer state. ``torch.distributed.checkpoint.async_save`` then stages
+the snapshot in a thread (:class:`AssemblingStager` puts the pieces together over twins of the data-parallel groups;
+whole tensors are a snapshot already, not copied again) and writes it from another. That thread, once this rank's
+files are written, meets the other ranks and records the checksums of every file
+(``lightning_mgpu.checkpoint.integrity``). All of it runs on gloo groups of its own (:func:`background_groups`), so
+the threads' collectives never interleave with training's.
 
 The checkpoint stays ``step-N.partial`` until it is published: the periodic checkpoint asks at every step whether
-every rank's write has finished (:func:`~lightning_mgpu.checkpoint.background.BackgroundSave.state`) and renames it
-only then. A failed write is reported at that step, on every rank, with the rank and path.
+every rank's write has finished (:meth:`BackgroundSave.state`) and renames it only then. A failed write is reported at
+that step, on every rank, with the rank and path.
 """
 
 from __future__ import annotations
