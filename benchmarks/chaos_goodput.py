@@ -64,8 +64,8 @@ def chaos(supervisor: psutil.Process, stop: threading.Event, done: list) -> None
         try:
             victim.send_signal(sig)
             done.append((round(time.time(), 1), victim.pid, signal.Signals(sig).name))
-        except psutil.NoSuchProcess:
-            pass
+        except psutil.NoSuchProcess:  # it ended between the listing and the signal: the next round picks again
+            continue
 
 
 def run(token_file: Path, run_dir: Path, faults: bool) -> tuple[float, list]:

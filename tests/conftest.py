@@ -45,11 +45,15 @@ def ref(token_file):
     return reference(token_file, steps=10, clip=0.3, val_batches=1)
 
 
+#: Every store the tests served: kept referenced for the whole session. A store that becomes garbage (logging
+#: records of a test's error can hold it past the test's teardown) may be collected later in a process forked by
+#: another test, where its server thread does not exist, and that aborts the child (SIGABRT).
+_SERVED_STORES: list = []
+
+
 @pytest.fixture
 def tcp_store():
-    """A rendezvous store for 2 ranks served by this process, destroyed after the test (collected while this process
-    still runs its server: a store left for the garbage collector of a process forked later aborts it)."""
-    import gc
+    """A rendezvous store for 2 ranks served by this process, for the whole session (see ``_SERVED_STORES``)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -57,6 +61,5 @@ def tcp_store():
     from lightning_mgpu.testing import free_port
 
     store = dist.TCPStore("127.0.0.1", free_port(), 2, True, timeout=timedelta(seconds=10), wait_for_workers=False)
-    yield store
-    del store
-    gc.collect()
+    _SERVED_STORES.append(store)
+    return store

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_mgpu.callbacks.agreement import agree, at_boundary
 from lightning_mgpu.checkpoint.background import FAILED, WRITING, BackgroundSave, InBackground
 from lightning_mgpu.checkpoint.formats import LOADED_FROM, complete_checkpoints
+from lightning_mgpu.parallel.collectives import gather_objects
 from lightning_mgpu.parallel.watchdog import paused
 from lightning_mgpu.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
 
@@ -136,7 +137,7 @@ class PeriodicCheckpoint(L.Callback):
     def _raise_failure(self, trainer: L.Trainer, save: BackgroundSave) -> None:
         """Raise on every rank, with every rank's error: once when all ranks hold the same (a collective failure,
         which names its ranks itself), else by rank."""
-        errors = _gathered(trainer, save.error() if save.state() == FAILED else "")
+        errors = gather_objects(save.error() if save.state() == FAILED else "")
         self.in_flight = None
         distinct = list(dict.fromkeys(e for e in errors if e))
         said = distinct[0] if len(distinct) == 1 and errors.count(distinct[0]) == len(errors) else \
@@ -161,13 +162,3 @@ class PeriodicCheckpoint(L.Callback):
                 shutil.rmtree(old, ignore_errors=True)
         trainer.strategy.barrier()
 
-
-def _gathered(trainer: L.Trainer, value: str) -> list[str]:
-    """``value`` of every rank, in rank order."""
-    if trainer.world_size == 1:
-        return [value]
-    import torch.distributed as dist
-
-    out: list = [None] * trainer.world_size
-    dist.all_gather_object(out, value)
-    return out

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from lightning_mgpu.checkpoint.integrity import record_checksums
 from lightning_mgpu.checkpoint.universal import Deferred, universal_state, write_trainer_state
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.collectives import gather_objects
 
 #: What :meth:`BackgroundSave.state` says: the write is still going, finished, or failed.
 WRITING, WRITTEN, FAILED = 0, 1, 2
@@ -124,8 +125,7 @@ def background_groups(state: dict, timeout: Optional[timedelta]) -> BackgroundGr
     """Create the gloo groups of background writes for the pieces in ``state`` (collective over the world: every rank
     creates every group, in the same order)."""
     mine = sorted({value.piece.ranks for value in state.values() if isinstance(value, Deferred)})
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = gather_objects(mine)
     world = dist.new_group(backend="gloo", timeout=timeout)
     twins = {ranks: dist.new_group(list(ranks), backend="gloo", timeout=timeout)
              for ranks in sorted({tuple(r) for ranks in everyone for r in ranks})}
@@ -160,13 +160,8 @@ def _finish(written: Future, done: Future, path: Path, group: Any, step: int) ->
         written.result()
         kill_job_at("written", step, dist.get_rank())
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        record_checksums(path, rank, world, gather=lambda value: _gather(value, group, world))
+        record_checksums(path, rank, world, gather=lambda value: gather_objects(value, group))
         done.set_result(None)
     except BaseException as error:  # noqa: BLE001 - handed to the training thread, which reports it
         done.set_exception(error)
 
-
-def _gather(value: Any, group: Any, world: int) -> list:
-    out: list = [None] * world
-    dist.all_gather_object(out, value, group=group)
-    return out

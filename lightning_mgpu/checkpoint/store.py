@@ -25,19 +25,12 @@ from lightning_mgpu.checkpoint.formats import (
     format_of,
     read_refusal,
 )
-from lightning_mgpu.checkpoint.integrity import checksum_problems, has_checksums, record_checksums, single_process
+from lightning_mgpu.checkpoint.integrity import checksum_problems, has_checksums, record_checksums
 from lightning_mgpu.checkpoint.universal import load_universal, save_universal
 from lightning_mgpu.engine.checkpoint_dir import load_engine_checkpoint, save_engine_checkpoint
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.collectives import gather_objects
 from lightning_mgpu.problems import format_problems
-
-
-def _gather(value: Any) -> list:
-    if not (dist.is_available() and dist.is_initialized()):
-        return single_process(value)
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
-    return out
 
 
 def _rank_world() -> tuple[int, int]:
@@ -48,13 +41,13 @@ def _rank_world() -> tuple[int, int]:
 
 def record(path: str | Path) -> None:
     """Checksum every file of the checkpoint ``path`` once all ranks have written theirs (collective)."""
-    record_checksums(path, *_rank_world(), gather=_gather)
+    record_checksums(path, *_rank_world(), gather=gather_objects)
 
 
 def verify(path: str | Path) -> None:
     """Refuse a checkpoint with a damaged or missing file, naming each (collective: each rank checks a share; warns
     when nothing was recorded: a checkpoint written before checksums existed is loaded unverified)."""
-    problems = checksum_problems(path, *_rank_world(), gather=_gather)
+    problems = checksum_problems(path, *_rank_world(), gather=gather_objects)
     if problems:
         raise CheckpointRefusedError(f"checkpoint {path} is damaged: " + "; ".join(problems))
     if not has_checksums(path):

@@ -10,6 +10,16 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 
 
+def gather_objects(value: Any, group: Any = None) -> list:
+    """``value`` of every rank of ``group`` (the world by default), in rank order; ``[value]`` before the process
+    group exists (one process)."""
+    if not _distributed_is_initialized():
+        return [value]
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
 class WorldCollectives:
     """The three collectives of Lightning's ``Strategy`` interface, each a no-op before the process group exists."""
 

@@ -44,7 +44,8 @@ class StepWatchdog:
             with self._lock:
                 self._beats += 1
                 self._reported = False
-                _safely(lambda: self.store.set(f"mgpu/stalled/{self.rank}", json.dumps({"resumed": True})))
+                with contextlib.suppress(Exception):  # the store is gone: nobody is left to read it
+                    self.store.set(f"mgpu/stalled/{self.rank}", json.dumps({"resumed": True}))
 
     def pause(self) -> None:
         self._armed = False
@@ -63,7 +64,10 @@ class StepWatchdog:
             self._armed = armed
 
     def stop(self) -> None:
+        """Stop watching, and wait for the thread (it holds the store, which must not outlive its server)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=4 * CHECK_S)
 
     def _run(self) -> None:
         while not self._stop.wait(CHECK_S):
@@ -97,13 +101,6 @@ def stalled_ranks(store: Any, ranks: list[int]) -> dict[int, dict]:
         if store.check([key]) and "idle_s" in (said := json.loads(store.get(key).decode())):
             found[rank] = said
     return found
-
-
-def _safely(work: Any) -> None:
-    try:
-        work()
-    except Exception:  # the store is gone: nobody is left to read it
-        pass
 
 
 def paused(heartbeat: Any) -> contextlib.AbstractContextManager:
