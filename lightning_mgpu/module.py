@@ -141,6 +141,8 @@ class LLMModule(L.LightningModule):
             if self._hf_weights is None:
                 self._hf_weights = HFWeights(hf_path(self.hparams.init_from))
             return self._hf_weights.read(own, shape, index)
+        if len(shape) == 3:  # stacked experts: draw only the experts of ``index[0]``
+            return llama_initial_value(self.config, own, shape, self.hparams.init_seed, index[0])[:, index[1], index[2]]
         return llama_initial_value(self.config, own, shape, self.hparams.init_seed)[index]
 
     def on_fit_start(self) -> None:

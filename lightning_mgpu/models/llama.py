@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_mgpu.models.moe import MoEFeedForward, moe_problems
 from lightning_mgpu.problems import format_problems
 
 
@@ -56,6 +57,20 @@ class LlamaConfig:
     #: a sample and rotary positions restart at 0 after every such token (a document ends *after* it). The model
     #: finds the documents in its input tokens, so batches need no extra tensor and every data source works.
     eod_token_id: Optional[int] = None
+    #: Mixture of experts (0: a dense model; the fields below then keep their defaults, see ``models.moe``).
+    num_experts: int = 0
+    experts_per_token: int = 2  #: top-k
+    expert_hidden: int = 0  #: each expert's SwiGLU width (0: ``ffn_hidden``)
+    shared_experts: int = 0  #: experts every token goes through, besides its routed ones
+    dense_layers: int = 0  #: the first layers keep a dense MLP (DeepSeek)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    router_renormalize: bool = True  #: the top-k weights divided by their sum
+    router_scale: float = 1.0  #: the routed weights multiplied by it
+    capacity_factor: Optional[float] = None  #: None: dropless
+    aux_loss: Literal["none", "micro_batch", "sequence", "global_batch"] = "micro_batch"
+    aux_loss_coeff: float = 0.01
+    z_loss_coeff: float = 0.0
+    router_bias_rate: float = 0.0  #: > 0: auxiliary-loss-free balancing by a per-expert bias, moved this much a step
 
     def __post_init__(self) -> None:
         problems = []
@@ -72,6 +87,7 @@ class LlamaConfig:
         if self.eod_token_id is not None and not 0 <= self.eod_token_id < self.vocab_size:
             problems.append(f"eod_token_id={self.eod_token_id} is not a token id of vocab_size={self.vocab_size}; "
                             f"give an id in [0, {self.vocab_size}) or None (no document masking)")
+        problems += moe_problems(self)
         if problems:
             raise ValueError(format_problems("Invalid LlamaConfig", problems))
 
@@ -79,14 +95,25 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def num_parameters(self) -> int:
-        """Parameter count, computed from the shape (no model is built)."""
+    @property
+    def expert_ffn_hidden(self) -> int:
+        return self.expert_hidden or self.ffn_hidden
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.num_experts > 0 and index >= self.dense_layers
+
+    def num_parameters(self, active: bool = False) -> int:
+        """Parameter count, computed from the shape (no model is built); ``active``: only the parameters one token
+        goes through (its ``experts_per_token`` routed experts, not all of them)."""
         hd = self.head_dim
         attn = self.dim * (self.n_heads * hd) * 2 + self.dim * (self.n_kv_heads * hd) * 2
-        mlp = 3 * self.dim * self.ffn_hidden
-        block = attn + mlp + 2 * self.dim
+        dense_block = attn + 3 * self.dim * self.ffn_hidden + 2 * self.dim
+        expert = 3 * self.dim * self.expert_ffn_hidden
+        routed = self.experts_per_token if active else self.num_experts
+        moe_block = attn + 2 * self.dim + self.dim * self.num_experts + expert * (routed + self.shared_experts)
+        moe = sum(self.is_moe_layer(i) for i in range(self.n_layers))
         emb = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * block + emb + self.dim
+        return (self.n_layers - moe) * dense_block + moe * moe_block + emb + self.dim
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> "LlamaConfig":
@@ -242,12 +269,14 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    """Attention, then a SwiGLU MLP or, in a mixture-of-experts layer (``cfg.is_moe_layer(index)``), experts."""
+
+    def __init__(self, cfg: LlamaConfig, index: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MoEFeedForward(cfg) if cfg.is_moe_layer(index) else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -278,12 +307,21 @@ def parameter_generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def initial_value(cfg: LlamaConfig, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+def initial_value(cfg: LlamaConfig, name: str, shape: torch.Size, seed: int,
+                  experts: Optional[slice] = None) -> torch.Tensor:
     """The initial value of parameter ``name`` of a :class:`Llama` (its whole, unsplit tensor): norms 1; block
-    output projections Normal(0, init_std / sqrt(2 * n_layers)) (GPT-2); everything else Normal(0, init_std)."""
+    output projections Normal(0, init_std / sqrt(2 * n_layers)) (GPT-2); everything else Normal(0, init_std).
+
+    Stacked expert weights (3-D) draw each expert from its own stream (``name/e``), so ``experts`` (a slice of the
+    first dimension) gives those experts without drawing the others: a rank fills only the experts it holds."""
     if len(shape) == 1:
         return torch.ones(shape, device="cpu")
-    std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight")) else cfg.init_std
+    std = cfg.init_std / math.sqrt(2 * cfg.n_layers) if name.endswith(("wo.weight", "w2.weight", ".w2")) \
+        else cfg.init_std
+    if len(shape) == 3:
+        wanted = range(shape[0])[experts or slice(None)]
+        return torch.stack([torch.empty(shape[1:], device="cpu").normal_(
+            0.0, std, generator=parameter_generator(seed, f"{name}/{e}")) for e in wanted])
     # on the CPU, like its generator, whatever default device a strategy set (the caller copies it where it belongs)
     return torch.empty(shape, device="cpu").normal_(0.0, std, generator=parameter_generator(seed, name))
 
@@ -300,7 +338,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
