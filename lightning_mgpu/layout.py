@@ -10,7 +10,7 @@ from typing import Optional
 
 from lightning_mgpu.problems import Problem, format_problems
 from lightning_mgpu.rank_grid import RankGrid
-from lightning_mgpu.split_rules import (copies_inside, replica_problems, stage_count_problems,
+from lightning_mgpu.split_rules import (copies_inside, expert_problems, replica_problems, stage_count_problems,
                                        tied_embedding_problems)
 
 
@@ -35,12 +35,15 @@ class ModelShape:
     ffn_hidden: int
     vocab_size: int
     tie_embeddings: bool = False
+    num_experts: int = 0
+    expert_hidden: int = 0
 
     @classmethod
     def of(cls, config) -> "ModelShape":
         """The shape of a model config with these fields (e.g. ``LlamaConfig``)."""
         return cls(config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_hidden, config.vocab_size,
-                   bool(getattr(config, "tie_embeddings", False)))
+                   bool(getattr(config, "tie_embeddings", False)), int(getattr(config, "num_experts", 0)),
+                   int(getattr(config, "expert_ffn_hidden", 0)))
 
 
 def divisors(n: int) -> list[int]:
@@ -75,11 +78,16 @@ class LayoutRequest:
     replica_update: str = "sync"  #: "sync" (every step, over every data-parallel rank) | "local" | "async"
     sync_every: int = 1  #: inner steps between the replicas' outer steps (``local``, ``async``)
     max_staleness: int = 2  #: ``async``: rounds a replica may run ahead of the newest global weights
+    expert_parallel_size: int = 1  #: ranks of the data x context ranks that split the experts of each layer
 
     def smallest_world(self) -> int:
         """The world size of one model copy in each replica (1 while a size is invalid: :meth:`problems` names it)."""
-        sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size, self.replicas)
-        return math.prod(sizes) if all(isinstance(n, int) and n > 0 for n in sizes) else 1
+        sizes = (self.tensor_parallel_size, self.pipeline_parallel_size, self.context_parallel_size, self.replicas,
+                 self.expert_parallel_size)
+        if not all(isinstance(n, int) and n > 0 for n in sizes):
+            return 1
+        T, P, C, R, Ep = sizes
+        return T * P * math.lcm(C, Ep) * R  # experts fold over the data x context ranks: enough of them for Ep
 
     def problems_with(self, world_size: Optional[int] = None, model: Optional[ModelShape] = None,
                       **known: object) -> list[Problem]:
@@ -171,6 +179,9 @@ class ParallelLayout(LayoutRequest, RankGrid):
                                "set tensor_parallel_size or sequence_parallel=False"))
         out += self._pipeline_problems()
         out += self._model_problems()
+        m = self.model
+        out += expert_problems(self.expert_parallel_size, data // R * C if data and data % R == 0 else None,
+                               None if m is None else m.num_experts, T, None if m is None else m.expert_hidden)
         return out
 
     def _pipeline_problems(self) -> list[Problem]:

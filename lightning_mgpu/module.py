@@ -155,7 +155,7 @@ class LLMModule(L.LightningModule):
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """How MGPUStrategy splits the model when ``tensor_parallel_size > 1``."""
-        return llama_tp_plan(prefix="model.")
+        return llama_tp_plan(prefix="model.", config=self.config)
 
     # -------------------------------------------------------------- pipeline parallelism (MGPUStrategy)
     def pipeline_stages(self, stage_ids: list[int], num_stages: int,

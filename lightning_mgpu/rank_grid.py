@@ -23,6 +23,10 @@ AXES = ("tp", "cp", "pp", "dp", "rep")
 #: reach when replicas step apart).
 GROUPS = {"tp": ("tp",), "cp": ("cp",), "pp": ("pp",), "dp": ("dp",), "dp_cp": ("cp", "dp"), "mp": ("tp", "pp"),
           "rep": ("rep",), "replica": ("tp", "cp", "pp", "dp")}
+#: Groups folded over each "dp_cp" group (in its rank order) by ``expert_parallel_size`` Ep: "ep", runs of Ep
+#: consecutive ranks, which hold disjoint experts and exchange tokens; "edp", the ranks at the same place of every run,
+#: which hold the same experts (their gradients reduce, and ZeRO partitions them, over it).
+FOLDED = ("ep", "edp")
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,9 @@ class RankGrid:
         data-parallel ranks of every replica)."""
         if axis == "data":
             return self.data_parallel_size * self.replicas
+        if axis in FOLDED:
+            Ep = self.expert_parallel_size
+            return Ep if axis == "ep" else self.size("dp_cp") // Ep
         sizes = self._sizes()
         n = 1
         for part in GROUPS[_check_group(axis)]:
@@ -69,6 +76,11 @@ class RankGrid:
     def group_ranks(self, axis: str) -> list[list[int]]:
         """All groups along ``axis`` (a key of :data:`GROUPS`), each the ascending global ranks that differ only in
         that group's axes."""
+        if axis in FOLDED:
+            Ep = self.expert_parallel_size
+            folded = [g[i:i + Ep] for g in self.group_ranks("dp_cp") for i in range(0, len(g), Ep)] if axis == "ep" \
+                else [g[j::Ep] for g in self.group_ranks("dp_cp") for j in range(Ep)]
+            return folded
         varying = GROUPS[_check_group(axis)]
         groups: dict[tuple, list[int]] = {}
         for r in range(self.world_size):
@@ -91,18 +103,21 @@ class RankGrid:
                                f"{dist.get_world_size()} ranks")
         self._groups.clear()
         self._groups["rank"] = global_rank
-        for axis in GROUPS:
+        folded = FOLDED if self.expert_parallel_size > 1 else ()
+        for axis in (*GROUPS, *folded):
             for ranks in self.group_ranks(axis):
                 group = dist.new_group(ranks, timeout=timeout)
                 if global_rank in ranks:
                     self._groups[axis] = group
+        if not folded:  # no expert parallelism: every rank holds every expert
+            self._groups["edp"] = self._groups["dp_cp"]
 
     def planned_at(self, global_rank: int):
         """This layout as rank ``global_rank`` sees it, without ``torch.distributed``: :meth:`rank` answers, and
         :meth:`group` gives :class:`GroupCoordinates` instead of process groups (for the dry run)."""
         view = self._unchecked()
         view._groups["rank"] = global_rank
-        view._groups.update({axis: GroupCoordinates(view.rank(axis), self.size(axis)) for axis in GROUPS})
+        view._groups.update({axis: GroupCoordinates(view.rank(axis), self.size(axis)) for axis in (*GROUPS, *FOLDED)})
         return view
 
     def group(self, axis: str):
@@ -116,6 +131,9 @@ class RankGrid:
         :meth:`group_ranks`), or for "data" ``rep * D + dp``; needs :meth:`init_groups`."""
         if "rank" not in self._groups:
             raise RuntimeError("ParallelLayout.rank needs init_groups() first")
+        if axis in FOLDED:
+            index = self.rank("dp_cp")
+            return index % self.expert_parallel_size if axis == "ep" else index // self.expert_parallel_size
         coords, sizes = self.coords(self._groups["rank"]), self._sizes()
         parts = ("dp", "rep") if axis == "data" else GROUPS[_check_group(axis)]
         index, scale = 0, 1
@@ -126,6 +144,6 @@ class RankGrid:
 
 
 def _check_group(axis: str) -> str:
-    if axis not in GROUPS:
+    if axis not in GROUPS and axis not in FOLDED:
         raise ValueError(f"axis={axis!r} is unknown; choose one of {', '.join(GROUPS)} (or 'data' for sizes)")
     return axis

@@ -21,6 +21,41 @@ def context_document_problems(context_parallel_size: int, document_mask: bool) -
     return []
 
 
+def _near(options: list[int], value: int) -> str:
+    best = sorted(options, key=lambda o: (abs(o - value), o))[:3]
+    return ", ".join(str(o) for o in sorted(best)) or "1"
+
+
+def expert_problems(expert_parallel_size: int, data_context_ranks: Optional[int], num_experts: Optional[int],
+                    tensor_parallel_size: int = 1, expert_hidden: Optional[int] = None) -> list[Problem]:
+    """The rules of expert parallelism, which folds over the data x context ranks of a replica
+    (``data_context_ranks``, None while unknown): each expert lives on one rank of its expert-parallel group, so the
+    group's size divides both those ranks and the experts (``num_experts``, None while the model is unknown, 0 for a
+    dense model); the tensor-parallel ranks split each expert's hidden width."""
+    Ep = expert_parallel_size
+    if not isinstance(Ep, int) or Ep < 1:
+        return [Problem("expert_parallel_size", Ep, "must be a positive integer", "use 1 to disable expert parallelism")]
+    out: list[Problem] = []
+    if Ep > 1 and num_experts == 0:
+        out.append(Problem("expert_parallel_size", Ep, "needs a mixture-of-experts model (num_experts=0)",
+                           "set model.num_experts or expert_parallel_size=1"))
+    if data_context_ranks is not None and data_context_ranks % Ep:
+        fits = [d for d in range(1, data_context_ranks + 1) if data_context_ranks % d == 0
+                and (not num_experts or num_experts % d == 0)]
+        out.append(Problem("expert_parallel_size", Ep, f"does not divide the {data_context_ranks} data x context ranks "
+                           "it folds over", f"choose {_near(fits, Ep)}, or change the number of devices"))
+    if num_experts and num_experts % Ep:
+        fits = [d for d in range(1, num_experts + 1) if num_experts % d == 0
+                and (data_context_ranks is None or data_context_ranks % d == 0)]
+        out.append(Problem("expert_parallel_size", Ep, f"does not divide num_experts={num_experts} (each rank of "
+                           "the group holds the same number of whole experts)", f"choose {_near(fits, Ep)}"))
+    if num_experts and expert_hidden and expert_hidden % tensor_parallel_size:
+        out.append(Problem("tensor_parallel_size", tensor_parallel_size, f"does not divide expert_hidden="
+                           f"{expert_hidden} (each rank holds a slice of every expert's hidden width)",
+                           "choose a tensor_parallel_size that divides it"))
+    return out
+
+
 def stage_count_problems(stages: int, n_layers: int) -> list[Problem]:
     """The rule: every pipeline stage (``pipeline_parallel_size x virtual_pipeline_size`` of them) holds a layer."""
     if stages > n_layers:

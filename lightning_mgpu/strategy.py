@@ -67,6 +67,8 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         pipeline_parallel_size: ranks that split the stack of layers into stages.
         context_parallel_size: ranks that split each sequence (long context, ``lightning_mgpu.parallel.context``):
             each holds two of ``2 x context_parallel_size`` chunks; needs a replaceable attention (``LLMModule``).
+        expert_parallel_size: ranks of the data x context ranks that split each layer's experts and exchange tokens
+            (a mixture-of-experts model, ``lightning_mgpu.parallel.experts``).
         sequence_parallel: norms on sequence shards, all-gather / reduce-scatter in place of all-reduce inside
             tensor-parallel groups (needs ``tensor_parallel_size > 1``).
         tensor_parallel_plan: ``{module name pattern: style}`` that splits the module's layers
@@ -115,12 +117,13 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
                  context_parallel_size: int = 1, trust_deepspeed_checkpoints: bool = False,
                  return_freed_memory: bool = False, replicas: int = 1, replica_update: str = "sync",
                  sync_every: int = 1, outer_optimizer: Optional[Union[OuterOptimizer, dict]] = None,
-                 max_staleness: int = 2, slow_ranks: Optional[dict[int, float]] = None, **kwargs: Any) -> None:
+                 max_staleness: int = 2, slow_ranks: Optional[dict[int, float]] = None, expert_parallel_size: int = 1,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.layout_request = LayoutRequest(
             tensor_parallel_size, pipeline_parallel_size, context_parallel_size, zero_stage, pipeline_schedule,
             virtual_pipeline_size, num_microbatches, sequence_parallel, offload_optimizer, offload_params, replicas,
-            replica_update, sync_every, max_staleness)
+            replica_update, sync_every, max_staleness, expert_parallel_size)
         self.outer_optimizer, self.slow_ranks = OuterOptimizer.of(outer_optimizer), dict(slow_ranks or {})
         # Everything that does not depend on the world size is checked now, before any process exists.
         raise_problems("Invalid parallel layout", self.layout_request.problems_with() + self.outer_optimizer.problems()
@@ -234,7 +237,8 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         if optimizer is not None and engines.drifts_from_fp32(config):
             rank_zero_warn(engines.drifts_from_fp32(config))
         self.num_microbatches, self.deepspeed_config = micro_batches, config
-        self.model, engine_optimizer = engines.initialize_engine(wrapped, optimizer, config, self.layout)
+        self.model, engine_optimizer = engines.initialize_engine(wrapped, optimizer, config, self.layout,
+                                                                 [c.scheduler for c in self.lr_scheduler_configs])
         self._replica_sync = replica_sync(self.model, self.layout, self.outer_optimizer, optimizer is not None,
                                           self._timeout)
         self._clock = StepClock(self.slow_ranks.get(self.global_rank, 1.0))

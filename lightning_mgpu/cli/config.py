@@ -83,6 +83,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     #: ranks that split each sequence (long context); tokens per sample must be a multiple of 2 x this
     context_parallel_size: int = 1
+    #: ranks of the data x context ranks that split each layer's experts (a mixture-of-experts model)
+    expert_parallel_size: int = 1
     sequence_parallel: bool = False
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1

@@ -46,7 +46,7 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
                           num_microbatches=micro, sequence_parallel=p.sequence_parallel, context_parallel_size=C,
                           offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape,
                           replicas=p.replicas, replica_update=p.replica_update, sync_every=p.sync_every,
-                          max_staleness=p.max_staleness)
+                          max_staleness=p.max_staleness, expert_parallel_size=p.expert_parallel_size)
     out = keyed(raw, t) + batch + keyed(_outer_problems(p.outer_optimizer), t)
     if isinstance(T, int) and isinstance(C, int) and T > 0 and C > 0 and isinstance(d.seq_len, int):
         out += sequence_problems(d.seq_len, C, T, bool(p.sequence_parallel), key="data.seq_len")

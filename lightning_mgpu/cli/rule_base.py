@@ -35,7 +35,7 @@ CONFIG_KEYS = {
         "tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "zero_stage", "pipeline_schedule",
         "virtual_pipeline_size", "num_microbatches", "sequence_parallel", "offload_optimizer", "offload_params",
         "pipeline_boundaries", "replicas", "replica_update", "sync_every", "outer_optimizer", "max_staleness",
-        "slow_ranks")},
+        "slow_ranks", "expert_parallel_size")},
     "tie_embeddings": "model.tie_embeddings", "precision": "trainer.precision",
     "accumulate_grad_batches": "trainer.accumulate_grad_batches", "seq_len": "data.seq_len",
     "document_mask": "data.document_mask",

@@ -29,12 +29,14 @@ from lightning_mgpu.engine.parameter_state import MOMENTS, ParameterState
 from lightning_mgpu.engine.runtime import (
     EngineOwnedOptimizer,
     LayoutMPU,
+    accumulation_steps,
     backward,
     data_parallel_size,
     deferred_grad_reduction,
     gathered,
     init_engine_comm,
     initialize_engine,
+    loss_scale,
     preload,
     step,
     zero3_partitioner,
@@ -42,9 +44,9 @@ from lightning_mgpu.engine.runtime import (
 )
 
 __all__ = [
-    "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "backward", "bucket_elements",
+    "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "accumulation_steps", "backward", "bucket_elements",
     "bucket_elements_for", "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32",
-    "evaluation_config", "gathered", "init_engine_comm", "initialize_engine", "load_engine_checkpoint",
+    "evaluation_config", "gathered", "init_engine_comm", "initialize_engine", "load_engine_checkpoint", "loss_scale",
     "master_weights", "parameter_dtype", "parameter_elements", "parameter_shape", "precision_config", "preload",
     "refresh_working_weights", "run_config", "save_engine_checkpoint", "step",
     "zero3_partitioner", "zero_config", "zero_stage",

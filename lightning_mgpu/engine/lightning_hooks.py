@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_mgpu.engine.runtime import backward, step
 from lightning_mgpu.parallel.replicas import keep_sigterm_check_inside_replicas
 from lightning_mgpu.parallel.stragglers import log_round, report_stragglers
+from lightning_mgpu.parallel.experts import balance_experts
 from lightning_mgpu.parallel.liveness import name_lost_ranks
 from lightning_mgpu.parallel.watchdog import StepWatchdog
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
@@ -60,6 +61,7 @@ class EngineHooks:
         with name_lost_ranks(self._heartbeat):
             self._clock.before_step()
             self.context.last_grad_norm = step(self.model)
+            balance_experts(self.model.module, self.layout)
             if self._replica_sync is not None:  # replicas that step apart: every sync_every steps, the outer step
                 trainer = self.lightning_module.trainer
                 if self._replica_sync.after_inner_step(last=0 < trainer.max_steps <= trainer.global_step + 1):

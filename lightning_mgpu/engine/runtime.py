@@ -11,6 +11,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 import torch
 from torch import nn
 
+from lightning_mgpu.engine import experts
 from lightning_mgpu.engine.config import parameter_dtype
 from lightning_mgpu.layout import ParallelLayout
 
@@ -109,17 +110,22 @@ def init_engine_comm(timeout=None) -> None:
 
 
 def initialize_engine(module: nn.Module, optimizer: Optional[torch.optim.Optimizer], config: dict,
-                      layout: ParallelLayout):
+                      layout: ParallelLayout, schedulers: Iterable = ()):
     """(engine, engine optimizer): ``deepspeed.initialize`` over an already-parallelised module with ZeRO confined to
-    the data-parallel group, and the global gradient norm kept on every path (see ``_keep_zero0_grad_norm``)."""
+    the data-parallel group, and the global gradient norm kept on every path (see ``_keep_zero0_grad_norm``). Expert
+    parameters go to optimizer groups of their own (``schedulers`` follow: ``experts.split_expert_groups``)."""
     import deepspeed
 
-    engine, ds_optimizer, _, _ = deepspeed.initialize(
-        model=module, optimizer=optimizer, config=config, mpu=LayoutMPU(layout), dist_init_required=False)
+    if optimizer is not None and layout.size("ep") > 1:
+        experts.split_expert_groups(optimizer, list(schedulers), layout)
+
+    with experts.shown_to_engine(module, layout):
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=module, optimizer=optimizer, config=config, mpu=LayoutMPU(layout), dist_init_required=False)
     # DeepSpeed names and counts checkpoint files per model-parallel rank, which the mpu makes the tp rank: one
     # pipeline stage's directory holds tp files, not tp x pp (the grad norm reads the mpu, not this number).
     engine.mp_world_size = layout.size("tp")
-    _keep_zero0_grad_norm(engine)
+    _keep_zero0_grad_norm(engine, layout)
     if layout.size("dp_cp") == 1 and zero_stage(engine) == 0:
         engine.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
     return engine, ds_optimizer
@@ -134,35 +140,48 @@ def zero3_partitioner(config: dict, layout: ParallelLayout) -> Callable[[list[nn
     import deepspeed
 
     dtype, mpu = parameter_dtype(config), LayoutMPU(layout)
-    first: list[nn.Parameter] = []  # a parameter converted by the one Init, which converts all later ones
+    #: per group: a parameter converted by the one Init of that group, which converts all later ones
+    first: dict[str, nn.Parameter] = {}
 
     def partition(params: list[nn.Parameter]) -> None:
         for param in params:
             param.data = param.data.to(dtype)  # the engine would cast before partitioning; cast one tensor at a time
-        if first:  # as the engine converts parameters added later: through the Init that converted the first
-            first[0].convert_to_zero_parameters(param_list=params)
+        split = layout.size("ep") > 1
+        for group in ("dp_cp", "edp"):  # experts over the ranks holding the same experts, the rest over dp x cp
+            mine = [p for p in params if (getattr(p, "expert_partition", None) is not None and split) == (group == "edp")]
+            if mine:
+                _partition_over(mine, group)
+
+    def _partition_over(params: list[nn.Parameter], group: str) -> None:
+        if group in first:  # as the engine converts parameters added later: through the Init that converted the first
+            first[group].convert_to_zero_parameters(param_list=params)
             return
         # One Init for the whole model, as the engine would make: each Init makes its own NVMe swapper (clearing the
         # swap folder) and its own hierarchical-partition group. It converts the parameters of the module it is
         # given; a container of exactly these parameters keeps their identity (the model and its ties keep them).
-        deepspeed.zero.Init(module=nn.ParameterList(params), data_parallel_group=layout.group("dp_cp"),
+        deepspeed.zero.Init(module=nn.ParameterList(params), data_parallel_group=layout.group(group),
                             config_dict_or_path=config, mpu=mpu)
-        first.append(params[0])
+        first[group] = params[0]
 
     return partition
 
 
-def _keep_zero0_grad_norm(engine) -> None:
+def _keep_zero0_grad_norm(engine, layout: ParallelLayout) -> None:
     """Make a ZeRO-0 fp32 engine remember the global grad norm it clips with.
 
     DeepSpeed's fp32 ZeRO-0 path computes the norm inside ``clip_fp32_gradients`` and drops it, so
-    ``get_global_grad_norm()`` would stay ``None``; every other path keeps it. This wraps that one call.
+    ``get_global_grad_norm()`` would stay ``None``; every other path keeps it. This wraps that one call. With expert
+    parallelism DeepSpeed's norm is wrong (it averages the ranks' norms over data parallelism, though they hold
+    different experts): :func:`lightning_mgpu.engine.experts.global_grad_norm` counts every expert once instead.
     """
     from deepspeed.runtime.utils import clip_grad_norm_
 
     def clip_and_keep() -> None:
-        norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
-                               mpu=engine.mpu)
+        if layout.size("ep") > 1 and experts.expert_parameters(engine.module):
+            norm = experts.clip_by_global_norm(engine.module, layout, engine.gradient_clipping())
+        else:
+            norm = clip_grad_norm_(parameters=engine.module.parameters(), max_norm=engine.gradient_clipping(),
+                                   mpu=engine.mpu)
         engine._global_grad_norm = float(norm)
 
     engine.clip_fp32_gradients = clip_and_keep
@@ -202,6 +221,19 @@ def deferred_grad_reduction(engine: Any) -> Iterator[None]:
 def backward(engine: Any, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
     """Backward of one micro-batch's loss through the engine (scaled by its accumulation, loss-scaled under fp16)."""
     engine.backward(loss, *args, **kwargs)
+
+
+def loss_scale(engine: Any) -> float:
+    """The factor the engine multiplies each loss by before backward (fp16's dynamic loss scale; 1 otherwise)."""
+    if not engine.fp16_enabled():
+        return 1.0
+    optimizer = engine.optimizer
+    return float(getattr(optimizer, "loss_scale", None) or getattr(optimizer, "cur_scale", 1.0))
+
+
+def accumulation_steps(engine: Any) -> int:
+    """The micro-batches whose losses the engine averages into one step (it divides each loss by this)."""
+    return int(engine.gradient_accumulation_steps())
 
 
 def step(engine: Any) -> Optional[float]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.layout import stage_count_problems, tied_embedding_problems
-from lightning_mgpu.models.llama import Llama, document_positions, run_layers
+from lightning_mgpu.models.llama import Llama, LlamaConfig, document_positions, run_layers
 from lightning_mgpu.problems import format_problems
 
 #: Module name pattern -> tensor-parallel style (see ``lightning_mgpu.parallel.plan``).
@@ -36,9 +36,12 @@ LLAMA_TP_PLAN: dict[str, str] = {
 }
 
 
-def llama_tp_plan(prefix: str = "") -> dict[str, str]:
-    """The Llama plan with every pattern under ``prefix`` (e.g. ``"model."`` inside a LightningModule)."""
-    return {prefix + key: style for key, style in LLAMA_TP_PLAN.items()}
+def llama_tp_plan(prefix: str = "", config: Optional[LlamaConfig] = None) -> dict[str, str]:
+    """The Llama plan with every pattern under ``prefix`` (e.g. ``"model."`` inside a LightningModule). A model whose
+    every layer is a mixture of experts has no dense MLP to split (``lightning_mgpu.parallel.experts`` splits the
+    experts)."""
+    dense = config is None or any(not config.is_moe_layer(i) for i in range(config.n_layers))
+    return {prefix + key: style for key, style in LLAMA_TP_PLAN.items() if dense or ".feed_forward." not in key}
 
 
 class LlamaStage(nn.Module):

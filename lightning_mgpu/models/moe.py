@@ -108,10 +108,12 @@ class MoEWiring:
 
     ``lightning_mgpu.parallel.experts`` subclasses it for expert, tensor and context parallelism."""
 
-    #: How many ranks' tokens the balancing statistics sum over (their gradient is scaled by it; see ``Router``).
-    statistics_ranks: int = 1
     #: The local experts are ``[first_expert, first_expert + local experts)`` of the layer's experts.
     first_expert: int = 0
+
+    def statistics_ranks(self, aux_loss: str) -> int:
+        """How many ranks' tokens ``aux_loss``'s statistics sum over (their gradient is scaled by it; see ``Router``)."""
+        return 1
 
     def router_input(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -159,6 +161,14 @@ class LossGradient(torch.autograd.Function):
         return grad, grad.new_full(ctx.loss_shape, ctx.scale, dtype=torch.float32), None
 
 
+class RouterGate(nn.Linear):
+    """The router's projection, computed in fp32 whatever the weights' and activations' dtype (a module of its own, so
+    that an engine that gathers a module's weights when it is called, ZeRO-3, gathers it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
 class Router(nn.Module):
     """Top-k routing computed in fp32, deterministically: experts ranked by a stable sort (ties go to the lower
     expert index), no noise. With ``bias_rate > 0`` a per-expert bias (auxiliary-loss-free balancing, DeepSeek-V3)
@@ -168,7 +178,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
-        self.gate = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
+        self.gate = RouterGate(cfg.dim, cfg.num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, device="cpu"),
                              persistent=cfg.router_bias_rate > 0)
         #: Tokens routed to each expert since the last bias update (this rank's, summed over micro-batches).
@@ -179,7 +189,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: int, wiring: MoEWiring) -> Route:
         """``x``: ``[T, dim]`` tokens, ``batch`` sequences of ``T / batch`` tokens each."""
-        logits = F.linear(wiring.router_input(x).float(), self.gate.weight.float())
+        logits = self.gate(wiring.router_input(x))
         scores = torch.softmax(logits, -1) if self.cfg.router_score == "softmax" else torch.sigmoid(logits)
         choice = scores + self.expert_bias.to(scores.device) if self.cfg.router_bias_rate > 0 else scores
         ranked, order = torch.sort(choice.detach(), dim=-1, descending=True, stable=True)
@@ -208,7 +218,7 @@ class Router(nn.Module):
         z = logits.logsumexp(-1).square().mean() if cfg.z_loss_coeff > 0 else zero
         # A loss of the summed statistics is the same number on every rank that summed them, and each such rank adds
         # only its own tokens' share of the gradient: the data-parallel mean divides that by the ranks, so scale back.
-        loss = cfg.aux_loss_coeff * aux * wiring.statistics_ranks + cfg.z_loss_coeff * z
+        loss = cfg.aux_loss_coeff * aux * wiring.statistics_ranks(cfg.aux_loss) + cfg.z_loss_coeff * z
         return loss, {"aux_loss": aux.detach(), "z_loss": z.detach()}
 
     @torch.no_grad()
@@ -276,6 +286,8 @@ class MoEFeedForward(nn.Module):
         self.stats: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "meta":  # a pipeline stage inferring its output shape: no routes, no collectives
+            return self.wiring.block_output(x)
         b, s, d = x.shape
         flat = x.reshape(-1, d)
         route = self.router(flat, b, self.wiring)

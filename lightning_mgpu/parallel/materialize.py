@@ -68,6 +68,10 @@ def _filled(param: nn.Parameter, name: str, device: torch.device, value: Initial
         start = min(param.partition_rank * per_rank, full)
         shape[dim], index[dim] = full, slice(start, min(start + per_rank, full))
         target = data.narrow(dim, 0, index[dim].stop - start)  # rows past the whole tensor are padding: zeros
+    if getattr(param, "expert_partition", None) is not None:  # experts [rank * local, (rank + 1) * local)
+        rank, size = param.expert_partition
+        local = param.shape[0]
+        shape[0], index[0] = local * size, slice(rank * local, (rank + 1) * local)
     target.copy_(value(name, torch.Size(shape), tuple(index)))
     filled = nn.Parameter(data, requires_grad=param.requires_grad)
     filled.__dict__.update(param.__dict__)  # tensor_model_parallel, partition_dim, full_size, ...

@@ -1,6 +1,6 @@
 """One function over the layout that turns a LightningModule into what this rank trains, in a fixed order:
 
-tensor-parallel plan -> context-parallel attention -> pipeline stage split -> activation checkpointing of this rank's
+tensor-parallel plan -> context-parallel attention -> experts (expert and tensor parallel) -> pipeline stage split -> activation checkpointing of this rank's
 blocks -> torch.compile of those blocks -> materialise this rank's share.
 
 The engine (DeepSpeed, :mod:`lightning_mgpu.engine`) wraps the result; the strategy calls this between the two. Tests call
@@ -24,6 +24,7 @@ from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.compile import compile_blocks, compile_layout_problems
 from lightning_mgpu.parallel.context import apply_context_parallel
+from lightning_mgpu.parallel.experts import apply_expert_parallel
 from lightning_mgpu.parallel.materialize import Place, materialize, meta_parameters
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
 from lightning_mgpu.problems import raise_problems
@@ -52,6 +53,7 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
     ``ValueError`` naming what the module lacks for the layout.
     """
     notes = _tensor_parallel(module, layout, plan) + _context_parallel(module, layout)
+    notes += apply_expert_parallel(module, layout)
     kept = module
     if layout.size("pp") > 1:
         kept = hook(module, "pipeline_stages")(layout.stage_ids(layout.rank("pp")), layout.num_stages, boundaries)

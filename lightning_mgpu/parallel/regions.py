@@ -80,6 +80,17 @@ ReduceFromRegion = _collective("ReduceFromRegion", lambda x, group: _all_reduce(
                                "Leave the region: all-reduce the partial sums forward, identity backward.")
 GatherSequence = _collective("GatherSequence", _gather_seq, _reduce_scatter_seq,
                              "Sequence shard -> whole sequence: all-gather forward, reduce-scatter backward.")
+def _split_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """[b, s, ...] whole on each rank -> this rank's [b, s/T, ...] shard."""
+    T = world(group)
+    check_sequence_divisible(x.shape[SEQ_DIM], T)
+    per = x.shape[SEQ_DIM] // T
+    return x.narrow(SEQ_DIM, dist.get_rank(group) * per, per).contiguous()
+
+
+SplitSequence = _collective("SplitSequence", _split_seq, _gather_seq,
+                            "Whole sequence (the same on every rank) -> this rank's shard: split forward, all-gather "
+                            "backward.")
 ReduceScatterSequence = _collective(
     "ReduceScatterSequence", _reduce_scatter_seq, _gather_seq,
     "Partial sums over the whole sequence -> summed sequence shard: reduce-scatter forward, all-gather backward.")
@@ -149,3 +160,16 @@ class ScaledGather(Function):
         grad_w = summed[:d].view_as(weight)
         grad_b = summed[d:].view_as(weight) if ctx.has_bias else None
         return grad_x_hat, grad_w, grad_b, None, None
+
+
+class ScaleGradient(Function):
+    """``x`` unchanged forward; its gradient times ``factor`` backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None

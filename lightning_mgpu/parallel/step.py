@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.models.moe import set_loss_scale
 from lightning_mgpu.parallel.microbatch import split_microbatches
 from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.timeline import PipelineTimeline
@@ -47,6 +48,7 @@ class DataParallelStep:
             with self.step_context():
                 return self.forward(self.engine, self.module, "training_step", batch, *rest, **kwargs)
         losses, out = [], None
+        set_loss_scale(self.module, engines.loss_scale(self.engine) / engines.accumulation_steps(self.engine))
         for micro_batch in split_microbatches(batch, self.num_microbatches):
             with self.step_context():
                 out = self.forward(self.engine, self.module, "training_step", micro_batch, *rest, **kwargs)
@@ -65,6 +67,8 @@ class PipelineStep:
         self.pipeline, self.module, self.layout = pipeline, module, layout
 
     def __call__(self, batch: Any, *rest: Any, **kwargs: Any) -> torch.Tensor:
+        # The schedule divides each micro-batch's loss by their number and scales no gradient after.
+        set_loss_scale(self.pipeline.engine.module, engines.loss_scale(self.pipeline.engine) / self.pipeline.n_microbatches)
         return mean_over_replicas(self.pipeline.train_step(*self.module.pipeline_batch(batch)), self.layout)
 
 

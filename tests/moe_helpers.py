@@ -1,0 +1,104 @@
+"""The single-process reference of a mixture-of-experts run and what the distributed runs record about routing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from helpers import GLOBAL_BATCH, MICRO_BATCH, OPTIM, global_batches
+
+from lightning_mgpu import LLMModule
+from lightning_mgpu.models.llama import LlamaConfig
+from lightning_mgpu.models.moe import moe_layers, set_loss_scale
+
+#: A tiny mixture of experts: 4 experts (top-2) and a shared expert in every layer, both balancing losses on.
+TINY_MOE = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64,
+                       num_experts=4, experts_per_token=2, shared_experts=1, aux_loss_coeff=0.05, z_loss_coeff=0.01)
+
+
+def moe_reference(token_file: Path, steps: int, model: LlamaConfig = TINY_MOE, chunk: int = MICRO_BATCH,
+                  clip: float = 0.3) -> dict:
+    """A plain loop over whole global batches in chunks of ``chunk`` sequences (what one rank's micro-batch holds,
+    so each chunk's balancing statistics are those one rank computes): the loss and gradient are the means over the
+    chunks. Returns the losses, grad norms, each step's routes (per chunk, per layer) and the smallest top-k margin."""
+    module = LLMModule(model, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    module.configure_model()
+    opt = module.configure_optimizers()
+    optimizer, scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
+    chunks = GLOBAL_BATCH // chunk
+    set_loss_scale(module.model, 1.0 / chunks)
+    losses, norms, routes, margins = [], [], [], []
+    for batch in global_batches(token_file, steps):
+        total, step_routes = 0.0, []
+        for part in batch.split(chunk):
+            logits = module.model(part[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), part[:, 1:].flatten())
+            (loss / chunks).backward()
+            total += loss.item() / chunks
+            step_routes.append([layer.router.routes.clone() for layer in moe_layers(module.model)])
+            margins += [float(layer.stats["margin"]) for layer in moe_layers(module.model)]
+        for layer in moe_layers(module.model):  # the bias moves from the whole step's counts
+            layer.router.update_bias(layer.router.step_counts.clone())
+        norms.append(torch.nn.utils.clip_grad_norm_(module.model.parameters(), clip).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(total)
+        routes.append(step_routes)
+    return {"losses": losses, "grad_norms": norms, "routes": routes, "margin": min(margins),
+            "experts": expert_weights(module.model)}
+
+
+def expert_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every stacked expert weight by its parameter name (whole tensors, on this process)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if ".experts." in name}
+
+
+class RouteRecorder(L.Callback):
+    """Records each router's chosen experts in every training forward on this rank, and the layout's expert
+    groups (to assert the layout that ran)."""
+
+    def __init__(self) -> None:
+        self.routes: list[list[torch.Tensor]] = []
+        self.layers: list = []
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.layers = moe_layers(trainer.strategy.model.module)
+        for layer in self.layers:
+            layer.router.register_forward_hook(lambda m, args, route: self.routes.append(route.experts.detach()))
+
+    def summary(self, trainer: L.Trainer) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        layout = trainer.strategy.layout
+        groups = {axis: dist.get_process_group_ranks(layout.group(axis)) for axis in ("ep", "edp")} \
+            if layout.size("ep") > 1 else {}
+        held = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in trainer.strategy.model.module
+                .named_parameters() if ".experts." in name}
+        first = [layer.wiring.first_expert for layer in self.layers]
+        return {"routes": self.routes, "groups": groups, "held": held, "first_expert": first}
+
+
+def routes_per_micro_batch(result: dict, n_layers: int) -> list[list[torch.Tensor]]:
+    """A rank's recorded routes grouped into micro-batches of ``n_layers`` layers each."""
+    flat = result["routes"]
+    return [flat[i:i + n_layers] for i in range(0, len(flat), n_layers)]
+
+
+def assert_routes_equal(results: list[dict], ref: dict, micro_per_rank: int, dp_rank_of: Optional[dict] = None,
+                        n_layers: int = 2) -> None:
+    """Each rank's micro-batch ``m`` routed its tokens as the reference routed chunk ``dp_rank * micro_per_rank + m``
+    of the same step (before any loss is compared: a near-tie could flip a route)."""
+    for r in results:
+        dp = (dp_rank_of or {}).get(r["rank"], r["rank"])
+        got = routes_per_micro_batch(r, n_layers)
+        for step, chunks in enumerate(ref["routes"]):
+            for m in range(micro_per_rank):
+                mine = got[step * micro_per_rank + m]
+                want = chunks[dp * micro_per_rank + m]
+                for layer, (a, b) in enumerate(zip(mine, want)):
+                    assert torch.equal(a, b), f"rank {r['rank']} step {step} micro-batch {m} layer {layer}: routes " \
+                        f"differ (smallest top-k margin of the reference {ref['margin']:.3g})"
