@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
 
@@ -12,7 +13,7 @@ from helpers import GLOBAL_BATCH, MICRO_BATCH, OPTIM, global_batches
 
 from lightning_mgpu import LLMModule
 from lightning_mgpu.models.llama import LlamaConfig
-from lightning_mgpu.models.moe import moe_layers, set_loss_scale
+from lightning_mgpu.models.moe import MoEFeedForward, moe_layers, set_loss_scale
 
 #: A tiny mixture of experts: 4 experts (top-2) and a shared expert in every layer, both balancing losses on.
 TINY_MOE = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=64, max_seq_len=64,
@@ -49,7 +50,7 @@ def moe_reference(token_file: Path, steps: int, model: LlamaConfig = TINY_MOE, c
         losses.append(total)
         routes.append(step_routes)
     return {"losses": losses, "grad_norms": norms, "routes": routes, "margin": min(margins),
-            "experts": expert_weights(module.model)}
+            "experts": expert_weights(module.model), "first_moe_layer": model.dense_layers}
 
 
 def expert_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -58,17 +59,24 @@ def expert_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 class RouteRecorder(L.Callback):
-    """Records each router's chosen experts in every training forward on this rank, and the layout's expert
-    groups (to assert the layout that ran)."""
+    """Records, on tensor-parallel rank 0, each router's chosen experts in every training forward: (step, layer
+    name, routes); and the layout's expert groups and the experts this rank holds (to assert the layout that ran)."""
 
     def __init__(self) -> None:
-        self.routes: list[list[torch.Tensor]] = []
+        self.routes: list[tuple[int, str, torch.Tensor]] = []
         self.layers: list = []
 
     def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
-        self.layers = moe_layers(trainer.strategy.model.module)
-        for layer in self.layers:
-            layer.router.register_forward_hook(lambda m, args, route: self.routes.append(route.experts.detach()))
+        for name, layer in trainer.strategy.model.module.named_modules():
+            if isinstance(layer, MoEFeedForward):
+                self.layers.append(layer)
+                if trainer.strategy.layout.rank("tp") == 0:  # the other tensor-parallel ranks route the same tokens
+                    layer.router.register_forward_hook(self._hook(trainer, _layer_name(name)))
+
+    def _hook(self, trainer: L.Trainer, name: str):
+        def record(module, args, route) -> None:
+            self.routes.append((trainer.global_step, name, route.experts.detach().clone()))
+        return record
 
     def summary(self, trainer: L.Trainer) -> dict[str, Any]:
         import torch.distributed as dist
@@ -76,29 +84,35 @@ class RouteRecorder(L.Callback):
         layout = trainer.strategy.layout
         groups = {axis: dist.get_process_group_ranks(layout.group(axis)) for axis in ("ep", "edp")} \
             if layout.size("ep") > 1 else {}
-        held = {name: tuple(getattr(p, "ds_shape", p.shape)) for name, p in trainer.strategy.model.module
-                .named_parameters() if ".experts." in name}
-        first = [layer.wiring.first_expert for layer in self.layers]
+        held = {name[name.index("layers."):]: tuple(getattr(p, "ds_shape", p.shape))
+                for name, p in trainer.strategy.model.module.named_parameters() if ".experts." in name}
+        first = {layer.wiring.first_expert for layer in self.layers}
         return {"routes": self.routes, "groups": groups, "held": held, "first_expert": first}
 
 
-def routes_per_micro_batch(result: dict, n_layers: int) -> list[list[torch.Tensor]]:
-    """A rank's recorded routes grouped into micro-batches of ``n_layers`` layers each."""
-    flat = result["routes"]
-    return [flat[i:i + n_layers] for i in range(0, len(flat), n_layers)]
+def _layer_name(name: str) -> str:
+    """``layers.<i>`` of a module name, whatever container (LightningModule, pipeline stage) it sits in."""
+    parts = name.split(".")
+    return f"layers.{parts[parts.index('layers') + 1]}"
 
 
-def assert_routes_equal(results: list[dict], ref: dict, micro_per_rank: int, dp_rank_of: Optional[dict] = None,
-                        n_layers: int = 2) -> None:
-    """Each rank's micro-batch ``m`` routed its tokens as the reference routed chunk ``dp_rank * micro_per_rank + m``
-    of the same step (before any loss is compared: a near-tie could flip a route)."""
+def reference_routes(ref: dict) -> Counter:
+    """The reference's routes as a multiset of (step, layer, token's experts)."""
+    out: Counter = Counter()
+    for step, chunks in enumerate(ref["routes"]):
+        for chunk in chunks:
+            for layer, routes in enumerate(chunk):
+                out.update((step, f"layers.{layer + ref['first_moe_layer']}", tuple(r)) for r in routes.tolist())
+    return out
+
+
+def assert_routes_equal(results: list[dict], ref: dict) -> None:
+    """Every token of every step went to the same experts in every layer as in the reference (compared as multisets
+    over all ranks, which hold the tokens in layout-dependent order), before any loss is compared: a near-tie could
+    flip a route; the reference's smallest top-k margin is in the message."""
+    got: Counter = Counter()
     for r in results:
-        dp = (dp_rank_of or {}).get(r["rank"], r["rank"])
-        got = routes_per_micro_batch(r, n_layers)
-        for step, chunks in enumerate(ref["routes"]):
-            for m in range(micro_per_rank):
-                mine = got[step * micro_per_rank + m]
-                want = chunks[dp * micro_per_rank + m]
-                for layer, (a, b) in enumerate(zip(mine, want)):
-                    assert torch.equal(a, b), f"rank {r['rank']} step {step} micro-batch {m} layer {layer}: routes " \
-                        f"differ (smallest top-k margin of the reference {ref['margin']:.3g})"
+        got.update((step, layer, tuple(row)) for step, layer, routes in r["routes"] for row in routes.tolist())
+    want = reference_routes(ref)
+    assert got == want, f"routes differ in {sum(((got - want) + (want - got)).values())} token-layer choices " \
+        f"(smallest top-k margin of the reference {ref['margin']:.3g})"

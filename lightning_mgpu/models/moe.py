@@ -13,9 +13,10 @@ backward, wherever the block runs (any pipeline stage, any schedule) and without
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -284,9 +285,10 @@ class MoEFeedForward(nn.Module):
             if cfg.shared_experts else None
         self.wiring = MoEWiring()
         self.stats: dict = {}
+        self.shapes_only = False  #: pass the input through (see :func:`shapes_only`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "meta":  # a pipeline stage inferring its output shape: no routes, no collectives
+        if x.device.type == "meta" or self.shapes_only:  # only the output's shape is wanted: no routes, no exchange
             return self.wiring.block_output(x)
         b, s, d = x.shape
         flat = x.reshape(-1, d)
@@ -323,6 +325,19 @@ class MoEFeedForward(nn.Module):
 def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     """Every mixture-of-experts layer of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+@contextlib.contextmanager
+def shapes_only(layers: list[MoEFeedForward]) -> Iterator[None]:
+    """Inside it, ``layers`` pass their input through: for a forward run only to learn output shapes (a pipeline
+    stage's first), whose made-up tokens must not be routed, exchanged or counted."""
+    for layer in layers:
+        layer.shapes_only = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.shapes_only = False
 
 
 def set_loss_scale(model: nn.Module, scale: float) -> None:

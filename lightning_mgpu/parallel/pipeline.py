@@ -34,6 +34,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from lightning_mgpu.engine import deferred_grad_reduction
+from lightning_mgpu.models.moe import moe_layers, shapes_only
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.timeline import PipelineTimeline
 
@@ -100,6 +101,8 @@ class Pipeline:
         total = layout.num_stages
         ids = layout.stage_ids(layout.rank("pp"))
         self.stages = [PipelineStage(engine.module[str(i)], i, total, device, group=self.group) for i in ids]
+        for stage in self.stages:
+            _without_routing_while_inferring_shapes(stage)
         self.timeline = timeline
         if timeline is not None:
             for stage in self.stages:
@@ -145,3 +148,18 @@ class Pipeline:
 def stage_container(stages: dict[int, nn.Module]) -> nn.ModuleDict:
     """This rank's stage chunks in the one container the DeepSpeed engine wraps (keys: stage ids)."""
     return nn.ModuleDict({str(i): m for i, m in sorted(stages.items())})
+
+
+def _without_routing_while_inferring_shapes(stage: PipelineStage) -> None:
+    """The schedule's first step runs each stage once on made-up tensors to learn its output shapes: mixture-of-experts
+    layers then pass their input through (same shape, no routing, no token exchange, no counts for the bias)."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    layers = moe_layers(stage.submod)
+    if infer is None or not layers:
+        return
+
+    def inferring(*args: Any, **kwargs: Any) -> Any:
+        with shapes_only(layers):
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = inferring
