@@ -3,9 +3,12 @@ the pipeline container's stage key, tensor-parallel shards as ``DTensor`` shards
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_mgpu.layout import ParallelLayout
 
@@ -21,7 +24,34 @@ def _unpadded(local: torch.Tensor, param: torch.nn.Parameter, layout: ParallelLa
     return local.narrow(dim, 0, real)
 
 
-def as_saved(local: torch.Tensor, param: torch.nn.Parameter, layout: ParallelLayout, mesh: DeviceMesh):
+def expert_mesh(layout: ParallelLayout) -> DeviceMesh:
+    """The (expert-parallel x tensor-parallel) ranks that together hold one replica of a layer's experts."""
+    T = layout.size("tp")
+    ep = next(g for g in layout.group_ranks("ep") if dist.get_rank() in g)
+    ranks = torch.tensor([[r // T * T + t for t in range(T)] for r in ep])
+    return DeviceMesh.from_group([layout.group("ep"), layout.group("tp")], "cpu", mesh=ranks,
+                                 mesh_dim_names=("ep", "tp"))
+
+
+def _expert_saved(local: torch.Tensor, param: torch.nn.Parameter, layout: ParallelLayout, mesh: DeviceMesh):
+    """An expert-parallel shard (experts along dimension 0, maybe a hidden slice) as a DTensor of the whole tensor."""
+    shape = list(local.shape)
+    shape[0] *= layout.size("ep")
+    tp = getattr(param, "tensor_model_parallel", False) and layout.size("tp") > 1
+    if tp:
+        shape[param.partition_dim] = param.full_size
+    placements = [Shard(0), Shard(param.partition_dim) if tp else Replicate()]
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local.contiguous(), mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=stride)
+
+
+def as_saved(local: torch.Tensor, param: torch.nn.Parameter, layout: ParallelLayout, mesh: DeviceMesh,
+             experts: Optional[DeviceMesh] = None):
+    """``local`` as the checkpoint holds it: a tensor or expert shard as a ``DTensor`` of the whole tensor
+    (``experts``: :func:`expert_mesh`, for a layout with expert parallelism)."""
+    if getattr(param, "expert_partition", None) is not None and experts is not None:
+        return _expert_saved(local, param, layout, experts)
     if not getattr(param, "tensor_model_parallel", False) or layout.size("tp") == 1:
         return local
     dim = param.partition_dim

@@ -33,8 +33,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_mgpu.checkpoint import replica_state
 from lightning_mgpu.checkpoint.formats import TRAINER_STATE
 from lightning_mgpu.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
-from lightning_mgpu.checkpoint.saved_tensors import as_saved, canonical_name, from_saved
+from lightning_mgpu.checkpoint.saved_tensors import as_saved, canonical_name, expert_mesh, from_saved
 from lightning_mgpu.engine import MOMENTS, ParameterState
+from lightning_mgpu.engine.experts import schedules_by_origin, schedules_for_groups
 from lightning_mgpu.engine.pieces import Piece, assemble, own_piece
 from lightning_mgpu.layout import ParallelLayout
 
@@ -45,20 +46,34 @@ def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str =
     ``defer``: under ZeRO 1-2, this rank's pieces (:class:`Deferred`), assembled later, instead of whole tensors."""
     access = ParameterState(engine)
     mesh = DeviceMesh.from_group(layout.group("tp"), "cpu")
+    experts = expert_mesh(layout) if layout.size("ep") > 1 else None
     state: dict[str, Any] = {}
     params = []
     for name, param in engine.module.named_parameters():
         fqn = canonical_name(name, layout)
         params.append((fqn, param))
         for key in (None, *MOMENTS):
-            piece = own_piece(access, param, key) if fill and defer else None
+            # an expert's pieces lie over its own data-parallel ranks, not the ones ``assemble`` reads: copied now
+            piece = own_piece(access, param, key) if fill and defer and experts is None else None
             if piece is not None:
                 state[f"{prefix}{key or 'param'}/{fqn}"] = Deferred(piece, param, layout, mesh)
                 continue
             value = access.get(param, key) if fill else access.like(param)
-            state[f"{prefix}{key or 'param'}/{fqn}"] = as_saved(value, param, layout, mesh)
+            state[f"{prefix}{key or 'param'}/{fqn}"] = as_saved(value, param, layout, mesh, experts)
+    for fqn, buffer in persistent_buffers(engine.module, layout):  # e.g. a router's balancing bias: learned state too
+        state[f"{prefix}buffer/{fqn}"] = buffer.detach().float().clone() if fill else torch.zeros_like(buffer).float()
     state["step"] = torch.tensor(float(access.step()))
     return state, params
+
+
+def persistent_buffers(module: torch.nn.Module, layout: ParallelLayout) -> list[tuple[str, torch.Tensor]]:
+    """(layout-independent name, buffer) of every buffer ``module`` saves in its state dict."""
+    out = []
+    for prefix, owner in module.named_modules():
+        for key, buffer in owner._buffers.items():
+            if buffer is not None and key not in owner._non_persistent_buffers_set:
+                out.append((canonical_name(f"{prefix}.{key}" if prefix else key, layout), buffer))
+    return out
 
 
 @dataclass
@@ -99,6 +114,8 @@ def universal_state(engine: Any, layout: ParallelLayout, trainer_state: dict, re
     if dist.get_rank() != 0:
         return state, None
     groups = [{k: v for k, v in g.items() if k != "params"} for g in ParameterState(engine).param_groups()]
+    if "lr_schedulers" in trainer_state:
+        trainer_state = dict(trainer_state, lr_schedulers=schedules_by_origin(trainer_state["lr_schedulers"], groups))
     return state, _plain(dict(trainer_state, rng_state=torch.get_rng_state(), optimizer_param_groups=groups))
 
 
@@ -161,10 +178,18 @@ def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replic
         moments = {k: from_saved(state[f"{prefix}{k}/{fqn}"], param, layout, like) for k in MOMENTS}
         access.set(param, value, moments, step)
     access.finish()
+    for fqn, buffer in persistent_buffers(engine.module, layout):
+        with torch.no_grad():
+            buffer.copy_(state[f"{prefix}buffer/{fqn}"])
     torch.set_rng_state(trainer_state.pop("rng_state"))
     # The LR (and any other per-group setting) where the schedule left it; the scheduler only sets it on its next step.
-    for group, saved in zip(access.param_groups(), trainer_state.pop("optimizer_param_groups")):
-        group.update({k: v for k, v in saved.items() if v is not None})
+    saved = trainer_state.pop("optimizer_param_groups")
+    if "lr_schedulers" in trainer_state:
+        trainer_state["lr_schedulers"] = schedules_for_groups(trainer_state["lr_schedulers"], access.param_groups())
+    by_origin = {g.get("origin", i): g for i, g in reversed(list(enumerate(saved)))}
+    for i, group in enumerate(access.param_groups()):  # a group split off for experts takes its origin's settings
+        settings = by_origin.get(group.get("origin", i), {})
+        group.update({k: v for k, v in settings.items() if v is not None and k not in ("origin", "moe", "name")})
     return trainer_state
 
 

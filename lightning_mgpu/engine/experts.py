@@ -127,11 +127,11 @@ def split_expert_groups(optimizer: torch.optim.Optimizer, schedulers: list, layo
     for i, group in enumerate(optimizer.param_groups):
         mine = [p for p in group["params"] if getattr(p, "expert_partition", None) is not None]
         rest = [p for p in group["params"] if getattr(p, "expert_partition", None) is None]
-        if rest:
-            dense.append({**group, "params": rest})
+        if rest:  # ``origin``: which of the optimizer's groups this one came from (checkpoints match them by it)
+            dense.append({**group, "params": rest, "origin": i})
             origin_dense.append(i)
         if mine:
-            moe.append({**group, "params": mine, "moe": True, "name": name})
+            moe.append({**group, "params": mine, "moe": True, "name": name, "origin": i})
             origin_moe.append(i)
     if not moe:
         return
@@ -142,3 +142,25 @@ def split_expert_groups(optimizer: torch.optim.Optimizer, schedulers: list, layo
             values = getattr(scheduler, attribute, None)
             if isinstance(values, list) and len(values) > max(origin):
                 setattr(scheduler, attribute, [values[i] for i in origin])
+
+
+def schedules_by_origin(states: list, groups: list[dict]) -> list:
+    """Scheduler states with their per-group lists cut back to the optimizer's own groups (before experts were split
+    off: ``origin``), so that a checkpoint reads the same whatever the expert-parallel size that wrote it."""
+    origins = [g.get("origin", i) for i, g in enumerate(groups)]
+    if origins == list(range(len(groups))):
+        return states
+    first = {o: origins.index(o) for o in sorted(set(origins))}
+    return [_per_group(state, len(groups), lambda values: [values[i] for i in first.values()]) for state in states]
+
+
+def schedules_for_groups(states: list, groups: list[dict]) -> list:
+    """The inverse of :func:`schedules_by_origin` for this run's groups."""
+    origins = [g.get("origin", i) for i, g in enumerate(groups)]
+    if origins == list(range(len(groups))):
+        return states
+    return [_per_group(state, len(set(origins)), lambda values: [values[o] for o in origins]) for state in states]
+
+
+def _per_group(state: dict, length: int, remap) -> dict:
+    return {k: remap(v) if isinstance(v, list) and len(v) == length else v for k, v in state.items()}

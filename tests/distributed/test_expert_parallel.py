@@ -92,3 +92,45 @@ def test_eight_processes_tensor_pipeline_data_and_expert_parallel(token_file, de
     assert results[0]["groups"] == {"ep": [0, 4], "edp": [0]}  # tp2 x pp2: the data-parallel peers of rank 0
     assert_routes_equal(results, deep_ref)
     assert_parity(results, deep_ref)
+
+
+#: Each segment resumes the checkpoint the previous one wrote, on another expert-parallel size (and ZeRO stage).
+CHAIN = [dict(devices=2, expert_parallel_size=2, zero_stage=2), dict(devices=2, expert_parallel_size=1, zero_stage=3),
+         dict(devices=4, expert_parallel_size=4, zero_stage=1)]
+
+
+def segment(rank, token_file, devices, directory, max_steps, ckpt_path, **layout):
+    from lightning_mgpu.callbacks import PeriodicCheckpoint
+
+    module = LLMModule(BIASED, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    return fit(rank, token_file, devices, max_steps=max_steps, ckpt_path=ckpt_path, module=module, check_layout=False,
+               callbacks=[PeriodicCheckpoint(directory, every_n_steps=2, keep_last=1)], **layout)
+
+
+BIASED = replace(TINY_MOE, router_bias_rate=0.01)
+
+
+def test_universal_checkpoints_reshard_experts_2_1_4(token_file, tmp_path):
+    """Every segment continues the uninterrupted run: its losses and grad norms, and after it every expert's weights
+    (read back from its checkpoint), each expert distinct from the others. The router bias is saved with them."""
+    import torch
+
+    from lightning_mgpu.callbacks import newest_checkpoint
+    from lightning_mgpu.checkpoint.universal import read_model_weights
+
+    ref = moe_reference(token_file, 2 * len(CHAIN), model=BIASED)
+    for i, layout in enumerate(CHAIN):
+        layout = dict(layout)
+        devices = layout.pop("devices")
+        resume = newest_checkpoint(tmp_path)
+        results = run_distributed(segment, devices, token_file, devices, tmp_path, 2 * (i + 1),
+                                  None if resume is None else str(resume), **layout)
+        assert_parity(results, {k: ref_k[2 * i:2 * i + 2] for k, ref_k in
+                                (("losses", ref["losses"]), ("grad_norms", ref["grad_norms"]))})
+        _, weights = read_model_weights(newest_checkpoint(tmp_path))
+        at_step = moe_reference(token_file, 2 * (i + 1), model=BIASED)["experts"]
+        for name, want in at_step.items():
+            got = weights[name]
+            assert torch.allclose(got, want, atol=1e-5), (i, name, (got - want).abs().max())
+            flat = got.flatten(1)
+            assert all(not torch.equal(flat[a], flat[b]) for a in range(len(flat)) for b in range(a)), name
