@@ -17,6 +17,7 @@ from lightning_mgpu.layout import ModelShape
 from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
+from lightning_mgpu.models.moe import set_loss_scale
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.compile import compile_blocks
 from lightning_mgpu.parallel.context import shard_sequence
@@ -246,6 +247,8 @@ class LLMModule(L.LightningModule):
         data_ranks = context.data_ranks if context is not None else self.trainer.world_size
         global_batch = self.hparams.global_batch_size or batch.shape[0] * data_ranks
         self.tokens_seen += global_batch * (batch.shape[-1] - 1)
+        if context is None and self.config.num_experts:  # as Lightning divides each loss when it accumulates
+            set_loss_scale(self.model, 1.0 / self.trainer.accumulate_grad_batches)
         if self.config.eod_token_id is not None:
             self._loss_tokens = self._tokens_per_microbatch(batch, training=True)
 
@@ -322,6 +325,14 @@ class LLMModule(L.LightningModule):
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_multiplier(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def configure_callbacks(self) -> list:
+        """A model with experts logs their load (``lightning_mgpu.callbacks.experts``) in whatever Trainer runs it."""
+        if not self.config.num_experts:
+            return []
+        from lightning_mgpu.callbacks.experts import ExpertLoad
+
+        return [ExpertLoad()]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["tokens_seen"] = self.tokens_seen

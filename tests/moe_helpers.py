@@ -21,11 +21,11 @@ TINY_MOE = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=6
 
 
 def moe_reference(token_file: Path, steps: int, model: LlamaConfig = TINY_MOE, chunk: int = MICRO_BATCH,
-                  clip: float = 0.3) -> dict:
+                  clip: float = 0.3, optim: Optional[dict] = None) -> dict:
     """A plain loop over whole global batches in chunks of ``chunk`` sequences (what one rank's micro-batch holds,
     so each chunk's balancing statistics are those one rank computes): the loss and gradient are the means over the
     chunks. Returns the losses, grad norms, each step's routes (per chunk, per layer) and the smallest top-k margin."""
-    module = LLMModule(model, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    module = LLMModule(model, **(optim or OPTIM), global_batch_size=GLOBAL_BATCH)
     module.configure_model()
     opt = module.configure_optimizers()
     optimizer, scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
