@@ -17,6 +17,7 @@ SMOKE = {
     "checkpoint_verify.py": "verify alone",
     "context_parallel.py": "MB sent per rank",
     "document_mask.py": "document mask ms",
+    "moe_throughput.py": "all-to-all",
     "overhead.py": "overhead ratio (ours / hand-written)",
     "pipeline_bubble.py": "worst excess over theory",
     "pipeline_in_flight.py": "planned >= measured",
