@@ -21,20 +21,22 @@ TINY_MOE = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=6
 
 
 def moe_reference(token_file: Path, steps: int, model: LlamaConfig = TINY_MOE, chunk: int = MICRO_BATCH,
-                  clip: float = 0.3, optim: Optional[dict] = None) -> dict:
+                  clip: float = 0.3, optim: Optional[dict] = None, groups: Optional[list[list[int]]] = None) -> dict:
     """A plain loop over whole global batches in chunks of ``chunk`` sequences (what one rank's micro-batch holds,
-    so each chunk's balancing statistics are those one rank computes): the loss and gradient are the means over the
-    chunks. Returns the losses, grad norms, each step's routes (per chunk, per layer) and the smallest top-k margin."""
+    so each chunk's balancing statistics are those one rank computes), or in the chunks of sample indices
+    ``groups``: the loss and gradient are the means over the chunks. Returns the losses, grad norms, each step's
+    routes (per chunk, per layer) and the smallest top-k margin."""
     module = LLMModule(model, **(optim or OPTIM), global_batch_size=GLOBAL_BATCH)
     module.configure_model()
     opt = module.configure_optimizers()
     optimizer, scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
-    chunks = GLOBAL_BATCH // chunk
+    groups = groups or [list(range(i, i + chunk)) for i in range(0, GLOBAL_BATCH, chunk)]
+    chunks = len(groups)
     set_loss_scale(module.model, 1.0 / chunks)
     losses, norms, routes, margins = [], [], [], []
     for batch in global_batches(token_file, steps):
         total, step_routes = 0.0, []
-        for part in batch.split(chunk):
+        for part in (batch[index] for index in groups):
             logits = module.model(part[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1), part[:, 1:].flatten())
             (loss / chunks).backward()

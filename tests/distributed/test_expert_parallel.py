@@ -72,17 +72,41 @@ def test_expert_parallel_composes_with_tensor_and_context_parallel(token_file, m
     assert_parity(results, moe_ref)
 
 
-@pytest.mark.parametrize("kw", [dict(pipeline_schedule="1f1b"),
-                                dict(pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2)],
-                         ids=["1f1b", "interleaved"])
-def test_expert_parallel_under_pipeline_schedules(token_file, deep_ref, kw):
-    """The balancing losses reach the routers of both stages (the grad norm sees their gradients) and the bias
-    moves alike on every rank (the routes of later steps depend on it)."""
+SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": dict(virtual_pipeline_size=2),
+             "looped_bfs": dict(virtual_pipeline_size=2), "interleaved_zero_bubble": dict(virtual_pipeline_size=2),
+             "zbv": dict(virtual_pipeline_size=2), "dualpipev": dict(virtual_pipeline_size=2)}
+
+
+@pytest.fixture(scope="module")
+def deep_ref_single(token_file):
+    """The reference in chunks of one sequence: DualPipeV needs 4 micro-batches a rank, so micro-batches of 1."""
+    return moe_reference(token_file, STEPS, model=DEEP_MOE, chunk=1)
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_expert_parallel_under_every_pipeline_schedule(token_file, deep_ref, deep_ref_single, schedule):
+    """The balancing losses reach the routers of both stages under every schedule (the grad norm sees their
+    gradients; zero-bubble schedules split the backward) and the bias moves alike on every rank (the routes of later
+    steps depend on it)."""
+    single = schedule == "dualpipev"
     results = run_distributed(fit_moe, 4, token_file, 4, model=DEEP_MOE, expert_parallel_size=2,
-                              pipeline_parallel_size=2, zero_stage=1, **kw)
+                              pipeline_parallel_size=2, zero_stage=1, pipeline_schedule=schedule,
+                              data=dict(micro_batch_size=1) if single else None, **SCHEDULES[schedule])
     assert_experts_split(results, Ep=2)
-    assert_routes_equal(results, deep_ref)
-    assert_parity(results, deep_ref)
+    ref = deep_ref_single if single else deep_ref
+    assert_routes_equal(results, ref)
+    assert_parity(results, ref)
+
+
+def test_global_batch_balancing_statistics_span_the_data_parallel_ranks(token_file):
+    """``aux_loss="global_batch"``: each micro-batch's statistics are summed over both data-parallel ranks, as one
+    process computing them over the union of the two ranks' micro-batches (samples 0-1 with 4-5, 2-3 with 6-7)."""
+    model = replace(TINY_MOE, aux_loss="global_batch", aux_loss_coeff=0.5)
+    ref = moe_reference(token_file, STEPS, model=model, groups=[[0, 1, 4, 5], [2, 3, 6, 7]])
+    per_rank = moe_reference(token_file, STEPS, model=model)  # statistics per rank instead: a different run
+    assert abs(ref["grad_norms"][0] - per_rank["grad_norms"][0]) > 1e-4
+    results = run_distributed(fit_moe, 2, token_file, 2, model=model, expert_parallel_size=2, zero_stage=1)
+    assert_parity(results, ref)
 
 
 def test_eight_processes_tensor_pipeline_data_and_expert_parallel(token_file, deep_ref):
