@@ -158,3 +158,12 @@ def test_universal_checkpoints_reshard_experts_2_1_4(token_file, tmp_path):
             assert torch.allclose(got, want, atol=1e-5), (i, name, (got - want).abs().max())
             flat = got.flatten(1)
             assert all(not torch.equal(flat[a], flat[b]) for a in range(len(flat)) for b in range(a)), name
+
+
+def test_bf16_mixed_follows_fp32(token_file, moe_ref):
+    """Experts in bf16 (the grouped matmul's dtype on GPUs), the router in fp32: the curve stays within bf16's
+    rounding of the fp32 one."""
+    from helpers import assert_bf16_curve
+
+    assert_bf16_curve(run_distributed(fit_moe, 2, token_file, 2, expert_parallel_size=2, zero_stage=2,
+                                      precision="bf16-mixed"), moe_ref)
