@@ -67,8 +67,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         pipeline_parallel_size: ranks that split the stack of layers into stages.
         context_parallel_size: ranks that split each sequence (long context, ``lightning_mgpu.parallel.context``):
             each holds two of ``2 x context_parallel_size`` chunks; needs a replaceable attention (``LLMModule``).
-        expert_parallel_size: ranks of the data x context ranks that split each layer's experts and exchange tokens
-            (a mixture-of-experts model, ``lightning_mgpu.parallel.experts``).
+        expert_parallel_size: data x context ranks splitting each layer's experts (``lightning_mgpu.parallel.experts``).
         sequence_parallel: norms on sequence shards, all-gather / reduce-scatter in place of all-reduce inside
             tensor-parallel groups (needs ``tensor_parallel_size > 1``).
         tensor_parallel_plan: ``{module name pattern: style}`` that splits the module's layers
@@ -119,11 +118,9 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
                  sync_every: int = 1, outer_optimizer: Optional[Union[OuterOptimizer, dict]] = None,
                  max_staleness: int = 2, slow_ranks: Optional[dict[int, float]] = None, expert_parallel_size: int = 1,
                  **kwargs: Any) -> None:
+        arguments = locals()
         super().__init__(**kwargs)
-        self.layout_request = LayoutRequest(
-            tensor_parallel_size, pipeline_parallel_size, context_parallel_size, zero_stage, pipeline_schedule,
-            virtual_pipeline_size, num_microbatches, sequence_parallel, offload_optimizer, offload_params, replicas,
-            replica_update, sync_every, max_staleness, expert_parallel_size)
+        self.layout_request = LayoutRequest(**{name: arguments[name] for name in LayoutRequest.__dataclass_fields__})
         self.outer_optimizer, self.slow_ranks = OuterOptimizer.of(outer_optimizer), dict(slow_ranks or {})
         # Everything that does not depend on the world size is checked now, before any process exists.
         raise_problems("Invalid parallel layout", self.layout_request.problems_with() + self.outer_optimizer.problems()
@@ -134,10 +131,9 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
             raise ValueError(problems[0])
         self.checkpoints = CheckpointSettings(checkpoint_format, trust_deepspeed_checkpoints)
         self.pipeline: Optional[Pipeline] = None
-        #: When set, local ranks 1..N-1 run this command instead of re-running the script (see launcher.py).
+        #: When set, local ranks 1..N-1 run ``worker_command`` instead of re-running the script, or a CPU job forks them
+        #: from this process to run ``fork_entry``, inheriting torch, Lightning and DeepSpeed imported (launcher.py).
         self.worker_command: Optional[list[str]] = None
-        #: When set, a CPU job forks local ranks 1..N-1 from this process, which run this function instead of
-        #: ``worker_command``: they inherit torch, Lightning and DeepSpeed already imported (see launcher.py).
         self.fork_entry: Optional[Callable[[], object]] = None
         self.tensor_parallel_plan, self.tensor_parallel_notes = tensor_parallel_plan, []
         self.nvme_path, self.return_freed_memory = nvme_path, return_freed_memory

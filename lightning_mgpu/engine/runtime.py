@@ -147,8 +147,9 @@ def zero3_partitioner(config: dict, layout: ParallelLayout) -> Callable[[list[nn
         for param in params:
             param.data = param.data.to(dtype)  # the engine would cast before partitioning; cast one tensor at a time
         split = layout.size("ep") > 1
+        expert = [split and getattr(p, "expert_partition", None) is not None for p in params]
         for group in ("dp_cp", "edp"):  # experts over the ranks holding the same experts, the rest over dp x cp
-            mine = [p for p in params if (getattr(p, "expert_partition", None) is not None and split) == (group == "edp")]
+            mine = [p for p, e in zip(params, expert) if e == (group == "edp")]
             if mine:
                 _partition_over(mine, group)
 

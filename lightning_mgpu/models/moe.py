@@ -113,7 +113,7 @@ class MoEWiring:
     first_expert: int = 0
 
     def statistics_ranks(self, aux_loss: str) -> int:
-        """How many ranks' tokens ``aux_loss``'s statistics sum over (their gradient is scaled by it; see ``Router``)."""
+        """How many ranks' tokens ``aux_loss``'s statistics sum over (their gradient is scaled by it: ``Router``)."""
         return 1
 
     def router_input(self, x: torch.Tensor) -> torch.Tensor:

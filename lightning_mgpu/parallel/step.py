@@ -68,7 +68,8 @@ class PipelineStep:
 
     def __call__(self, batch: Any, *rest: Any, **kwargs: Any) -> torch.Tensor:
         # The schedule divides each micro-batch's loss by their number and scales no gradient after.
-        set_loss_scale(self.pipeline.engine.module, engines.loss_scale(self.pipeline.engine) / self.pipeline.n_microbatches)
+        engine = self.pipeline.engine
+        set_loss_scale(engine.module, engines.loss_scale(engine) / self.pipeline.n_microbatches)
         return mean_over_replicas(self.pipeline.train_step(*self.module.pipeline_batch(batch)), self.layout)
 
 
