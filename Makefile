@@ -20,7 +20,7 @@ train: install
 	$(VENV)/bin/mgpu-train
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=25 tests
 
 # Every CPU benchmark in full (hours on 2 cores); `make test` runs each in its --smoke mode.
 CPU_BENCHMARKS := overhead zero_memory tp_vs_dtensor pipeline_bubble pipeline_in_flight checkpoint_io \

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
-from lightning_mgpu.models.moe import MoEFeedForward, MoEWiring, moe_layers
+from lightning_mgpu.models.moe import MoEWiring, moe_layers
 from lightning_mgpu.parallel.regions import ReduceFromRegion, ScaleGradient, SplitSequence
 from lightning_mgpu.parallel.tensor import leave_region, mark_tensor_parallel, rank_and_size
 
@@ -103,7 +103,7 @@ def apply_expert_parallel(module: nn.Module, layout: ParallelLayout) -> list[str
     if not layers:
         return []
     for layer in layers:
-        layer.wiring = wiring = ExpertWiring(layout, layer.cfg.num_experts)
+        layer.wiring = ExpertWiring(layout, layer.cfg.num_experts)
         _keep_experts(layer.experts, layout, layer.cfg.num_experts)
         if layer.shared_experts is not None:
             _keep_experts(layer.shared_experts, layout, 1, shared=True)
@@ -134,11 +134,6 @@ def _keep_experts(experts: nn.Module, layout: ParallelLayout, total: int, shared
         if Ep > 1:
             kept.expert_partition = (ep_rank, Ep)  # experts [ep_rank * local, (ep_rank + 1) * local) of ``total``
         setattr(experts, name, kept)
-
-
-def layer_loads(module: nn.Module) -> list[dict]:
-    """Each mixture-of-experts layer's last routing report (tokens per expert, losses, dropped fraction, margin)."""
-    return [layer.stats for layer in moe_layers(module) if isinstance(layer, MoEFeedForward) and layer.stats]
 
 
 def balance_experts(module: nn.Module, layout: ParallelLayout) -> None:
