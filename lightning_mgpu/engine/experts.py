@@ -164,3 +164,22 @@ def schedules_for_groups(states: list, groups: list[dict]) -> list:
 
 def _per_group(state: dict, length: int, remap) -> dict:
     return {k: remap(v) if isinstance(v, list) and len(v) == length else v for k, v in state.items()}
+
+
+def count_experts_once_at_zero3(optimizer) -> None:
+    """Make ZeRO-3's global norm add the expert groups' squares over the tensor x pipeline ranks too.
+
+    DeepSpeed's ZeRO-3 assumes expert parameters are neither tensor-parallel nor on other pipeline stages than their
+    peers' (its own expert layers fold over the tensor ranks), so it sums their squares over the expert data and expert
+    parallel ranks only: with tp > 1 or pp > 1 each rank's norm then misses the other slices and stages. Here the
+    expert groups take the rule of every other group (tensor-parallel shards on every tensor rank, replicated
+    parameters on tensor rank 0, then a sum over the tensor x pipeline ranks), before the sum over the expert-parallel
+    ranks that DeepSpeed adds for them."""
+    counts_every_rank = optimizer._grad_norm_counts_every_rank
+
+    def counted_once(params, process_group) -> bool:
+        if optimizer._autoep_expert_parallel_group(params) is not None:
+            return False
+        return counts_every_rank(params, process_group)
+
+    optimizer._grad_norm_counts_every_rank = counted_once

@@ -126,6 +126,8 @@ def initialize_engine(module: nn.Module, optimizer: Optional[torch.optim.Optimiz
     # pipeline stage's directory holds tp files, not tp x pp (the grad norm reads the mpu, not this number).
     engine.mp_world_size = layout.size("tp")
     _keep_zero0_grad_norm(engine, layout)
+    if zero_stage(engine) == 3 and layout.size("ep") > 1 and hasattr(ds_optimizer, "_grad_norm_counts_every_rank"):
+        experts.count_experts_once_at_zero3(ds_optimizer)
     if layout.size("dp_cp") == 1 and zero_stage(engine) == 0:
         engine.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
     return engine, ds_optimizer

@@ -63,9 +63,12 @@ def test_expert_parallel_matches_single_process(token_file, moe_ref, zero_stage)
 
 
 @pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1),
-                                dict(context_parallel_size=2, zero_stage=2)], ids=["tp2_sp", "cp2"])
-def test_expert_parallel_composes_with_tensor_and_context_parallel(token_file, moe_ref, kw):
-    devices = 2 * kw.get("tensor_parallel_size", 1)
+                                dict(context_parallel_size=2, zero_stage=2),
+                                # ZeRO-3 sums expert norms over the tensor x pipeline ranks only when told to
+                                dict(tensor_parallel_size=2, zero_stage=3), dict(pipeline_parallel_size=2, zero_stage=3)],
+                         ids=["tp2_sp", "cp2", "tp2_zero3", "pp2_zero3"])
+def test_expert_parallel_composes_with_tensor_context_and_pipeline_parallel(token_file, moe_ref, kw):
+    devices = 2 * kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1)
     results = run_distributed(fit_moe, devices, token_file, devices, expert_parallel_size=2, **kw)
     assert_experts_split(results, Ep=2, T=kw.get("tensor_parallel_size", 1))
     assert_routes_equal(results, moe_ref)
@@ -120,7 +123,9 @@ def test_eight_processes_tensor_pipeline_data_and_expert_parallel(token_file, de
 
 #: Each segment resumes the checkpoint the previous one wrote, on another expert-parallel size (and ZeRO stage).
 CHAIN = [dict(devices=2, expert_parallel_size=2, zero_stage=2), dict(devices=2, expert_parallel_size=1, zero_stage=3),
-         dict(devices=4, expert_parallel_size=4, zero_stage=1)]
+         dict(devices=4, expert_parallel_size=4, zero_stage=1),
+         dict(devices=4, expert_parallel_size=2, tensor_parallel_size=2, zero_stage=3),  # experts split by hidden too
+         dict(devices=4, expert_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)]
 
 
 def segment(rank, token_file, devices, directory, max_steps, ckpt_path, **layout):
@@ -134,7 +139,7 @@ def segment(rank, token_file, devices, directory, max_steps, ckpt_path, **layout
 BIASED = replace(TINY_MOE, router_bias_rate=0.01)
 
 
-def test_universal_checkpoints_reshard_experts_2_1_4(token_file, tmp_path):
+def test_universal_checkpoints_reshard_experts_2_1_4_and_other_axes(token_file, tmp_path):
     """Every segment continues the uninterrupted run: its losses and grad norms, and after it every expert's weights
     (read back from its checkpoint), each expert distinct from the others. The router bias is saved with them."""
     import torch
