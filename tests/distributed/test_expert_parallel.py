@@ -172,3 +172,4 @@ def test_bf16_mixed_follows_fp32(token_file, moe_ref):
 
     assert_bf16_curve(run_distributed(fit_moe, 2, token_file, 2, expert_parallel_size=2, zero_stage=2,
                                       precision="bf16-mixed"), moe_ref)
+

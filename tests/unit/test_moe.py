@@ -113,3 +113,14 @@ def test_counts_are_exact_and_active_parameters_count_top_k():
     assert sum(p.numel() for p in model.parameters()) == MOE.num_parameters()
     expert = 3 * 32 * 64
     assert MOE.num_parameters() - MOE.num_parameters(active=True) == 2 * (4 - 2) * expert
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_forward_recomputed_in_backward_is_not_counted_again(mode):
+    from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
+
+    model = Llama(MOE)
+    checkpoint_blocks(list(model.layers), mode)
+    model(torch.randint(0, 64, (2, 8))).square().mean().backward()
+    for layer in moe_layers(model):  # 16 tokens, 2 experts each: once, though the block ran twice
+        assert float(layer.router.step_counts.sum()) == 16 * 2
