@@ -32,6 +32,18 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     max_seq_len: Optional[int] = None
     tie_embeddings: Optional[bool] = None
+    rope_theta: Optional[float] = None
+    #: mixture of experts (``LlamaConfig``'s fields, null: the named shape's): experts per MoE layer (0 = dense)
+    num_experts: Optional[int] = None
+    experts_per_token: Optional[int] = None  #: top-k
+    expert_hidden: Optional[int] = None  #: each expert's SwiGLU width (0 = ffn_hidden)
+    shared_experts: Optional[int] = None  #: experts every token goes through, besides its routed ones
+    dense_layers: Optional[int] = None  #: the first N layers keep the dense MLP (ffn_hidden wide)
+    router_score: Optional[str] = None  #: softmax | sigmoid
+    router_renormalize: Optional[bool] = None  #: the top-k weights divided by their sum
+    capacity_factor: Optional[float] = None  #: tokens an expert takes, times an even share; null: dropless
+    aux_loss_coeff: Optional[float] = None  #: weight of the load-balancing loss
+    router_bias_rate: Optional[float] = None  #: > 0: auxiliary-loss-free balancing by a per-expert bias
     init_from: Optional[str] = None  #: hf:PATH = start from a Hugging Face Llama's weights (its shape wins)
 
 

@@ -5,9 +5,10 @@ No GPU, no process group and no memory for weights: for every pipeline rank (and
 rank, the only ones whose vocabulary shards can differ) the module is built on the meta device and split by the
 function a launch calls, in the same order (tensor-parallel plan, context parallelism, stage split, activation
 checkpointing, compile), and its parameters counted. Each count must equal
-the planner's (:func:`lightning_mgpu.planner.model_stats.rank_parameters`), and the bytes of weights, gradients and
-optimizer state under the run's ZeRO stage come from the planner's measured model
-(:func:`lightning_mgpu.planner.memory.model_state_bytes`).
+the planner's (:func:`lightning_mgpu.planner.model_stats.rank_parameter_split`), a mixture of experts' routed experts
+and the rest apart, and the bytes of weights, gradients and optimizer state under the run's ZeRO stage come from the
+planner's measured model (:func:`lightning_mgpu.planner.memory.rank_model_state_bytes`: the routed experts partitioned
+over the ranks that hold the same experts, the rest over every data x context rank).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from lightning_mgpu.cli.build import build_module, build_strategy
 from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.parallelize import parallelize
-from lightning_mgpu.planner.memory import model_state_bytes
-from lightning_mgpu.planner.model_stats import rank_parameters
+from lightning_mgpu.models.moe import moe_layers
+from lightning_mgpu.planner.memory import rank_model_state_bytes
+from lightning_mgpu.planner.model_stats import RankParameters, rank_parameter_split
 from lightning_mgpu.planner.replicas import replica_traffic
 from lightning_mgpu.split_rules import steps_apart
 
@@ -37,6 +39,12 @@ class RankShare:
     parameters: int
     planned: int
     bytes: dict[str, float]
+    experts: int = 0  #: of ``parameters``, those of routed experts (a mixture-of-experts model)
+    planned_experts: int = 0
+
+    @property
+    def as_planned(self) -> bool:
+        return self.parameters == self.planned and self.experts == self.planned_experts
 
 
 def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
@@ -56,12 +64,15 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
             kept = parallelize(module, view, torch.device("meta"), strategy.tensor_parallel_plan,
                                strategy.pipeline_boundaries).module
             ids = layout.stage_ids(pp_rank)
-            count = sum(p.numel() for p in kept.parameters())
-            planned = rank_parameters(model_config, T, P, len(ids), pp_rank, stage_ids=ids,
-                                      boundaries=strategy.pipeline_boundaries)
-            states = model_state_bytes(count, layout.zero_stage, layout.size("dp_cp"), str(cfg.trainer.precision),
-                                       P > 1, overlap=cfg.trainer.accelerator != "cpu")  # ZeRO over data x context
-            shares.append(RankShare(tp_rank, pp_rank, ids, count, planned, states))
+            experts = sum(p.numel() for layer in moe_layers(kept) for p in layer.experts.parameters())
+            held = RankParameters(sum(p.numel() for p in kept.parameters()) - experts, experts)
+            planned = rank_parameter_split(model_config, T, P, len(ids), pp_rank, stage_ids=ids,
+                                           boundaries=strategy.pipeline_boundaries, ep=layout.size("ep"))
+            states = rank_model_state_bytes(held, layout.zero_stage, layout.size("dp_cp"), layout.size("ep"),
+                                            str(cfg.trainer.precision), P > 1,
+                                            overlap=cfg.trainer.accelerator != "cpu")  # ZeRO over data x context
+            shares.append(RankShare(tp_rank, pp_rank, ids, held.total, planned.total, states, held.experts,
+                                    planned.experts))
     shares.sort(key=lambda share: (share.pp_rank, share.tp_rank))
     return layout, shares
 
@@ -75,22 +86,43 @@ def dry_run_report(spec: RunSpec) -> str:
     replicas = f" x {layout.size('rep')} replicas (an outer step every {layout.sync_every})" \
         if steps_apart(layout.replica_update) else ""
     zero_ranks = f" (over dp x cp = {layout.size('dp_cp')} ranks)" if context else ""
+    moe = spec.model.num_experts > 0
     lines = [f"dry run: {layout.world_size} processes = tp {layout.size('tp')}{context} x pp {layout.size('pp')} x dp "
              f"{layout.size('dp')}{replicas}, ZeRO-{layout.zero_stage}{zero_ranks}, {cfg.trainer.precision}; the whole model has {whole:,} "
-             f"parameters ({whole * 4 / GB:.1f} GB in fp32)",
-             "| tp rank | pp rank | stages | parameters | planner | weights GB | gradients GB | optimizer GB |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"parameters ({whole * 4 / GB:.1f} GB in fp32)"]
+    if moe:
+        lines += [expert_line(spec, layout)]
+    extra = (" expert parameters | planner |", "---|---|") if moe else ("", "")
+    lines += [f"| tp rank | pp rank | stages | parameters | planner |{extra[0]} weights GB | gradients GB | "
+              "optimizer GB |", f"|---|---|---|---|---|{extra[1]}---|---|---|"]
     for s in shares:
         b = s.bytes
-        lines.append(f"| {s.tp_rank} | {s.pp_rank} | {s.stages} | {s.parameters:,} | {s.planned:,} | "
-                     f"{b['parameters'] / GB:.2f} | {b['gradients'] / GB:.2f} | {(b['optimizer'] + b['buffers']) / GB:.2f} |")
+        experts = f" {s.experts:,} | {s.planned_experts:,} |" if moe else ""
+        lines.append(f"| {s.tp_rank} | {s.pp_rank} | {s.stages} | {s.parameters:,} | {s.planned:,} |{experts} "
+                     f"{b['parameters'] / GB:.2f} | {b['gradients'] / GB:.2f} | "
+                     f"{(b['optimizer'] + b['buffers']) / GB:.2f} |")
     if steps_apart(layout.replica_update) and layout.size("rep") > 1:
         lines += ["", cross_replica_line(spec, layout, shares)]
-    wrong = [s for s in shares if s.parameters != s.planned]
+    wrong = [s for s in shares if not s.as_planned]
     if wrong:
         raise RuntimeError("\n".join(lines) + "\nthe built shares differ from the planner's for ranks " +
                            ", ".join(f"(tp {s.tp_rank}, pp {s.pp_rank})" for s in wrong))
     return "\n".join(lines)
+
+
+def expert_line(spec: RunSpec, layout: ParallelLayout) -> str:
+    """Where a mixture of experts' experts are: how many each rank holds, and over which ranks ZeRO splits them."""
+    m, Ep = spec.model, layout.size("ep")
+    layers = sum(m.is_moe_layer(i) for i in range(m.n_layers))
+    return (f"experts: {m.num_experts // Ep} of {m.num_experts} (top-{m.experts_per_token}) per rank in each of "
+            f"the model's {layers} mixture-of-experts layers, expert parallel {Ep} of "
+            f"the {layout.size('dp_cp')} data x context ranks; ZeRO partitions expert states over the "
+            f"{_ranks(layout.size('edp'))} holding the same experts, the rest over {_ranks(layout.size('dp_cp'))}; "
+            f"{m.num_parameters(active=True):,} parameters active per token")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
 
 
 def cross_replica_line(spec: RunSpec, layout: ParallelLayout, shares: list[RankShare]) -> str:

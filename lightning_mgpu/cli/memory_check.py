@@ -14,7 +14,7 @@ from lightning_mgpu.cli.machine import _inside_slurm_job, _wants_gpu
 from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.layout import chunks_per_rank, divisors
 from lightning_mgpu.planner.hardware import GPUS
-from lightning_mgpu.planner.model_stats import max_rank_parameters
+from lightning_mgpu.planner.model_stats import max_rank_split
 from lightning_mgpu.planner.process import ProcessMemory, host_memory, process_memory
 from lightning_mgpu.planner.replicas import master_share, outer_copy_bytes
 from lightning_mgpu.planner.search import USABLE_MEMORY
@@ -83,7 +83,8 @@ def run_memory(spec: RunSpec, on_gpu: bool) -> ProcessMemory:
                           mode=model.activation_checkpointing, schedule=p.pipeline_schedule,
                           boundaries=spec.config.parallel.pipeline_boundaries,
                           return_freed_memory=spec.config.parallel.return_freed_memory,
-                          microbatches=max(1, d.global_batch_size // (d.micro_batch_size * max(1, dp * p.replicas))))
+                          microbatches=max(1, d.global_batch_size // (d.micro_batch_size * max(1, dp * p.replicas))),
+                          ep=p.expert_parallel_size)
     if not steps_apart(p.replica_update):
         return need
     share = master_share(model, tp, pp, chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size), dp * cp,
@@ -119,11 +120,13 @@ def _memory_refusal(spec: RunSpec, need: ProcessMemory, budget: MemoryBudget) ->
     tp, pp = p.tensor_parallel_size, p.pipeline_parallel_size
     dp = t.devices * t.num_nodes // (tp * pp * p.replicas)  # the ranks ZeRO partitions over: data x context
     stages = chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size)
-    held = max_rank_parameters(model, tp, pp, stages)
+    held = max_rank_split(model, tp, pp, stages, p.expert_parallel_size)
     parts = [f"{need.baseline / GB:.1f} GB libraries"] if need.baseline else []
     states = "model states" if budget.on_gpu else "model states at the first optimizer step's peak"
-    parts += [f"{need.model_states / GB:.1f} GB {states} ({held / 1e6:,.0f}M parameters on the fullest rank, "
-              f"{t.precision}, ZeRO-{p.zero_stage} over {dp} data-parallel rank{'s' if dp > 1 else ''})",
+    experts = (f"; of them {held.experts / 1e6:,.0f}M of routed experts, ZeRO over the "
+               f"{dp // p.expert_parallel_size} holding the same experts" if held.experts else "")
+    parts += [f"{need.model_states / GB:.1f} GB {states} ({held.total / 1e6:,.0f}M parameters on the fullest rank, "
+              f"{t.precision}, ZeRO-{p.zero_stage} over {dp} data-parallel rank{'s' if dp > 1 else ''}{experts})",
               f"{need.activations / GB:.1f} GB activations (micro-batch {d.micro_batch_size} x {d.seq_len} tokens)"]
     breakdown = f"per {'GPU' if budget.on_gpu else 'process'}: " + " + ".join(parts)
     if need.whole_model:
@@ -165,7 +168,7 @@ def _memory_fixes(spec: RunSpec, budget: MemoryBudget) -> tuple[list[Fix], Optio
     Together: kind by kind, the mildest setting that makes the run fit, else the one that saves most; then every
     kind whose change is not needed for the run to fit is left out again.
     """
-    kinds = _fix_kinds(spec.config, budget)
+    kinds = _fix_kinds(spec.config, budget, spec.model.num_experts > 0)
     fits = []
     for kind in kinds:
         for overrides in kind:
@@ -199,8 +202,9 @@ def _merged(*overrides: dict) -> dict:
     return {key: value for change in overrides for key, value in change.items()}
 
 
-def _fix_kinds(cfg: DictConfig, budget: MemoryBudget) -> list[list[dict]]:
-    """The changes that lower memory, by kind (cheapest kind first), each kind's settings mildest first."""
+def _fix_kinds(cfg: DictConfig, budget: MemoryBudget, moe: bool = False) -> list[list[dict]]:
+    """The changes that lower memory, by kind (cheapest kind first), each kind's settings mildest first (``moe``: a
+    mixture of experts, whose experts can spread over more expert-parallel ranks)."""
     p, t, d = cfg.parallel, cfg.trainer, cfg.data
     world = t.devices * t.num_nodes
     kinds = [[{"parallel.zero_stage": z} for z in range(p.zero_stage + 1, 4)],
@@ -210,7 +214,9 @@ def _fix_kinds(cfg: DictConfig, budget: MemoryBudget) -> list[list[dict]]:
              [{"parallel.pipeline_parallel_size": n} for n in divisors(world // p.tensor_parallel_size)
               if n > p.pipeline_parallel_size],
              [{"parallel.context_parallel_size": n} for n in divisors(t.devices // p.tensor_parallel_size)
-              if n > p.context_parallel_size]]  # a split the sequence does not allow is dropped by _need_with
+              if n > p.context_parallel_size],  # a split the sequence does not allow is dropped by _need_with
+             [{"parallel.expert_parallel_size": n} for n in divisors(world // p.tensor_parallel_size)
+              if n > p.expert_parallel_size] if moe else []]  # experts over more ranks
     fewer = [n for n in reversed(divisors(t.devices)) if n < t.devices]
     if budget.on_gpu:
         if p.offload_optimizer is None and not steps_apart(p.replica_update):  # the outer step needs them in memory

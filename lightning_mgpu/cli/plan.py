@@ -25,7 +25,9 @@ from lightning_mgpu.cli.plan_replicas import (REPLICA_KEYS, replica_lines, repli
 from lightning_mgpu.planner import GPUS, ClusterSpec, PlanRow, plan_layouts
 from lightning_mgpu.planner.replicas import replica_cluster
 from lightning_mgpu.layout import chunks_per_rank, stage_ids
+from lightning_mgpu.planner.experts import IMBALANCE, expert_load
 from lightning_mgpu.planner.memory import stage_memory
+from lightning_mgpu.planner.model_stats import max_rank_split
 from lightning_mgpu.cli.plan_run import checkpoint_seconds, whole_run_lines
 from lightning_mgpu.planner.goodput import CHECKPOINT_BYTES_PER_PARAMETER, plan_goodput
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
@@ -86,7 +88,7 @@ def header_lines(cfg: DictConfig, model, cluster: ClusterSpec, inner: ClusterSpe
                  rows: list) -> list[str]:
     """What is planned: the model, the cluster (and the replica the table is of), the batch, the compute rate."""
     gpu, seq, batch = cluster.gpu, cfg.data.seq_len, cfg.data.global_batch_size
-    lines = [f"{cfg.model.name}: {model.num_parameters() / 1e9:.2f}B parameters; {cluster.nodes} x "
+    lines = [f"{cfg.model.name}: {model.num_parameters() / 1e9:.2f}B parameters{_active(model)}; {cluster.nodes} x "
              f"{cluster.gpus_per_node} {gpu.name} ({gpu.memory_bytes / GB:.0f} GB, "
              f"{gpu.bf16_peak_flops / 1e12:.0f} TFLOP/s bf16); sequence {seq}, global batch {batch} "
              f"({batch * seq:,} tokens); {precision}; compute at "
@@ -102,24 +104,36 @@ def header_lines(cfg: DictConfig, model, cluster: ClusterSpec, inner: ClusterSpe
     return lines + [f"{len(rows)} layouts, {fitting} fit in {gpu.memory_bytes / GB:.0f} GB"]
 
 
+def _active(model) -> str:
+    """A mixture of experts' active parameters and routing, for the header ("" for a dense model)."""
+    if not model.num_experts:
+        return ""
+    shared = f" + {model.shared_experts} shared" if model.shared_experts else ""
+    return (f" ({model.num_parameters(active=True) / 1e9:.2f}B active: {model.num_experts} experts, top-"
+            f"{model.experts_per_token}{shared})")
+
+
 def table_lines(rows: list) -> list[str]:
-    """The table of layouts, one row each, and what its columns count."""
-    lines = ["", f"{'tp':>3} {'cp':>3} {'pp':>3} {'V':>2} {'dp':>4} {'zero':>4} {'mb':>3} {'ckpt':>4} | "
-                 f"{'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} {'total':>6} {'fits':>4} | "
-                 f"{'compute':>8} {'tp':>6} {'cp':>6} {'bubble':>7} {'p2p':>6} {'dp':>6} {'step':>7} | "
-                 f"{'tok/s/GPU':>9} {'MFU':>5}"]
+    """The table of layouts, one row each, and what its columns count (expert parallelism: a mixture of experts')."""
+    moe = any(r.time.experts is not None for r in rows)
+    lines = ["", f"{'tp':>3} {'cp':>3} {'pp':>3} {'V':>2} {'dp':>4}{' ep' if moe else ''} {'zero':>4} {'mb':>3} "
+                 f"{'ckpt':>4} | {'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} {'total':>6} "
+                 f"{'fits':>4} | {'compute':>8} {'tp':>6} {'cp':>6}{'    a2a' if moe else ''} {'bubble':>7} "
+                 f"{'p2p':>6} {'dp':>6} {'step':>7} | {'tok/s/GPU':>9} {'MFU':>5}"]
     for r in rows:
         c, m, t = r.candidate, r.memory, r.time
         lines.append(
-            f"{c.tp:>3} {c.cp:>3} {c.pp:>3} {c.virtual:>2} {c.dp:>4} {c.zero_stage:>4} {c.micro_batch:>3} "
-            f"{c.checkpointing[:4]:>4} | {m.parameters / GB:7.1f} {m.gradients / GB:6.1f} "
+            f"{c.tp:>3} {c.cp:>3} {c.pp:>3} {c.virtual:>2} {c.dp:>4}{f' {c.ep:>2}' if moe else ''} {c.zero_stage:>4} "
+            f"{c.micro_batch:>3} {c.checkpointing[:4]:>4} | {m.parameters / GB:7.1f} {m.gradients / GB:6.1f} "
             f"{m.optimizer / GB:6.1f} {m.activations / GB:6.1f} {m.buffers / GB:5.1f} {m.total / GB:6.1f} "
-            f"{'yes' if r.fits else 'no':>4} | {t.compute:8.2f} {t.tensor_parallel:6.2f} {t.context_parallel:6.2f} "
-            f"{t.pipeline_bubble:7.2f} "
+            f"{'yes' if r.fits else 'no':>4} | {t.compute:8.2f} {t.tensor_parallel:6.2f} {t.context_parallel:6.2f}"
+            f"{f' {t.expert_parallel:6.2f}' if moe else ''} {t.pipeline_bubble:7.2f} "
             f"{t.pipeline_p2p:6.2f} {t.data_parallel:6.2f} {t.total:7.2f} | {t.tokens_per_second_per_gpu:9.0f} "
             f"{t.mfu:5.1%}")
     return lines + ["", "memory in GB per GPU; time in seconds per optimizer step; dp: the data-parallel communication "
-                        "left after overlapping it with compute"]
+                        "left after overlapping it with compute" + ("; ep: expert-parallel ranks (of dp x cp), a2a: "
+                                                                    "their token all-to-all; MFU of the active "
+                                                                    "parameters" if moe else "")]
 
 
 def command_lines(cfg: DictConfig, overrides: Sequence[str], fitting: list, on_cpu: bool) -> list[str]:
@@ -148,7 +162,8 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
     virtual = chunks_per_rank(p.pipeline_schedule, p.virtual_pipeline_size) if P > 1 else p.virtual_pipeline_size
     mine = Candidate(T, P, world // (T * C * P), p.zero_stage, cfg.data.micro_batch_size, virtual,
                      cfg.model.activation_checkpointing == "full", p.pipeline_schedule, p.sequence_parallel, cp=C,
-                     boundaries=bounds, selective=cfg.model.activation_checkpointing == "selective")
+                     boundaries=bounds, selective=cfg.model.activation_checkpointing == "selective",
+                     ep=p.expert_parallel_size)
     row = evaluate(model, cluster, cfg.data.seq_len, planned_batch(cfg), mine, precision, cfg.plan.achievable)
     if steps_alone(cfg):
         row = with_outer_copies(model, cluster, row, p)
@@ -157,15 +172,38 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
     verdict = (f"fits; {faster} of the {sum(1 for r in rows if r.fits)} fitting layouts above are faster" if row.fits
                else f"does not fit in {USABLE_MEMORY:.0%} of {cluster.gpu.memory_bytes / GB:.0f} GB")
     context = f" x cp {mine.cp}" if mine.cp > 1 else ""
+    experts = f" (ep {mine.ep})" if model.num_experts else ""
     lines = ["", f"this configuration: tp {mine.tp}{context} x pp {mine.pp} (V {mine.virtual}, {mine.schedule}) x dp "
-                 f"{mine.dp}, ZeRO-{mine.zero_stage}, micro-batch {mine.micro_batch}, "
+                 f"{mine.dp}{experts}, ZeRO-{mine.zero_stage}, micro-batch {mine.micro_batch}, "
                  f"{ {'full': 'full recompute', 'selective': 'selective recompute'}.get(mine.checkpointing, 'no recompute')}"
                  f"{', sequence parallel' if mine.sequence_parallel and mine.tp > 1 else ''}: "
                  f"{m.total / GB:.1f} GB per GPU on its most loaded pipeline rank ({m.activations / GB:.1f} "
                  f"activations), step {t.total:.2f} s, MFU {t.mfu:.1%}; {verdict}"]
+    if t.experts is not None:
+        lines += expert_lines(model, mine, t)
     if cfg.plan.per_stage:
         lines += stage_lines(cfg, model, mine, precision)
     return row, lines
+
+
+def expert_lines(model, c: Candidate, t) -> list[str]:
+    """A mixture of experts' share of the configured layout: where its experts are, what they exchange, and the
+    imbalance the busiest rank is planned at (:mod:`lightning_mgpu.planner.experts`)."""
+    e = t.experts
+    held = max_rank_split(model, c.tp, c.pp, c.virtual, c.ep)
+    where = "across nodes" if e.across_nodes else "inside a node"
+    lines = [f"experts: {model.num_experts // c.ep} of {model.num_experts} per rank in each of "
+             f"{e.moe_layers:g} mixture-of-experts layers per pipeline rank (ep {c.ep}, hidden / tp {c.tp}); the "
+             f"fullest rank holds {held.experts:,} expert and {held.dense:,} dense parameters, ZeRO over "
+             f"{c.dp * c.cp // c.ep} and {c.dp * c.cp} ranks"]
+    if c.ep > 1:
+        lines.append(f"all-to-all: {e.all_to_all_bytes / GB:.1f} GB sent per GPU per step {where} "
+                     f"({t.expert_parallel:.2f} s at the mean load; memory is planned for the busiest rank's "
+                     f"{expert_load(model, c.ep):.2f} x the mean tokens, planner.experts.IMBALANCE={IMBALANCE})")
+    if c.tp > 1:
+        lines.append(f"tensor-parallel all-reduce of expert outputs: {e.tp_reduce_bytes / GB:.1f} GB per GPU per step "
+                     f"({e.tp_reduce_s:.2f} s)")
+    return lines
 
 
 def planned_batch(cfg: DictConfig) -> int:
@@ -178,7 +216,7 @@ def stage_lines(cfg: DictConfig, model, c: Candidate, precision: str) -> list[st
     stages = stage_memory(model, cfg.data.seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                           c.sequence_parallel, c.recompute, precision, overlap=True, context=c.cp, mode=c.checkpointing,
                           schedule=c.schedule, boundaries=c.boundaries,
-                          microbatches=max(1, planned_batch(cfg) // (c.micro_batch * c.dp)))
+                          microbatches=max(1, planned_batch(cfg) // (c.micro_batch * c.dp)), ep=c.ep)
     lines = ["", "per pipeline rank (GB per GPU):", f"{'pp rank':>7} {'stages':>14} {'params':>7} {'grads':>6} "
              f"{'optim':>6} {'activ':>6} {'buf':>5} {'total':>6}"]
     for r, m in enumerate(stages):

@@ -14,7 +14,9 @@ from lightning_mgpu.models import LlamaConfig
 
 #: ``model.<key>`` overrides of a named shape.
 MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
-                   "tie_embeddings")
+                   "tie_embeddings", "rope_theta", "num_experts", "experts_per_token", "expert_hidden", "shared_experts",
+                   "dense_layers", "router_score", "router_renormalize", "capacity_factor", "aux_loss_coeff",
+                   "router_bias_rate")
 
 
 def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:

@@ -36,6 +36,13 @@ terms and the logits above are taken at ``s / C``. Each block also keeps the key
 sequence gathered from the other ranks, ``2 (s - s / C) b (heads x head dim) / t`` elements: expanded to every query
 head, as the CUDA kernel keeps them (on CPU the kernel keeps the key/value heads only, which this over-counts). Model
 states partition over the ``dp x C`` ranks that hold the same weights.
+
+A mixture of experts (:mod:`lightning_mgpu.planner.experts`): each rank holds ``E / Ep`` routed experts per layer,
+their hidden width split over tp; ZeRO partitions their states over the ``dp x C / Ep`` ranks holding the same experts
+(:func:`rank_model_state_bytes`), the rest over ``dp x C``. A mixture-of-experts layer keeps its router's, its
+assignments' and its experts' tensors in place of the dense MLP's (:func:`layer_activation_bytes`, equal to what the
+layer keeps at ``tp = Ep = 1``), the received ones at :data:`~lightning_mgpu.planner.experts.IMBALANCE` times the mean
+under expert parallelism.
 """
 
 from __future__ import annotations
@@ -48,8 +55,8 @@ from lightning_mgpu.engine.config import bucket_elements_for
 from lightning_mgpu.layout import stage_ids
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.models.llama_plan import balanced_boundaries
-from lightning_mgpu.planner.model_stats import rank_parameters
-
+from lightning_mgpu.planner.experts import moe_mlp_activation_bytes
+from lightning_mgpu.planner.model_stats import RankParameters, rank_parameter_split
 
 
 @dataclass(frozen=True)
@@ -134,14 +141,37 @@ def block_activation_bytes(cfg: LlamaConfig, tokens: float, tp: int = 1, sequenc
 
     Checkpointed modes also keep :data:`CHECKPOINT_STATE_BYTES` per block.
     """
-    h, f, w, t = cfg.dim, cfg.ffn_hidden, element_bytes, tp
+    h, w, t = cfg.dim, element_bytes, tp
+    q = cfg.n_heads * cfg.head_dim  # the attention's width: dim, unless head_dim is set apart (Qwen3)
     shard = t if sequence_parallel else 1
+    mlp = _dense_mlp_bytes(cfg, tokens, tp, mode, w)
     if mode == "full":
         return tokens * w * h / shard + CHECKPOINT_STATE_BYTES
     if mode == "selective":
         kv = cfg.n_kv_heads * cfg.head_dim
-        return tokens * (w * h / shard + w * (h + 2 * kv + 2 * f) / t + 2 * w * h) + CHECKPOINT_STATE_BYTES
-    return tokens * (2 * _norm_bytes(h, w, t, sequence_parallel) + (5 * w * h + 4 * cfg.n_heads + 4 * w * f) / t)
+        return tokens * (w * h / shard + w * (q + 2 * kv) / t + w * h) + mlp + CHECKPOINT_STATE_BYTES
+    return tokens * (2 * _norm_bytes(h, w, t, sequence_parallel) + (5 * w * q + 4 * cfg.n_heads) / t) + mlp
+
+
+def _dense_mlp_bytes(cfg: LlamaConfig, tokens: float, tp: int, mode: str, w: int) -> float:
+    """The SwiGLU MLP's share of :func:`block_activation_bytes` (what a mixture-of-experts layer has instead)."""
+    if mode == "none":
+        return tokens * 4 * w * cfg.ffn_hidden / tp
+    if mode == "selective":
+        return tokens * (2 * w * cfg.ffn_hidden / tp + w * cfg.dim)
+    return 0.0
+
+
+def layer_activation_bytes(cfg: LlamaConfig, index: int, tokens: float, tp: int = 1, sequence_parallel: bool = False,
+                           mode: str = "none", element_bytes: int = 2, ep: int = 1) -> float:
+    """What block ``index`` keeps for backward on one rank: :func:`block_bytes_for`'s figure, and in a
+    mixture-of-experts layer of this Llama its experts'
+    (:func:`~lightning_mgpu.planner.experts.moe_mlp_activation_bytes`) in place of the dense MLP's."""
+    base = block_bytes_for(cfg)(tokens, tp, sequence_parallel, mode, element_bytes)
+    if not cfg.is_moe_layer(index) or callable(getattr(cfg, "block_activation_bytes", None)):
+        return base
+    return (base - _dense_mlp_bytes(cfg, tokens, tp, mode, element_bytes)
+            + moe_mlp_activation_bytes(cfg, tokens, tp, mode, element_bytes, ep))
 
 
 #: ``(tokens, tp, sequence_parallel, mode, element_bytes) -> bytes``: what one block keeps for backward on one rank.
@@ -174,11 +204,13 @@ def head_activation_bytes(cfg: LlamaConfig, tokens: float, tp: int = 1, sequence
 def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, virtual: int,
                      sequence_parallel: bool, recompute: bool, context: int = 1, precision: str = "bf16-mixed",
                      mode: str | None = None, pp_rank: Optional[int] = None, schedule: str = "1f1b",
-                     boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None) -> float:
+                     boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None,
+                     ep: int = 1) -> float:
     """Activation memory of pipeline rank ``pp_rank``: its blocks (stage ``boundaries``, default balanced) times the
     micro-batches it holds in flight, and the head's logits and loss if it holds the last stage. Without ``pp_rank``,
-    an upper bound for any rank: the first rank's in-flight micro-batches over ``ceil(n_layers / pp)`` blocks, and the
-    head. ``mode`` (``none``, ``selective``, ``full``) overrides ``recompute`` (``full`` when true).
+    an upper bound for any rank: the first rank's in-flight micro-batches over ``ceil(n_layers / pp)`` of the largest
+    blocks, and the head. ``mode`` (``none``, ``selective``, ``full``) overrides ``recompute`` (``full`` when true);
+    ``ep``: expert-parallel ranks (a mixture-of-experts layer's received tokens, :func:`layer_activation_bytes`).
 
     In flight: :func:`in_flight_chunks` stage chunks' activations, each ``1 / V`` of the rank's blocks;
     ``microbatches`` (per step and replica) caps them (default: enough to fill the pipeline)."""
@@ -186,35 +218,35 @@ def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, 
     w = 4 if precision == "32-true" else 2
     s, b = seq_len / context, micro_batch
     tokens = s * b
-    block_bytes = block_bytes_for(cfg)
-    per_block = block_bytes(tokens, tp, sequence_parallel, mode, w)
     # context parallelism: the rest of the sequence's keys and values, gathered, as the CUDA kernel keeps them
     # (expanded to every query head: lightning_mgpu.parallel.context.ContextParallelAttention.attend; the CPU kernel
     # keeps the key/value heads only, so this is an upper bound there). Kept per block, or with recomputation
     # recomputed with the block.
     gathered = w * 2 * (seq_len - s) * b * cfg.n_heads * cfg.head_dim / tp
+    kinds = [i for i in (0, cfg.dense_layers) if i < cfg.n_layers]  # a dense block's index and a MoE block's
+    kept_by = {cfg.is_moe_layer(i): layer_activation_bytes(cfg, i, tokens, tp, sequence_parallel, mode, w, ep)
+               + (gathered if mode == "none" else 0.0) for i in kinds}
     # one block's full activations while it is recomputed in backward
-    working = block_bytes(tokens, tp, sequence_parallel, "none", w) + gathered \
-        if mode != "none" else 0.0
+    working = max(layer_activation_bytes(cfg, i, tokens, tp, sequence_parallel, "none", w, ep) for i in kinds) \
+        + gathered if mode != "none" else 0.0
     outside = head_activation_bytes(cfg, tokens, tp, sequence_parallel, w)
     if virtual > 1 and schedule in ("gpipe", "1f1b"):  # several chunks per rank: the default's interleaved form
         schedule = "interleaved_1f1b"
     if pp == 1:
-        blocks_per_rank, in_flight = cfg.n_layers, 1.0
+        kept, in_flight = sum(kept_by[cfg.is_moe_layer(i)] for i in range(cfg.n_layers)), 1.0
     elif pp_rank is None:  # the first rank holds the most in flight under every schedule measured
-        blocks_per_rank = -(-cfg.n_layers // pp)
+        kept = -(-cfg.n_layers // pp) * max(kept_by.values())
         in_flight = in_flight_chunks(schedule, pp, virtual, 0, microbatches) / virtual
     else:
         ids = stage_ids(pp, virtual, schedule, pp_rank)
         stages = pp * len(ids)
         bounds = list(boundaries) if boundaries is not None else balanced_boundaries(cfg.n_layers, stages)
-        blocks_per_rank = sum(bounds[i + 1] - bounds[i] for i in ids)
+        kept = sum(kept_by[cfg.is_moe_layer(j)] for i in ids for j in range(bounds[i], bounds[i + 1]))
         in_flight = in_flight_chunks(schedule, pp, len(ids), pp_rank, microbatches) / len(ids)
         outside = outside if stages - 1 in ids else 0.0
     # in_flight counts whole ranks' activations; a rank holds `virtual` chunks, each with its own document bias
     documents = document_mask_bytes(cfg, seq_len, b) * in_flight * virtual
-    kept = per_block + (gathered if mode == "none" else 0.0)
-    return kept * blocks_per_rank * in_flight + working + outside + documents
+    return kept * in_flight + working + outside + documents
 
 
 def in_flight_chunks(schedule: str, pp: int, virtual: int, pp_rank: int, microbatches: Optional[int] = None) -> int:
@@ -249,21 +281,36 @@ def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, elemen
     return element_bytes * b * s * s + 4 * b * s * cfg.head_dim
 
 
+def rank_model_state_bytes(held: RankParameters, zero_stage: int, data_context: int, ep: int = 1,
+                           precision: str = "bf16-mixed", pipelined: bool = False,
+                           overlap: bool = False) -> dict[str, float]:
+    """:func:`model_state_bytes` of a rank's parameters: the dense ones partitioned over the ``data_context`` ranks
+    holding the same weights, the routed experts over the ``data_context / ep`` holding the same experts (the edp
+    group); the buckets, one engine's, sized from all of them."""
+    dense = model_state_bytes(held.dense, zero_stage, data_context, precision, pipelined, overlap)
+    if not held.experts:
+        return dense
+    experts = model_state_bytes(held.experts, zero_stage, max(1, data_context // ep), precision, pipelined, overlap)
+    out = {key: dense[key] + experts[key] for key in dense}
+    out["buffers"] = model_state_bytes(held.total, zero_stage, data_context, precision, pipelined, overlap)["buffers"]
+    return out
+
+
 def stage_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, dp: int, zero_stage: int,
                  virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
                  precision: str = "bf16-mixed", overlap: bool = False, context: int = 1, mode: str | None = None,
                  schedule: str = "1f1b", boundaries: Optional[Sequence[int]] = None,
-                 microbatches: Optional[int] = None) -> list[MemoryEstimate]:
+                 microbatches: Optional[int] = None, ep: int = 1) -> list[MemoryEstimate]:
     """Peak memory per GPU of each pipeline rank: its own parameters' model states and its activations
-    (``microbatches``: per step and replica, see :func:`in_flight_chunks`)."""
+    (``microbatches``: per step and replica, see :func:`in_flight_chunks`; ``ep``: expert-parallel ranks)."""
     out = []
     for r in range(pp):
         ids = stage_ids(pp, virtual, schedule, r)
-        held = rank_parameters(cfg, tp, pp, len(ids), r, stage_ids=ids, boundaries=boundaries)
-        states = model_state_bytes(held, zero_stage, dp * context, precision, pp > 1, overlap)
+        held = rank_parameter_split(cfg, tp, pp, len(ids), r, stage_ids=ids, boundaries=boundaries, ep=ep)
+        states = rank_model_state_bytes(held, zero_stage, dp * context, ep, precision, pp > 1, overlap)
         acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, len(ids), sequence_parallel, recompute, context,
                                 precision, mode, pp_rank=r, schedule=schedule, boundaries=boundaries,
-                                microbatches=microbatches)
+                                microbatches=microbatches, ep=ep)
         out.append(MemoryEstimate(activations=acts, **states))
     return out
 
@@ -272,9 +319,11 @@ def estimate_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, p
                     virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
                     precision: str = "bf16-mixed", overlap: bool = False, context: int = 1,
                     mode: str | None = None, schedule: str = "1f1b",
-                    boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None) -> MemoryEstimate:
+                    boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None,
+                    ep: int = 1) -> MemoryEstimate:
     """Peak memory per GPU of the most loaded pipeline rank (:func:`stage_memory`; ``overlap``: as the engine runs on
-    CUDA, see :func:`model_state_bytes`; ``dp`` replicas of ``context`` ranks each)."""
+    CUDA, see :func:`model_state_bytes`; ``dp`` replicas of ``context`` ranks each, ``ep`` of which split the
+    experts)."""
     stages = stage_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, virtual, sequence_parallel, recompute,
-                          precision, overlap, context, mode, schedule, boundaries, microbatches)
+                          precision, overlap, context, mode, schedule, boundaries, microbatches, ep)
     return max(stages, key=lambda m: m.total)

@@ -1,11 +1,15 @@
-"""Parameter counts per rank and FLOPs per token of a Llama under a layout, from its shape alone."""
+"""Parameter counts per rank and FLOPs per token of a Llama under a layout, from its shape alone (a mixture of
+experts' terms: :mod:`lightning_mgpu.planner.experts`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.models.llama_plan import balanced_boundaries
+from lightning_mgpu.planner.experts import (moe_dense_parameters, moe_layer_count, moe_recomputed_weights,
+                                            routed_parameters)
 
 
 def _padded(n: int, multiple: int) -> int:
@@ -13,35 +17,70 @@ def _padded(n: int, multiple: int) -> int:
 
 
 def block_parameters(cfg: LlamaConfig, tp: int) -> int:
-    """Parameters of one transformer block on one tensor-parallel rank (norms are replicated)."""
-    hd = cfg.head_dim
-    attention = cfg.dim * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) // tp
+    """Parameters of one dense transformer block on one tensor-parallel rank (norms are replicated)."""
     mlp = 3 * cfg.dim * cfg.ffn_hidden // tp
-    return attention + mlp + 2 * cfg.dim
+    return _attention_and_norms(cfg, tp) + mlp
 
 
-def rank_parameters(cfg: LlamaConfig, tp: int = 1, pp: int = 1, stages_per_rank: int = 1,
-                    pp_rank: int = 0, stage_ids: Optional[Sequence[int]] = None,
-                    boundaries: Optional[Sequence[int]] = None) -> int:
-    """Parameters held by pipeline rank ``pp_rank`` on one tensor-parallel rank: its stages are ``stage_ids`` (default:
-    looped placement ``r, r+P, ...``) of ``pp * stages_per_rank``, split at ``boundaries`` (default: balanced)."""
+def _attention_and_norms(cfg: LlamaConfig, tp: int) -> int:
+    hd = cfg.head_dim
+    qk_norms = 2 * hd if getattr(cfg, "qk_norm", False) else 0  # per-head query and key norms, replicated
+    return cfg.dim * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) // tp + 2 * cfg.dim + qk_norms
+
+
+@dataclass(frozen=True)
+class RankParameters:
+    """Parameters one rank holds: the routed experts (ZeRO partitions them over the ranks holding the same experts)
+    and the rest ("dense": partitioned over every data x context rank)."""
+
+    dense: int
+    experts: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.experts
+
+
+def rank_parameter_split(cfg: LlamaConfig, tp: int = 1, pp: int = 1, stages_per_rank: int = 1, pp_rank: int = 0,
+                         stage_ids: Optional[Sequence[int]] = None, boundaries: Optional[Sequence[int]] = None,
+                         ep: int = 1) -> RankParameters:
+    """Parameters held by pipeline rank ``pp_rank`` on one tensor-parallel rank (and one of ``ep`` expert-parallel
+    ranks): its stages are ``stage_ids`` (default: looped placement ``r, r+P, ...``) of ``pp * stages_per_rank``,
+    split at ``boundaries`` (default: balanced)."""
     stages = pp * stages_per_rank
     bounds = list(boundaries) if boundaries is not None else balanced_boundaries(cfg.n_layers, stages)
     ids = list(stage_ids) if stage_ids is not None else [pp_rank + k * pp for k in range(stages_per_rank)]
     vocab_rows = _padded(cfg.vocab_size, tp) // tp
-    total = 0
+    dense = experts = 0
     for s in ids:
-        total += (bounds[s + 1] - bounds[s]) * block_parameters(cfg, tp)
+        blocks = bounds[s + 1] - bounds[s]
+        moe = moe_layer_count(cfg, range(bounds[s], bounds[s + 1]))
+        dense += (blocks - moe) * block_parameters(cfg, tp)
+        dense += moe * (_attention_and_norms(cfg, tp) + moe_dense_parameters(cfg, tp))
+        experts += moe * routed_parameters(cfg, tp, ep)
         if s == 0:
-            total += vocab_rows * cfg.dim
+            dense += vocab_rows * cfg.dim
         if s == stages - 1:
-            total += cfg.dim + (0 if cfg.tie_embeddings and stages == 1 else vocab_rows * cfg.dim)
-    return total
+            dense += cfg.dim + (0 if cfg.tie_embeddings and stages == 1 else vocab_rows * cfg.dim)
+    return RankParameters(dense, experts)
 
 
-def max_rank_parameters(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: int = 1) -> int:
-    """The most parameters any rank holds (memory is sized by the fullest rank)."""
-    return max(rank_parameters(cfg, tp, pp, stages_per_rank, r) for r in range(pp))
+def rank_parameters(cfg: LlamaConfig, tp: int = 1, pp: int = 1, stages_per_rank: int = 1,
+                    pp_rank: int = 0, stage_ids: Optional[Sequence[int]] = None,
+                    boundaries: Optional[Sequence[int]] = None, ep: int = 1) -> int:
+    """All parameters :func:`rank_parameter_split` counts for the rank."""
+    return rank_parameter_split(cfg, tp, pp, stages_per_rank, pp_rank, stage_ids, boundaries, ep).total
+
+
+def max_rank_split(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: int = 1, ep: int = 1) -> RankParameters:
+    """The split of the rank holding the most parameters (memory is sized by the fullest rank)."""
+    return max((rank_parameter_split(cfg, tp, pp, stages_per_rank, r, ep=ep) for r in range(pp)),
+               key=lambda held: held.total)
+
+
+def max_rank_parameters(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: int = 1, ep: int = 1) -> int:
+    """The most parameters any rank holds."""
+    return max_rank_split(cfg, tp, pp, stages_per_rank, ep).total
 
 
 def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int, mode: str) -> float:
@@ -51,21 +90,29 @@ def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int, mode: str) -> floa
     recomputes each block's forward, ``2 x`` its matmul weights plus the same scores, except the MLP's down
     projection: torch's non-reentrant checkpoint stops recomputing once it has every tensor backward needs, and the
     block's last matmul produces none (measured). ``none`` adds nothing. The element-wise work recomputed with them is
-    not counted (it is memory-bound, not FLOPs)."""
-    scores = 2.0 * cfg.n_layers * seq_len * cfg.dim
+    not counted (it is memory-bound, not FLOPs). A mixture-of-experts layer's experts run as grouped matmuls, which
+    selective checkpointing does not keep: both modes run them again
+    (:func:`~lightning_mgpu.planner.experts.moe_recomputed_weights`, derived, not measured)."""
+    q = cfg.n_heads * cfg.head_dim  # the attention's width (dim, unless head_dim is set apart)
+    scores = 2.0 * cfg.n_layers * seq_len * q
+    moe = moe_layer_count(cfg, range(cfg.n_layers))
+    experts = 2.0 * moe * moe_recomputed_weights(cfg, mode)  # grouped matmuls: recomputed in both modes
     if mode == "selective":
-        return scores
+        return scores + experts
     if mode == "full":
         kv = cfg.n_kv_heads * cfg.head_dim
-        recomputed_weights = cfg.dim * (2 * cfg.dim + 2 * kv) + 2 * cfg.dim * cfg.ffn_hidden  # all but w2
-        return 2.0 * cfg.n_layers * recomputed_weights + scores
+        attention = cfg.dim * (2 * q + 2 * kv)
+        dense_mlp = 2 * cfg.dim * cfg.ffn_hidden  # all but w2
+        return 2.0 * (cfg.n_layers * attention + (cfg.n_layers - moe) * dense_mlp) + experts + scores
     return 0.0
 
 
 def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward, no recomputation): ``6 N`` for the matmul weights plus
-    ``6 * n_layers * seq_len * dim`` for causal attention scores (half of the full ``12 L s h``)."""
-    n_matmul = cfg.num_parameters() - cfg.dim * (2 * cfg.n_layers + 1)  # norm weights do no matmul
+    """Training FLOPs per token (forward + backward, no recomputation): ``6 N`` for the matmul weights a token runs
+    through (a mixture of experts: its active ones, the gate and ``k`` routed experts, not all) plus
+    ``6 * n_layers * seq_len * q`` for causal attention scores (half of the full ``12 L s q``; ``q`` = heads x head
+    width, the dim unless ``head_dim`` is set apart)."""
+    n_matmul = cfg.num_parameters(active=True) - cfg.dim * (2 * cfg.n_layers + 1)  # norm weights do no matmul
     if not cfg.tie_embeddings:
         n_matmul -= cfg.vocab_size * cfg.dim  # the embedding is a lookup, not a matmul
-    return 6.0 * n_matmul + 6.0 * cfg.n_layers * seq_len * cfg.dim
+    return 6.0 * n_matmul + 6.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim

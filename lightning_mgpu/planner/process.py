@@ -81,26 +81,27 @@ def process_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp
                    offload_optimizer: bool = False, offload_params: bool = False, context: int = 1,
                    mode: str | None = None, schedule: str = "1f1b",
                    boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None,
-                   return_freed_memory: bool = False) -> ProcessMemory:
+                   return_freed_memory: bool = False, ep: int = 1) -> ProcessMemory:
     """Peak memory of the fullest rank: in host memory (``host=True``, a CPU process) or on its GPU.
 
     ``builds_whole_model``: every rank first builds the whole model on its device (fp32; bf16 under ``bf16-true``)
     and then keeps its shard, as a module built off the meta device does; otherwise it holds its whole tensor/pipeline
     shard before the engine starts, or under ZeRO-3 (partitioned as it is filled) its largest tensor. On a GPU, ZeRO offload moves the
     optimizer state (``offload_optimizer``) and ZeRO-3's parameter partitions (``offload_params``) to host memory.
-    ``return_freed_memory``: the CPU process hands freed memory back (``lightning_mgpu.allocator``).
+    ``return_freed_memory``: the CPU process hands freed memory back (``lightning_mgpu.allocator``). ``ep``:
+    expert-parallel ranks (a mixture of experts: each holds ``num_experts / ep`` of every layer's experts).
     """
     planned = estimate_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, stages_per_rank, sequence_parallel,
                               recompute, precision, overlap=not host,  # the engine overlaps on GPUs only
                               context=context, mode=mode, schedule=schedule, boundaries=boundaries,
-                              microbatches=microbatches)
+                              microbatches=microbatches, ep=ep)
     w = 2 if precision == "bf16-true" else 4
     if builds_whole_model:
         whole = cfg.num_parameters() * w
-    elif zero_stage == 3:  # partitioned as it is filled: the largest tensor (embedding or MLP weight) is whole once
-        whole = max(cfg.vocab_size, cfg.ffn_hidden) * cfg.dim / tp * w
+    elif zero_stage == 3:  # partitioned as it is filled: the largest tensor (embedding, MLP or stacked experts) once
+        whole = max(cfg.vocab_size, cfg.ffn_hidden, cfg.num_experts // ep * cfg.expert_ffn_hidden) * cfg.dim / tp * w
     else:
-        whole = max_rank_parameters(cfg, tp, pp, stages_per_rank) * w
+        whole = max_rank_parameters(cfg, tp, pp, stages_per_rank, ep) * w
     if host:
         factor = CPU_STATE_FACTOR if returns_freed_memory(return_freed_memory) else CPU_STATE_FACTOR_KEPT_HEAP
         return ProcessMemory(PROCESS_BASELINE_BYTES, whole, factor * planned.model_states,

@@ -7,6 +7,7 @@ from typing import Iterator, Optional
 
 from lightning_mgpu.layout import ModelShape, divisors, layout_problems
 from lightning_mgpu.models.llama import LlamaConfig
+from lightning_mgpu.planner.experts import expert_parallel_sizes
 from lightning_mgpu.planner.hardware import ClusterSpec
 from lightning_mgpu.planner.memory import MemoryEstimate, estimate_memory
 from lightning_mgpu.planner.time import StepTimeEstimate, estimate_step_time
@@ -34,6 +35,7 @@ class Candidate:
     cp: int = 1  #: context-parallel ranks per replica (``dp`` counts replicas)
     selective: bool = False  #: selective recomputation (``recompute`` stays False): keeps the projections' outputs
     boundaries: Optional[tuple[int, ...]] = None  #: a configured layout's stage boundaries (default balanced)
+    ep: int = 1  #: expert-parallel ranks, folded over the ``dp x cp`` ranks (a mixture-of-experts model)
 
     @property
     def schedule(self) -> str:
@@ -57,7 +59,8 @@ class Candidate:
                f"parallel.context_parallel_size={self.cp}", f"parallel.zero_stage={self.zero_stage}",
                f"data.micro_batch_size={self.micro_batch}", f"model.activation_checkpointing={self.checkpointing}",
                f"parallel.sequence_parallel={str(self.sequence_parallel).lower()}",
-               f"parallel.pipeline_schedule={self.schedule}", f"parallel.virtual_pipeline_size={self.virtual}"]
+               f"parallel.pipeline_schedule={self.schedule}", f"parallel.virtual_pipeline_size={self.virtual}",
+               f"parallel.expert_parallel_size={self.ep}"]
         if self.boundaries is None:
             out.append("parallel.pipeline_boundaries=null")
         return out
@@ -76,7 +79,8 @@ def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int, seq_le
     """Every layout the launcher's rules allow (the layout's, with the model's shape, the sequence's and the
     precision's, asked here as ``mgpu-train`` asks them): tp within a node, context parallelism within the rest of the
     node where ``seq_len`` splits (only with ``seq_len`` given), pp dividing the remaining world, interleaving, ZeRO
-    0-3, micro-batches dividing each replica's share."""
+    0-3, micro-batches dividing each replica's share, and for a mixture of experts every expert-parallel size that
+    divides both the experts and the data x context ranks."""
     world, shape = cluster.world_size, ModelShape.of(cfg)
     for tp, cp in ((t, c) for t in divisors(cluster.gpus_per_node)
                    for c in (divisors(cluster.gpus_per_node // t) if seq_len else [1])):
@@ -84,21 +88,21 @@ def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int, seq_le
             continue
         for pp in (p for p in divisors(world // (tp * cp)) if not pipeline_precision_problems(precision, p)):
             dp = world // (tp * cp * pp)
-            for virtual in (1, 2, 4) if pp > 1 else (1,):
-                for micro in (1, 2, 4, 8):
-                    if global_batch % (micro * dp):
+            for virtual, micro, ep in ((v, m, e) for v in ((1, 2, 4) if pp > 1 else (1,)) for m in (1, 2, 4, 8)
+                                       for e in expert_parallel_sizes(cfg, dp * cp)):
+                if global_batch % (micro * dp):
+                    continue
+                m = global_batch // (micro * dp)
+                schedule = "interleaved_1f1b" if virtual > 1 else "1f1b"
+                for zero in (0, 1, 2, 3):
+                    if layout_problems(world_size=world, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                       zero_stage=zero, pipeline_schedule=schedule, virtual_pipeline_size=virtual,
+                                       num_microbatches=m, sequence_parallel=tp > 1, model=shape,
+                                       context_parallel_size=cp, expert_parallel_size=ep):
                         continue
-                    m = global_batch // (micro * dp)
-                    schedule = "interleaved_1f1b" if virtual > 1 else "1f1b"
-                    for zero in (0, 1, 2, 3):
-                        if layout_problems(world_size=world, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                           zero_stage=zero, pipeline_schedule=schedule, virtual_pipeline_size=virtual,
-                                           num_microbatches=m, sequence_parallel=tp > 1, model=shape,
-                                           context_parallel_size=cp):
-                            continue
-                        for mode in ("none", "selective", "full"):
-                            yield Candidate(tp, pp, dp, zero, micro, virtual, mode == "full", cp=cp,
-                                            selective=mode == "selective")
+                    for mode in ("none", "selective", "full"):
+                        yield Candidate(tp, pp, dp, zero, micro, virtual, mode == "full", cp=cp,
+                                        selective=mode == "selective", ep=ep)
 
 
 def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, c: Candidate,
@@ -106,9 +110,10 @@ def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch:
     memory = estimate_memory(cfg, seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                              c.sequence_parallel, c.recompute, precision, overlap=True,  # a plan is for GPUs
                              context=c.cp, mode=c.checkpointing, schedule=c.schedule, boundaries=c.boundaries,
-                             microbatches=max(1, global_batch // (c.micro_batch * c.dp)))
+                             microbatches=max(1, global_batch // (c.micro_batch * c.dp)), ep=c.ep)
     time = estimate_step_time(cfg, cluster, seq_len, global_batch, c.micro_batch, c.tp, c.pp, c.zero_stage,
-                              c.virtual, c.schedule, c.recompute, achievable, context=c.cp, selective=c.selective)
+                              c.virtual, c.schedule, c.recompute, achievable, context=c.cp, selective=c.selective,
+                              ep=c.ep)
     return PlanRow(c, memory, time, memory.total <= USABLE_MEMORY * cluster.gpu.memory_bytes)
 
 

@@ -24,7 +24,14 @@
   (another with recomputation) and one reduce-scatter of their gradients in the backward, each moving ``(C-1)/C``
   of ``2 s b (kv heads x head dim) / t`` bf16 values, over NVLink when ``t x C`` fits a node; not overlapped
   (``lightning_mgpu.parallel.context`` gathers before it computes). Compute, tensor-parallel and pipeline terms
-  see ``s / C`` tokens per rank.
+  see ``s / C`` tokens per rank;
+* mixture of experts (:mod:`lightning_mgpu.planner.experts`): compute counts the active parameters (the gate and
+  ``k`` routed experts a token runs through); per MoE layer and micro-batch, expert parallelism's all-to-all
+  (dispatch and combine, forward and backward: ``4 T k h w (Ep-1)/Ep`` bytes a rank sends, another forward's half with
+  recomputation) over NVLink to the group's ranks in the node and the network to the others, not overlapped; under
+  tensor parallelism the experts' outputs are all-reduced per assignment (``k T h`` elements in place of the MLP's
+  ``T h``, counted in ``tensor_parallel``); the routed experts' gradients reduce over the ``dp x C / Ep`` ranks holding
+  the same experts, the rest over ``dp x C``. At the mean load (balanced routing).
 """
 
 from __future__ import annotations
@@ -34,8 +41,9 @@ from typing import Optional
 
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.parallel.timeline import theoretical_bubble
+from lightning_mgpu.planner.experts import ExpertTraffic, expert_traffic, replaced_mlp_reductions
 from lightning_mgpu.planner.hardware import ClusterSpec
-from lightning_mgpu.planner.model_stats import max_rank_parameters, model_flops_per_token, recompute_flops_per_token
+from lightning_mgpu.planner.model_stats import max_rank_split, model_flops_per_token, recompute_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -53,11 +61,15 @@ class StepTimeEstimate:
     peak_flops: float
     data_parallel_hidden: float = 0.0  #: data-parallel communication run behind compute (not in ``total``)
     context_parallel: float = 0.0  #: key/value exchange of context parallelism
+    expert_parallel: float = 0.0  #: the token all-to-all of expert parallelism
+    #: what the experts move (bytes and seconds; the tensor-parallel all-reduce of their outputs is in
+    #: ``tensor_parallel``), None for a dense model
+    experts: Optional[ExpertTraffic] = None
 
     @property
     def total(self) -> float:
         return (self.compute + self.tensor_parallel + self.pipeline_bubble + self.pipeline_p2p + self.data_parallel
-                + self.context_parallel)
+                + self.context_parallel + self.expert_parallel)
 
     @property
     def tokens_per_second_per_gpu(self) -> float:
@@ -77,7 +89,8 @@ def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool = True) -> f
 def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, micro_batch: int,
                        tp: int, pp: int, zero_stage: int, virtual: int = 1, schedule: str = "1f1b",
                        recompute: bool = False, achievable: Optional[float] = None,
-                       overlap: bool = True, context: int = 1, selective: bool = False) -> StepTimeEstimate:
+                       overlap: bool = True, context: int = 1, selective: bool = False,
+                       ep: int = 1) -> StepTimeEstimate:
     gpu, world = cluster.gpu, cluster.world_size
     achievable = gpu.achievable if achievable is None else achievable
     dp = world // (tp * pp * context)
@@ -89,23 +102,39 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     microbatches = global_batch // (micro_batch * dp)
     act_bytes = 2.0 * seq_len / context * micro_batch * cfg.dim
     tp_bw = gpu.intra_node_bandwidth if tp <= cluster.gpus_per_node else gpu.inter_node_bandwidth
-    collectives = (6 if recompute or selective else 4) * (cfg.n_layers / pp) * microbatches
-    tensor_parallel = collectives * _ring(act_bytes, tp, tp_bw)
+    forward_passes = 2 if recompute or selective else 1
+    collectives = (2 + 2 * forward_passes) * (cfg.n_layers / pp) * microbatches
+    collectives -= forward_passes * replaced_mlp_reductions(cfg) / pp * microbatches
+    moe = expert_traffic(cfg, cluster, seq_len / context * micro_batch, microbatches, tp, context, pp, ep,
+                         forward_passes) if cfg.num_experts else None
+    tensor_parallel = collectives * _ring(act_bytes, tp, tp_bw) + (moe.tp_reduce_s if moe else 0.0)
+    all_to_all = moe.all_to_all_s if moe else 0.0
     bubble_fraction = theoretical_bubble(schedule, pp, microbatches, virtual) if pp > 1 else 0.0
-    bubble = (compute + tensor_parallel) * bubble_fraction / (1 - bubble_fraction)
+    bubble = (compute + tensor_parallel + all_to_all) * bubble_fraction / (1 - bubble_fraction)
     pp_bw = gpu.inter_node_bandwidth if tp * pp > cluster.gpus_per_node else gpu.intra_node_bandwidth
     p2p = 0.0 if pp == 1 else 2 * microbatches * virtual * act_bytes / tp / pp_bw
+    reduction, gathers, exposed = _data_parallel(cfg, cluster, tp, pp, virtual, dp * context, ep, zero_stage,
+                                                 overlap, compute, microbatches)
+    cp_bw = gpu.intra_node_bandwidth if tp * context <= cluster.gpus_per_node else gpu.inter_node_bandwidth
+    kv_bytes = 2.0 * 2 * seq_len * micro_batch * cfg.n_kv_heads * cfg.head_dim / tp
+    cp_collectives = (1 + forward_passes) * (cfg.n_layers / pp) * microbatches
+    context_parallel = cp_collectives * _ring(kv_bytes, context, cp_bw, all_reduce=False)
+    return StepTimeEstimate(compute, tensor_parallel, bubble, p2p, exposed, tokens, world, model_flops,
+                            gpu.bf16_peak_flops, reduction + gathers - exposed, context_parallel, all_to_all, moe)
+
+
+def _data_parallel(cfg: LlamaConfig, cluster: ClusterSpec, tp: int, pp: int, virtual: int, data_context: int,
+                   ep: int, zero_stage: int, overlap: bool, compute: float,
+                   microbatches: int) -> tuple[float, float, float]:
+    """(gradient reduction, ZeRO-3 gathers, what of them is not hidden) in seconds: the dense gradients over the
+    ``data_context`` ranks, the routed experts' over the ``data_context / ep`` holding the same experts."""
+    gpu = cluster.gpu
     dp_bw = gpu.inter_node_bandwidth if cluster.nodes > 1 else gpu.intra_node_bandwidth
-    grad_bytes = 2.0 * max_rank_parameters(cfg, tp, pp, virtual)
-    reduction = _ring(grad_bytes, dp * context, dp_bw)
+    held = max_rank_split(cfg, tp, pp, virtual, ep)
+    reduction = _ring(2.0 * held.dense, data_context, dp_bw) + _ring(2.0 * held.experts, data_context // ep, dp_bw)
     gathers = 0.5 * reduction if zero_stage == 3 else 0.0
     exposed = reduction + gathers
     if overlap and zero_stage >= 2:
         last_backward = (2 / 3) * compute / max(1, microbatches) if pp == 1 else 0.0
         exposed = max(0.0, reduction - last_backward) + max(0.0, gathers - compute)
-    cp_bw = gpu.intra_node_bandwidth if tp * context <= cluster.gpus_per_node else gpu.inter_node_bandwidth
-    kv_bytes = 2.0 * 2 * seq_len * micro_batch * cfg.n_kv_heads * cfg.head_dim / tp
-    cp_collectives = (3 if recompute or selective else 2) * (cfg.n_layers / pp) * microbatches
-    context_parallel = cp_collectives * _ring(kv_bytes, context, cp_bw, all_reduce=False)
-    return StepTimeEstimate(compute, tensor_parallel, bubble, p2p, exposed, tokens, world, model_flops,
-                            gpu.bf16_peak_flops, reduction + gathers - exposed, context_parallel)
+    return reduction, gathers, exposed

@@ -55,6 +55,7 @@ def test_dry_run_builds_every_rank_of_every_recipe_on_meta_as_planned(recipe):  
                                          else []))
     layout, shares = rank_shares(run_spec(cfg, launching=False))
     assert sorted({s.pp_rank for s in shares}) == list(range(layout.size("pp")))
-    assert all(s.parameters == s.planned for s in shares)
-    assert sum(s.parameters for s in shares if s.tp_rank == 0) * layout.size("tp") >= \
-        resolved(cfg).model.num_parameters()  # the ranks together hold the whole model (plus vocab padding)
+    assert all(s.as_planned for s in shares)  # routed experts and the rest alike
+    held = sum(s.parameters + (layout.size("ep") - 1) * s.experts for s in shares if s.tp_rank == 0)
+    assert held * layout.size("tp") >= resolved(cfg).model.num_parameters()  # the ranks together hold the whole model
+    # (plus vocab padding), each expert-parallel rank its share of the experts
