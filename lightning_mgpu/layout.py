@@ -10,8 +10,8 @@ from typing import Optional
 
 from lightning_mgpu.problems import Problem, format_problems
 from lightning_mgpu.rank_grid import RankGrid
-from lightning_mgpu.split_rules import (copies_inside, expert_problems, replica_problems, stage_count_problems,
-                                       tied_embedding_problems)
+from lightning_mgpu.split_rules import (copies_inside, expert_problems, qk_norm_problems, replica_problems,
+                                       stage_count_problems, tied_embedding_problems)
 
 
 #: Pipeline schedules by their public name (see ``torch.distributed.pipelining.schedules``).
@@ -37,13 +37,14 @@ class ModelShape:
     tie_embeddings: bool = False
     num_experts: int = 0
     expert_hidden: int = 0
+    qk_norm: bool = False
 
     @classmethod
     def of(cls, config) -> "ModelShape":
         """The shape of a model config with these fields (e.g. ``LlamaConfig``)."""
         return cls(config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_hidden, config.vocab_size,
                    bool(getattr(config, "tie_embeddings", False)), int(getattr(config, "num_experts", 0)),
-                   int(getattr(config, "expert_ffn_hidden", 0)))
+                   int(getattr(config, "expert_ffn_hidden", 0)), bool(getattr(config, "qk_norm", False)))
 
 
 def divisors(n: int) -> list[int]:
@@ -228,6 +229,7 @@ class ParallelLayout(LayoutRequest, RankGrid):
                 out.append(Problem("tensor_parallel_size", T, f"does not divide {what}={n}", f"choose {_fmt(ok)}"))
         out += stage_count_problems(stages, m.n_layers)
         out += tied_embedding_problems(self.pipeline_parallel_size, m.tie_embeddings)
+        out += qk_norm_problems(T, m.qk_norm)
         return out
 
     # ------------------------------------------------------------------------------- coordinates

@@ -65,6 +65,18 @@ def stage_count_problems(stages: int, n_layers: int) -> list[Problem]:
     return []
 
 
+def qk_norm_problems(tensor_parallel_size: int, qk_norm: bool) -> list[Problem]:
+    """The rule: per-head query/key norms (Qwen3) are not split by tensor parallelism: every rank would hold the same
+    norm weights but see only its own heads, so their gradients would need a sum over the tensor-parallel ranks,
+    which is not built."""
+    if qk_norm and tensor_parallel_size > 1:
+        return [Problem("tensor_parallel_size", tensor_parallel_size, "cannot split a model with qk_norm=True (the "
+                        "q_norm/k_norm weights' gradients would need a sum over the tensor-parallel ranks, which is "
+                        "not built)", "set tensor_parallel_size=1 and split the model by pipeline, expert or data "
+                        "parallelism instead")]
+    return []
+
+
 def tied_embedding_problems(pipeline_parallel_size: int, tie_embeddings: bool) -> list[Problem]:
     """The rule: a model whose output head shares the embedding's weight cannot be split into pipeline stages (the
     embedding lives on the first stage, the head on the last)."""

@@ -1,8 +1,10 @@
-"""Hugging Face Llama interop, offline: ``config.json`` + ``model.safetensors`` in ``transformers``' layout.
+"""Hugging Face interop, offline: ``config.json`` + ``*.safetensors`` in ``transformers``' layout, for Llama and (see
+:mod:`~lightning_mgpu.checkpoint.hf_moe`) the Mixtral and Qwen3-MoE mixtures of experts.
 
 Our :class:`~lightning_mgpu.models.llama.Llama` uses the same rotary convention as ``LlamaForCausalLM``
-(rotate the two halves of each head), so weights map one to one by name; only the names and the config
-keys differ. Files are read with safetensors and JSON: nothing is unpickled.
+(rotate the two halves of each head), so weights map one to one by name, except stacked experts (one Hugging Face
+tensor per expert); only the names and the config keys differ. Files are read with safetensors and JSON: nothing is
+unpickled.
 """
 
 from __future__ import annotations
@@ -14,13 +16,19 @@ from typing import Mapping
 
 import torch
 
+from lightning_mgpu.checkpoint.hf_moe import (FAMILIES, family_of, is_stacked, moe_export_problems, moe_fields,
+                                              moe_hf_config, moe_hf_names)
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.problems import format_problems
+
+#: The ``model_type`` values of ``config.json`` that can be imported.
+MODEL_TYPES = ("llama", *FAMILIES)
 
 _LAYER_NAMES = {
     "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
     "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm",
 }
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
@@ -53,21 +61,46 @@ def from_hf_name(name: str) -> str:
     return f"layers.{m.group(1)}.{inverse[m.group(2)]}.weight"
 
 
+def hf_names(name: str, cfg: LlamaConfig) -> list[str]:
+    """The Hugging Face tensors our parameter ``name`` is made of: one, or one per expert for stacked experts (whose
+    expert ``e`` is the transpose of the ``e``-th)."""
+    family = family_of(cfg)
+    moe = moe_hf_names(name, family, cfg.num_experts) if family is not None else None
+    return moe if moe is not None else [to_hf_name(name)]
+
+
+def export_problems(cfg: LlamaConfig) -> list[str]:
+    """Every reason ``cfg`` has no Hugging Face family to be written as, before anything is written."""
+    problems = moe_export_problems(cfg)
+    if cfg.qk_norm and not cfg.num_experts:
+        problems.append("qk_norm=True in a dense model: LlamaForCausalLM has no per-head q/k norms (a dense Qwen3 "
+                        "export is not built); export a model with qk_norm=False, or a mixture of experts (Qwen3-MoE)")
+    return problems
+
+
 def to_hf_config(cfg: LlamaConfig) -> dict:
-    """``config.json`` of a ``LlamaForCausalLM`` with our model's shape (readable by transformers 4 and 5)."""
-    return {
+    """``config.json`` of a ``LlamaForCausalLM`` with our model's shape (readable by transformers 4 and 5), or of a
+    Mixtral / Qwen3-MoE for a mixture of experts; a model no family can hold is refused, every reason at once."""
+    problems = export_problems(cfg)
+    if problems:
+        raise ValueError(format_problems("Cannot write this model as a Hugging Face checkpoint", problems))
+    out = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.dim,
         "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": int(cfg.head_dim), "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta}, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": "float32", "initializer_range": cfg.init_std,
     }
+    if family_of(cfg) is not None:
+        del out["mlp_bias"]
+        out.update(moe_hf_config(cfg))
+    return out
 
 
-def from_hf_config(hf: Mapping) -> LlamaConfig:
-    """Our :class:`LlamaConfig` for a Hugging Face Llama ``config.json``; what we cannot represent is an error."""
+def _attention_problems(hf: Mapping) -> list[str]:
+    """What the attention and MLP keys of a Llama, Mixtral or Qwen3-MoE config ask that our model does not do."""
     problems = []
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
@@ -76,16 +109,37 @@ def from_hf_config(hf: Mapping) -> LlamaConfig:
     for key, expected in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, expected) != expected:
             problems.append(f"{key}={hf[key]!r}: lightning_mgpu's Llama needs {expected!r}")
-    heads = hf["num_attention_heads"]
-    if hf.get("head_dim", hf["hidden_size"] // heads) * heads != hf["hidden_size"]:
-        problems.append(f"head_dim={hf['head_dim']} x num_attention_heads={heads} != hidden_size={hf['hidden_size']}")
+    return problems
+
+
+def _shape_fields(hf: Mapping) -> dict:
+    """Our shape fields for the keys every family shares; ``head_dim`` kept only where it is not derived."""
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    head_dim = hf.get("head_dim") or 0
+    if hidden % heads == 0 and head_dim == hidden // heads:
+        head_dim = 0
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    return dict(dim=hidden, n_layers=hf["num_hidden_layers"], n_heads=heads, head_dim=head_dim,
+                n_kv_heads=hf.get("num_key_value_heads", heads), ffn_hidden=hf["intermediate_size"],
+                vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+                rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+                norm_eps=hf.get("rms_norm_eps", 1e-5), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def from_hf_config(hf: Mapping) -> LlamaConfig:
+    """Our :class:`LlamaConfig` for a Hugging Face Llama, Mixtral or Qwen3-MoE ``config.json``; what we cannot
+    represent is an error that names every such key at once."""
+    model_type = hf.get("model_type", "llama")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(format_problems("Cannot import this Hugging Face config", [
+            f"model_type={model_type!r} is not supported; give a checkpoint of one of {', '.join(MODEL_TYPES)}"]))
+    problems = _attention_problems(hf)
+    fields = _shape_fields(hf)
+    if model_type in FAMILIES:
+        fields.update(moe_fields(hf, problems))
     if problems:
-        raise ValueError(format_problems("Cannot import this Hugging Face config", problems))
-    return LlamaConfig(dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
-                       n_kv_heads=hf.get("num_key_value_heads", heads), ffn_hidden=hf["intermediate_size"],
-                       vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-                       rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-                       norm_eps=hf.get("rms_norm_eps", 1e-5), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        raise ValueError(format_problems(f"Cannot import this Hugging Face {model_type} config", problems))
+    return LlamaConfig(**fields)
 
 
 def save_hf(state_dict: Mapping[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | Path,
@@ -93,13 +147,43 @@ def save_hf(state_dict: Mapping[str, torch.Tensor], cfg: LlamaConfig, out_dir: s
     """Write our full (unsplit) state dict as a Hugging Face Llama checkpoint directory."""
     from safetensors.torch import save_file
 
+    config = to_hf_config(cfg)  # refuses a model no family holds before anything is written
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {to_hf_name(k): v.detach().to(dtype).contiguous().cpu() for k, v in state_dict.items()
-               if not (cfg.tie_embeddings and k == "output.weight")}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(to_hf_config(cfg), indent=2) + "\n")
+    save_file(hf_tensors(state_dict, cfg, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def hf_tensors(state_dict: Mapping[str, torch.Tensor], cfg: LlamaConfig,
+               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Our state dict by Hugging Face names, in ``dtype``: stacked experts written one tensor per expert (each the
+    transpose of ours, as ``nn.Linear`` keeps it), a tied head not written again."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state_dict.items():
+        if cfg.tie_embeddings and name == "output.weight":
+            continue
+        keys = hf_names(name, cfg)
+        out.update({key: value[e].T for e, key in enumerate(keys)} if is_stacked(name) else {keys[0]: value})
+    return {k: v.detach().to(dtype).contiguous().cpu() for k, v in out.items()}
+
+
+def _parameter_names(cfg: LlamaConfig) -> list[str]:
+    """Our model's parameter names (a tied head once, as the embedding), from a model built on the meta device."""
+    from lightning_mgpu.models.llama import Llama
+
+    with torch.device("meta"):
+        return [name for name, _ in Llama(cfg).named_parameters()]
+
+
+def _assembled(name: str, pieces: list[torch.Tensor], where: Path) -> torch.Tensor:
+    """Our parameter from its Hugging Face tensors: stacked experts are each transposed and stacked."""
+    if not is_stacked(name):
+        return pieces[0]
+    shapes = sorted({tuple(p.shape) for p in pieces})
+    if len(shapes) > 1:
+        raise ValueError(f"{where}: the experts of {name} have different shapes {shapes}; each must be the same")
+    return torch.stack([p.T for p in pieces])
 
 
 def load_hf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
@@ -113,9 +197,13 @@ def load_hf(path: str | Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights (pickled .bin files are not loaded)")
-    state: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update({from_hf_name(k): v for k, v in load_file(str(f)).items()})
+        tensors.update(load_file(str(f)))
+    problems = completeness_problems(tensors, cfg)
+    if problems:
+        raise ValueError(format_problems(f"{path} does not fit the model its config.json describes", problems))
+    state = {name: _assembled(name, [tensors[k] for k in hf_names(name, cfg)], path) for name in _parameter_names(cfg)}
     if cfg.tie_embeddings:
         state.setdefault("output.weight", state["tok_embeddings.weight"])
     return cfg, state
@@ -129,10 +217,7 @@ def completeness_problems(keys, cfg: LlamaConfig) -> list[str]:
     """Every tensor the model needs that ``keys`` (a checkpoint's tensor names) lacks, and every tensor it holds that
     the model has no place for: all at once, before any rank reads a slice. Each rank reads only its own slices, so a
     checkpoint with an extra layer or a missing one would otherwise load without a word on the ranks that skip it."""
-    from lightning_mgpu.models.llama import Llama
-
-    with torch.device("meta"):
-        needed = {to_hf_name(name) for name, _ in Llama(cfg).named_parameters()}
+    needed = {key for name in _parameter_names(cfg) for key in hf_names(name, cfg)}
     if cfg.tie_embeddings:
         needed.discard(to_hf_name("output.weight"))
     present = {key for key in keys if not _NOT_WEIGHTS.fullmatch(key)}
@@ -160,8 +245,12 @@ class HFWeights:
             raise ValueError(format_problems(f"{self.path} does not fit the model its config.json describes", problems))
 
     def read(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
-        """Part ``index`` of our parameter ``name`` (the output head falls back to the embedding when tied)."""
-        key = to_hf_name(name)
+        """Part ``index`` of our parameter ``name`` (the output head falls back to the embedding when tied); of a
+        stacked expert weight, only the experts of ``index[0]`` are read."""
+        keys = hf_names(name, self.config)
+        if is_stacked(name):
+            return self._read_experts(name, keys, shape, index)
+        key = keys[0]
         if key not in self._files and name == "output.weight" and self.config.tie_embeddings:
             key = to_hf_name("tok_embeddings.weight")
         if key not in self._files:
@@ -171,6 +260,21 @@ class HFWeights:
             raise ValueError(f"{self.path}: {key} has shape {tuple(piece.get_shape())}, the model's {name} has "
                              f"{tuple(shape)}")
         return piece[index]
+
+    def _read_experts(self, name: str, keys: list[str], shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
+        """Experts ``index[0]`` of a stacked weight ``[E, a, b]``: of each expert's ``[b, a]`` tensor only the part
+        ``index[2], index[1]`` is read (a rank's hidden slice under tensor parallelism), then transposed."""
+        experts, rows, cols = index
+        if len(keys) != shape[0]:
+            raise ValueError(f"{self.path}: {name} has {shape[0]} experts, config.json {len(keys)}")
+        parts = []
+        for key in keys[experts]:
+            piece = self._files[key].get_slice(key)
+            if tuple(piece.get_shape()) != (shape[2], shape[1]):
+                raise ValueError(f"{self.path}: {key} has shape {tuple(piece.get_shape())}, an expert of the model's "
+                                 f"{name} needs {(shape[2], shape[1])} (the transpose of {tuple(shape[1:])})")
+            parts.append(piece[cols, rows].T)
+        return torch.stack(parts)
 
 
 def load_into(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> None:

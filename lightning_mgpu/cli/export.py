@@ -1,4 +1,5 @@
-"""``mgpu-export CKPT --format hf OUT``: a checkpoint's weights as a Hugging Face Llama directory.
+"""``mgpu-export CKPT --format hf OUT``: a checkpoint's weights as a Hugging Face directory: a Llama, or for a mixture
+of experts a Mixtral (or a Qwen3-MoE, with ``qk_norm``); a model none of them can hold is refused before writing.
 
 CKPT is a universal checkpoint written by any layout (read in this one process), or a checkpoint saved with
 consolidated weights. Its checksums are verified first, and nothing in it is unpickled beyond plain data."""
@@ -13,6 +14,7 @@ import torch
 
 from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS, read_consolidated
 from lightning_mgpu.checkpoint.formats import format_of, is_consolidated
+from lightning_mgpu.checkpoint.hf import export_problems as hf_export_problems
 from lightning_mgpu.checkpoint.hf import save_hf
 from lightning_mgpu.checkpoint.store import verify
 from lightning_mgpu.checkpoint.universal import read_model_weights
@@ -55,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write ``checkpoint``'s weights to ``out`` as a Hugging Face Llama directory; return ``out``."""
+    """Write ``checkpoint``'s weights to ``out`` as a Hugging Face directory; return ``out``."""
     problems = export_problems(checkpoint, out)
     if problems:
         raise ConfigError(problems, what="arguments")
@@ -64,6 +66,10 @@ def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> P
         config, state = read_model_weights(checkpoint)
     else:
         config, state = read_consolidated(checkpoint)
-    written = save_hf(state, LlamaConfig(**config), out, dtype)
+    model = LlamaConfig(**config)
+    problems = hf_export_problems(model)
+    if problems:
+        raise ConfigError(problems, what=f"model for a Hugging Face export of {checkpoint}")
+    written = save_hf(state, model, out, dtype)
     print(f"wrote {written / 'config.json'} and {written / 'model.safetensors'}")
     return written

@@ -33,6 +33,27 @@ def activation_checkpointing_problems(value: str, key: str) -> list[str]:
             f"{', '.join(ACTIVATION_CHECKPOINTING)}"]
 
 
+class _Derived(int):
+    """A value computed from other fields: :func:`dataclasses.replace` passes it back, and it is derived again."""
+
+
+class _HeadDim:
+    """``LlamaConfig.head_dim``: stored as given (0: derived), read as the width of a head (``dim // n_heads`` when 0).
+
+    A descriptor rather than a property so that ``head_dim`` is a field (``LlamaConfig(head_dim=128)``, ``to_dict``)
+    while every reader gets the width; the derived width reads as :class:`_Derived`, so ``replace(cfg, dim=...)``
+    derives it again instead of keeping the old one."""
+
+    def __get__(self, obj: object, owner: type = None) -> int:
+        if obj is None:
+            return 0  # the field's default
+        raw = obj.__dict__.get("head_dim", 0)
+        return raw or _Derived(obj.dim // obj.n_heads)
+
+    def __set__(self, obj: object, value: int) -> None:
+        obj.__dict__["head_dim"] = 0 if isinstance(value, _Derived) else value
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     """Shape and options of a :class:`Llama` model."""
@@ -47,6 +68,10 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    #: Width of one attention head; 0: ``dim // n_heads``. Qwen3 sets it apart (2048 wide, 32 heads of 128).
+    head_dim: int = _HeadDim()  # type: ignore[assignment]
+    #: RMSNorm over each head of the queries and the keys before rotary embeddings (Qwen3's ``q_norm``, ``k_norm``).
+    qk_norm: bool = False
     #: Applied to the blocks from outside (``lightning_mgpu.parallel.checkpointing``), not by this file.
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     #: ``torch.compile`` each block with ``compile_backend``; applied from outside (lightning_mgpu.parallel.compile).
@@ -74,12 +99,16 @@ class LlamaConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.dim % self.n_heads:
-            problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        explicit = self.__dict__["head_dim"]
+        if explicit < 0:
+            problems.append(f"head_dim={explicit} must be positive, or 0 for dim // n_heads")
+        elif not explicit and self.n_heads > 0 and self.dim % self.n_heads:
+            problems.append(f"dim={self.dim} is not divisible by n_heads={self.n_heads}; change one, or give "
+                            "head_dim explicitly")
         if self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
-        if (self.dim // self.n_heads) % 2:
-            problems.append(f"head_dim={self.dim // self.n_heads} must be even for rotary embeddings")
+        if self.n_heads > 0 and self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
         problems += activation_checkpointing_problems(self.activation_checkpointing, "activation_checkpointing")
         for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
@@ -90,10 +119,6 @@ class LlamaConfig:
         problems += moe_problems(self)
         if problems:
             raise ValueError(format_problems("Invalid LlamaConfig", problems))
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
     @property
     def expert_ffn_hidden(self) -> int:
@@ -107,6 +132,7 @@ class LlamaConfig:
         goes through (its ``experts_per_token`` routed experts, not all of them)."""
         hd = self.head_dim
         attn = self.dim * (self.n_heads * hd) * 2 + self.dim * (self.n_kv_heads * hd) * 2
+        attn += 2 * hd if self.qk_norm else 0  # q_norm, k_norm
         dense_block = attn + 3 * self.dim * self.ffn_hidden + 2 * self.dim
         expert = 3 * self.dim * self.expert_ffn_hidden
         routed = self.experts_per_token if active else self.num_experts
@@ -123,7 +149,8 @@ class LlamaConfig:
         return replace(LLAMA_SHAPES[name], **overrides)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as given (``head_dim`` 0 where derived), so that ``LlamaConfig(**d)`` is this config."""
+        return {**asdict(self), "head_dim": self.__dict__["head_dim"]}
 
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, max_seq_len=8192, n_kv_heads=8)
@@ -241,6 +268,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Built only when asked: the default model keeps exactly its parameters and names.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.kernel: AttentionKernel = attention_kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -248,8 +278,11 @@ class Attention(nn.Module):
         """Causal attention; with ``bias`` (and per-token ``cos``/``sin``, see :func:`document_inputs`) within
         documents."""
         b, s, _ = x.shape
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:  # per head, before rotary embeddings (Qwen3)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         out = self.kernel(q, k, v, cos, sin, bias)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))

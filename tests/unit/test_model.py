@@ -18,8 +18,26 @@ def test_named_shapes_have_published_sizes(name, billions):
 
 
 def test_parameter_count_formula_matches_module():
-    for cfg in (LlamaConfig(), LlamaConfig(tie_embeddings=True)):
+    for cfg in (LlamaConfig(), LlamaConfig(tie_embeddings=True), LlamaConfig(head_dim=32, qk_norm=True)):
         assert sum(p.numel() for p in Llama(cfg).parameters()) == cfg.num_parameters()
+
+
+def test_head_dim_is_derived_unless_given_and_qk_norm_adds_only_its_norms():
+    """``head_dim=0`` reads as ``dim // n_heads`` and is derived again by ``replace``; a given one stays (Qwen3's heads
+    are wider than ``dim / n_heads``). The default model keeps its parameter names; ``qk_norm`` adds two per layer."""
+    from dataclasses import replace
+
+    default, qwen = LlamaConfig(), LlamaConfig(head_dim=32, qk_norm=True)
+    assert (default.head_dim, replace(default, dim=128).head_dim, default.to_dict()["head_dim"]) == (16, 32, 0)
+    assert (qwen.head_dim, replace(qwen, dim=128).head_dim, LlamaConfig(**qwen.to_dict())) == (32, 32, qwen)
+    plain, normed = ({n: p.shape for n, p in Llama(c).named_parameters()} for c in (default, qwen))
+    assert not any("q_norm" in n or "k_norm" in n for n in plain)
+    assert {n for n in normed if n not in plain} == {f"layers.{i}.attention.{k}_norm.weight" for i in range(4)
+                                                    for k in "qk"}
+    assert normed["layers.0.attention.wq.weight"] == (4 * 32, 64)
+    assert normed["layers.0.attention.q_norm.weight"] == (32,)
+    assert Llama(qwen).rope_cos.shape == (qwen.max_seq_len, 16)  # rotary tables of the head width
+    assert Llama(qwen)(torch.randint(0, 256, (1, 8))).shape == (1, 8, 256)
 
 
 def test_forward_shape_gqa_and_tied():
