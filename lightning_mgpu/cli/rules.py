@@ -24,7 +24,7 @@ from lightning_mgpu.cli.run_data import RunData, resolve_data, unread_data
 from lightning_mgpu.cli.run_model import resolve_model
 from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive
 from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
-from lightning_mgpu.models.llama import activation_checkpointing_problems
+from lightning_mgpu.models.llama_config import activation_checkpointing_problems
 from lightning_mgpu.module import lr_scaling_problems
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.precision import SUPPORTED_PRECISIONS
