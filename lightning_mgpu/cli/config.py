@@ -33,6 +33,8 @@ class ModelConfig:
     max_seq_len: Optional[int] = None
     tie_embeddings: Optional[bool] = None
     rope_theta: Optional[float] = None
+    head_dim: Optional[int] = None  #: width of one attention head (0 = dim // n_heads)
+    qk_norm: Optional[bool] = None  #: RMSNorm over each head of the queries and keys (Qwen3)
     #: mixture of experts (``LlamaConfig``'s fields, null: the named shape's): experts per MoE layer (0 = dense)
     num_experts: Optional[int] = None
     experts_per_token: Optional[int] = None  #: top-k
@@ -41,6 +43,9 @@ class ModelConfig:
     dense_layers: Optional[int] = None  #: the first N layers keep the dense MLP (ffn_hidden wide)
     router_score: Optional[str] = None  #: softmax | sigmoid
     router_renormalize: Optional[bool] = None  #: the top-k weights divided by their sum
+    router_scale: Optional[float] = None  #: the routed weights multiplied by it
+    aux_loss: Optional[str] = None  #: none | micro_batch | sequence | global_batch: which tokens its statistics count
+    z_loss_coeff: Optional[float] = None  #: weight of the router z-loss
     capacity_factor: Optional[float] = None  #: tokens an expert takes, times an even share; null: dropless
     aux_loss_coeff: Optional[float] = None  #: weight of the load-balancing loss
     router_bias_rate: Optional[float] = None  #: > 0: auxiliary-loss-free balancing by a per-expert bias

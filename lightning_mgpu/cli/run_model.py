@@ -9,14 +9,14 @@ from dataclasses import replace
 
 from omegaconf import DictConfig
 
+from lightning_mgpu.cli.config import ModelConfig
 from lightning_mgpu.cli.run_data import RunData
 from lightning_mgpu.models import LlamaConfig
 
-#: ``model.<key>`` overrides of a named shape.
-MODEL_OVERRIDES = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len",
-                   "tie_embeddings", "rope_theta", "num_experts", "experts_per_token", "expert_hidden", "shared_experts",
-                   "dense_layers", "router_score", "router_renormalize", "capacity_factor", "aux_loss_coeff",
-                   "router_bias_rate")
+#: ``model.<key>`` overrides of a named shape: every ``ModelConfig`` field that is a ``LlamaConfig`` field, by the
+#: same name (the options applied from outside, recomputation and compilation, are passed apart).
+MODEL_OVERRIDES = tuple(name for name in ModelConfig.__dataclass_fields__ if name in LlamaConfig.__dataclass_fields__
+                        and name not in ("activation_checkpointing", "compile", "compile_backend"))
 
 
 def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:
