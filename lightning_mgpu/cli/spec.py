@@ -56,11 +56,12 @@ class RunSpec:
         return RunSpec.of(changed, self.data, model)
 
 
-def resolve_run(cfg: DictConfig, launching: bool = True) -> tuple[Optional[RunSpec], list[str]]:
+def resolve_run(cfg: DictConfig, launching: bool = True, build: bool = True) -> tuple[Optional[RunSpec], list[str]]:
     """(the run of ``cfg``, or None; every problem of the config itself: empty when it can run on suitable machines).
 
     What this machine lacks to run it is ``machine_problems``; ``check_run`` asks both. With ``launching=False``
-    (the dry run, which starts nothing) how the job would be launched is not checked.
+    (the dry run, which starts nothing) how the job would be launched is not checked; with ``build=False`` only the
+    problems are wanted, and no run is built (it copies the whole config).
     """
     keys = key_problems(cfg)
     if keys:  # reading a ??? value raises, and an unknown key means the rest was not what the user meant
@@ -71,14 +72,14 @@ def resolve_run(cfg: DictConfig, launching: bool = True) -> tuple[Optional[RunSp
     data = resolve_data(cfg)
     model, problems = model_problems(cfg, data)
     problems += group_problems(cfg, data, model)
-    if problems or model is None:
+    if problems or model is None or not build:
         return None, problems
     return RunSpec.of(cfg, data, model), []
 
 
 def config_problems(cfg: DictConfig, launching: bool = True) -> list[str]:
     """Every problem of a composed ``mgpu-train`` config itself (see :func:`resolve_run`)."""
-    return resolve_run(cfg, launching)[1]
+    return resolve_run(cfg, launching, build=False)[1]
 
 
 def run_spec(cfg: DictConfig, launching: bool = True) -> RunSpec:
