@@ -22,8 +22,11 @@ MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
 RECIPES = sorted(p.stem for p in (conf_dir().parent / "recipes").glob("*.yaml"))
 #: (nodes, GPUs per node, sequence length or None for the config's own)
 CLUSTERS = [(1, 8, None), (2, 8, 8192)]
+#: Mixture-of-experts shapes: their expert rules depend on the split sizes alone, which one node covers.
+MOE_MODELS = {m for m in MODELS if "num_experts" in (conf_dir() / "model" / f"{m}.yaml").read_text()}
 MODEL_CASES = [[f"model={m}", f"trainer.num_nodes={n}", f"trainer.devices={g}"]
-               + ([f"data.seq_len={s}", f"model.max_seq_len={s}"] if s else []) for m in MODELS for n, g, s in CLUSTERS]
+               + ([f"data.seq_len={s}", f"model.max_seq_len={s}"] if s else []) for m in MODELS
+               for n, g, s in (CLUSTERS[:1] if m in MOE_MODELS else CLUSTERS)]
 RECIPE_CASES = [[f"recipe={r}"] for r in RECIPES]
 
 
