@@ -247,8 +247,10 @@ class LLMModule(L.LightningModule):
         data_ranks = context.data_ranks if context is not None else self.trainer.world_size
         global_batch = self.hparams.global_batch_size or batch.shape[0] * data_ranks
         self.tokens_seen += global_batch * (batch.shape[-1] - 1)
-        if context is None and self.config.num_experts:  # as Lightning divides each loss when it accumulates
-            set_loss_scale(self.model, 1.0 / self.trainer.accumulate_grad_batches)
+        if context is None and self.config.num_experts:  # as Lightning divides (and fp16 scales) each loss
+            scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+            scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+            set_loss_scale(self.model, scale / self.trainer.accumulate_grad_batches)
         if self.config.eod_token_id is not None:
             self._loss_tokens = self._tokens_per_microbatch(batch, training=True)
 

@@ -1,7 +1,8 @@
-"""What a mixture-of-experts run logs about its routing, every optimizer step: per layer the load (the busiest
-expert's tokens over the mean), the fraction of assignments dropped by a capacity limit, the balancing losses and
-the spread of the balancing bias. Each rank reports the layers it holds (its pipeline stage's); the logger writes
-rank 0's. ``LLMModule`` adds this callback to every Trainer it runs in when its model has experts."""
+"""What a mixture-of-experts run logs about its routing, every training batch: per layer the load of its last
+micro-batch on this rank (the busiest expert's tokens over the mean), the fraction of assignments dropped by a
+capacity limit, the balancing losses and the spread of the balancing bias. The logger writes rank 0's: under pipeline
+parallelism the layers of the first stage only. ``LLMModule`` adds this callback to every Trainer it runs in when its
+model has experts."""
 
 from __future__ import annotations
 

@@ -60,6 +60,16 @@ def replica_checkpoint_problems(replica_update: str, checkpoint_format: str) -> 
     return []
 
 
+def expert_checkpoint_problems(expert_parallel_size: int, checkpoint_format: str) -> list[str]:
+    """The rule: experts split over ranks are saved in universal checkpoints only. DeepSpeed's own format writes the
+    model's weights from data-parallel rank 0 (ZeRO 0-2), which holds only its own experts."""
+    if isinstance(expert_parallel_size, int) and expert_parallel_size > 1 and checkpoint_format != "universal":
+        return [f"expert_parallel_size={expert_parallel_size} saves its experts in universal checkpoints only, not "
+                f"the {checkpoint_format} format (its model file would hold one rank's experts); use the universal "
+                "format (checkpoint.format=universal, MGPUStrategy(checkpoint_format='universal'))"]
+    return []
+
+
 def background_save_problems(checkpoint_format: str, key: str = "checkpoint.async_save") -> list[str]:
     """The rule: only universal checkpoints are written in the background (DCP's ``async_save``); DeepSpeed's own
     format is written by the engine, blocking."""

@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_mgpu.checkpoint import store as checkpoints
 from lightning_mgpu.checkpoint.background import InBackground
-from lightning_mgpu.checkpoint.formats import replica_checkpoint_problems
+from lightning_mgpu.checkpoint.formats import expert_checkpoint_problems, replica_checkpoint_problems
 from lightning_mgpu.parallel.liveness import name_lost_ranks
 from lightning_mgpu.parallel.watchdog import paused
 from lightning_mgpu.problems import raise_problems
@@ -52,8 +52,9 @@ class EngineCheckpointHooks:
         if storage_options is not None and not isinstance(storage_options, InBackground):
             raise TypeError(f"storage_options={storage_options!r}: MGPUStrategy takes None or InBackground (the engine "
                             "writes the checkpoint)")
-        raise_problems("Cannot save a checkpoint", replica_checkpoint_problems(self.layout.replica_update,
-                                                                               self.checkpoints.format))
+        raise_problems("Cannot save a checkpoint", replica_checkpoint_problems(
+            self.layout.replica_update, self.checkpoints.format) + expert_checkpoint_problems(
+            self.layout.expert_parallel_size, self.checkpoints.format))
         filepath = self.broadcast(str(filepath))
         client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         with name_lost_ranks(self._heartbeat), paused(self._heartbeat):  # a save is not a step
@@ -74,7 +75,8 @@ class EngineCheckpointHooks:
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if fitting:
             raise_problems("Cannot resume", replica_checkpoint_problems(self.layout.replica_update,
-                                                                        self.checkpoints.format))
+                                                                        self.checkpoints.format)
+                           + expert_checkpoint_problems(self.layout.expert_parallel_size, self.checkpoints.format))
         return checkpoints.load(self.model, self.layout, checkpoint_path, self.checkpoints, fitting,
                                 strict=self.lightning_module.strict_loading, replica_sync=self._replica_sync)
 

@@ -54,7 +54,8 @@ def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str =
         params.append((fqn, param))
         for key in (None, *MOMENTS):
             # an expert's pieces lie over its own data-parallel ranks, not the ones ``assemble`` reads: copied now
-            piece = own_piece(access, param, key) if fill and defer and experts is None else None
+            expert = getattr(param, "expert_partition", None) is not None
+            piece = own_piece(access, param, key) if fill and defer and not expert else None
             if piece is not None:
                 state[f"{prefix}{key or 'param'}/{fqn}"] = Deferred(piece, param, layout, mesh)
                 continue

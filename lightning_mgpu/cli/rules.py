@@ -15,7 +15,8 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.checkpoint.formats import (CheckpointSettings, complete_checkpoints, format_name_problems,
-                                               read_refusal, replica_checkpoint_problems, background_save_problems)
+                                               read_refusal, replica_checkpoint_problems, background_save_problems,
+                                               expert_checkpoint_problems)
 from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
 from lightning_mgpu.cli.errors import did_you_mean
 from lightning_mgpu.cli.layout_rules import parallel_problems
@@ -136,6 +137,7 @@ def checkpoint_problems(cfg: DictConfig) -> list[str]:
         out += background_save_problems(c.format)
     if c.every_n_steps or c.save_last or c.resume:
         out += replica_checkpoint_problems(cfg.parallel.replica_update, c.format)
+        out += expert_checkpoint_problems(cfg.parallel.expert_parallel_size, c.format)
     if cfg.parallel.timeout is not None and not cfg.parallel.timeout > 0:
         out.append(f"parallel.timeout={cfg.parallel.timeout} must be > 0 seconds")
     return out

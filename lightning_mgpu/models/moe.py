@@ -59,10 +59,6 @@ def moe_problems(cfg: Any) -> list[str]:
     for name in ("aux_loss_coeff", "z_loss_coeff", "router_bias_rate", "shared_experts"):
         if getattr(cfg, name) < 0:
             problems.append(f"{name}={getattr(cfg, name)} must be >= 0")
-    for name, value in (("expert_hidden", cfg.expert_ffn_hidden), ("dim", cfg.dim)):
-        if value % 8:
-            problems.append(f"{name}={value} must be a multiple of 8 in a mixture-of-experts model (grouped matmuls "
-                            f"need rows of 16-byte multiples); nearest: {max(8, round(value / 8) * 8)}")
     return problems
 
 
@@ -180,10 +176,12 @@ class Router(nn.Module):
         self.cfg = cfg
         self.num_experts, self.top_k = cfg.num_experts, cfg.experts_per_token
         self.gate = RouterGate(cfg.dim, cfg.num_experts, bias=False)
-        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, device="cpu"),
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32, device="cpu"),
                              persistent=cfg.router_bias_rate > 0)
-        #: Tokens routed to each expert since the last bias update (this rank's, summed over micro-batches).
-        self.register_buffer("step_counts", torch.zeros(cfg.num_experts, device="cpu"), persistent=False)
+        #: Tokens routed to each expert since the last bias update (this rank's training forwards, summed over
+        #: micro-batches); integers, which a module's dtype conversion leaves alone.
+        self.register_buffer("step_counts", torch.zeros(cfg.num_experts, dtype=torch.long, device="cpu"),
+                             persistent=False)
         #: The gradient given to the balancing losses (1 / micro-batches of a step, times a loss scale); set per step.
         self.loss_scale = 1.0
         self.routes: Optional[torch.Tensor] = None  #: the experts chosen in the last forward ``[T, k]``
@@ -200,7 +198,8 @@ class Router(nn.Module):
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
         weights = weights * self.cfg.router_scale
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
-        if torch._C._current_graph_task_id() == -1:  # not a forward recomputed inside backward (checkpointing)
+        # counted once per training forward: not in evaluation, not when recomputed inside backward (checkpointing)
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             with torch.no_grad():
                 self.step_counts += counts.to(self.step_counts)
         loss, stats = self._losses(logits, scores, experts, batch, wiring)
@@ -221,6 +220,13 @@ class Router(nn.Module):
         # only its own tokens' share of the gradient: the data-parallel mean divides that by the ranks, so scale back.
         loss = cfg.aux_loss_coeff * aux * wiring.statistics_ranks(cfg.aux_loss) + cfg.z_loss_coeff * z
         return loss, {"aux_loss": aux.detach(), "z_loss": z.detach()}
+
+    def _apply(self, fn, recurse: bool = True):
+        """The bias stays fp32 whatever dtype the module is cast to: steps of ``router_bias_rate`` (1e-3) vanish in
+        bf16 once the bias nears 0.5."""
+        super()._apply(fn, recurse)
+        self.expert_bias = self.expert_bias.float()
+        return self
 
     @torch.no_grad()
     def update_bias(self, total_counts: torch.Tensor) -> None:

@@ -14,17 +14,20 @@ from lightning_mgpu import LLMModule
 from lightning_mgpu.checkpoint.universal import read_model_weights
 
 STEPS = 4
-MOE_ARGS = ["model.num_experts=4", "model.experts_per_token=2", "model.shared_experts=1", "model.aux_loss_coeff=0.05"]
-CLI_MOE = replace(TINY_MOE, z_loss_coeff=0.0)
+MOE_ARGS = ["model.num_experts=4", "model.experts_per_token=2", "model.shared_experts=1", "model.aux_loss_coeff=0.05",
+            "model.z_loss_coeff=0.01", "model.router_bias_rate=0.01"]
+#: Bias balancing on: validation (Lightning's sanity check before training, and after it) must not move the bias.
+CLI_MOE = replace(TINY_MOE, router_bias_rate=0.01)
 
 
 def test_cli_expert_parallel_trains_validates_and_checkpoints(token_file, tmp_path):
     run_dir = tmp_path / "run"
     args = [str(BIN / "mgpu-train"), *cli_args(token_file, STEPS), *MOE_ARGS, "parallel.expert_parallel_size=2",
-            "parallel.zero_stage=2", "data.val_batches=1", "checkpoint.every_n_steps=2", f"hydra.run.dir={run_dir}"]
+            "parallel.zero_stage=2", "data.val_batches=1", "trainer.val_check_interval=2", "checkpoint.every_n_steps=2",
+            f"hydra.run.dir={run_dir}"]
     proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "2 on each rank of 2 (expert parallel)" in proc.stdout + proc.stderr
+    assert "experts: 2 layers of 4 experts, 2 on each rank of 2 (expert parallel)" in proc.stdout + proc.stderr
     optim = dict(lr=3e-3, warmup_steps=2, max_steps=STEPS, min_lr_ratio=0.1, weight_decay=0.1)
     ref = moe_reference(token_file, STEPS, model=CLI_MOE, optim=optim)
     metrics = run_dir / "metrics.csv"

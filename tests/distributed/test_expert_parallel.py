@@ -54,9 +54,11 @@ def assert_experts_split(results, Ep, T=1, E=4, hidden=64):
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_expert_parallel_matches_single_process(token_file, moe_ref, zero_stage):
-    results = run_distributed(fit_moe, 2, token_file, 2, expert_parallel_size=2, zero_stage=zero_stage)
+    """Four data-parallel ranks, two expert-parallel groups: each expert's gradient is reduced, and ZeRO partitions
+    it, over the two ranks that hold it (ranks 0 and 2 hold experts 0-1)."""
+    results = run_distributed(fit_moe, 4, token_file, 4, expert_parallel_size=2, zero_stage=zero_stage)
     assert_experts_split(results, Ep=2)
-    assert results[0]["groups"] == {"ep": [0, 1], "edp": [0]}
+    assert results[0]["groups"] == {"ep": [0, 1], "edp": [0, 2]}
     assert_routes_equal(results, moe_ref)  # first: a flipped near-tie would explain any difference below
     assert_parity(results, moe_ref)
     assert moe_ref["losses"][-1] < moe_ref["losses"][0] - 0.1
@@ -68,7 +70,8 @@ def test_expert_parallel_matches_single_process(token_file, moe_ref, zero_stage)
                                 dict(tensor_parallel_size=2, zero_stage=3), dict(pipeline_parallel_size=2, zero_stage=3)],
                          ids=["tp2_sp", "cp2", "tp2_zero3", "pp2_zero3"])
 def test_expert_parallel_composes_with_tensor_context_and_pipeline_parallel(token_file, moe_ref, kw):
-    devices = 2 * kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1)
+    devices = 2 * kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1) * \
+        kw.get("context_parallel_size", 1)  # cp2: over context and data ranks
     results = run_distributed(fit_moe, devices, token_file, devices, expert_parallel_size=2, **kw)
     assert_experts_split(results, Ep=2, T=kw.get("tensor_parallel_size", 1))
     assert_routes_equal(results, moe_ref)
@@ -122,7 +125,8 @@ def test_eight_processes_tensor_pipeline_data_and_expert_parallel(token_file, de
 
 
 #: Each segment resumes the checkpoint the previous one wrote, on another expert-parallel size (and ZeRO stage).
-CHAIN = [dict(devices=2, expert_parallel_size=2, zero_stage=2), dict(devices=2, expert_parallel_size=1, zero_stage=3),
+CHAIN = [dict(devices=4, expert_parallel_size=2, zero_stage=2),  # each expert on two ranks: saved once
+         dict(devices=2, expert_parallel_size=1, zero_stage=3),
          dict(devices=4, expert_parallel_size=4, zero_stage=1),
          dict(devices=4, expert_parallel_size=2, tensor_parallel_size=2, zero_stage=3),  # experts split by hidden too
          dict(devices=4, expert_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)]
@@ -163,6 +167,20 @@ def test_universal_checkpoints_reshard_experts_2_1_4_and_other_axes(token_file, 
             assert torch.allclose(got, want, atol=1e-5), (i, name, (got - want).abs().max())
             flat = got.flatten(1)
             assert all(not torch.equal(flat[a], flat[b]) for a in range(len(flat)) for b in range(a)), name
+
+
+#: DeepSeek's style: sigmoid scores with a selection bias, shared experts, a dense first layer, sequence-wise
+#: balancing statistics.
+DEEPSEEK_STYLE = replace(TINY_MOE, n_layers=3, dense_layers=1, router_score="sigmoid", router_bias_rate=0.01,
+                         aux_loss="sequence", shared_experts=1, router_scale=2.0)
+
+
+def test_deepseek_style_routing_matches_single_process(token_file):
+    ref = moe_reference(token_file, STEPS, model=DEEPSEEK_STYLE)
+    results = run_distributed(fit_moe, 4, token_file, 4, model=DEEPSEEK_STYLE, expert_parallel_size=4, zero_stage=1)
+    assert_experts_split(results, Ep=4)
+    assert_routes_equal(results, ref)
+    assert_parity(results, ref)
 
 
 def test_bf16_mixed_follows_fp32(token_file, moe_ref):

@@ -57,8 +57,27 @@ def test_capacity_drops_the_overflow_only():
     layer = Llama(cfg).layers[0].feed_forward
     with torch.no_grad():
         layer.router.gate.weight.zero_()
-    layer(torch.randn(1, 8, 32))  # all 16 assignments go to experts 0 and 1; capacity ceil(0.5 * 8 * 2 / 4) = 2
+    x = torch.randn(1, 8, 32)
+    out = layer(x)  # all 16 assignments go to experts 0 and 1; capacity ceil(0.5 * 8 * 2 / 4) = 2 each
     assert float(layer.stats["dropped"]) == pytest.approx(1 - 4 / 16)
+    e = layer.experts
+    kept = sum(0.5 * (F.silu(x[0, :2] @ e.w1[i]) * (x[0, :2] @ e.w3[i])) @ e.w2[i] for i in (0, 1))
+    assert torch.allclose(out[0, :2], kept, atol=1e-6)  # the first two tokens keep both their experts
+    assert torch.equal(out[0, 2:], torch.zeros_like(out[0, 2:]))  # the others lost theirs (no shared experts here)
+
+
+def test_aux_loss_is_mixtrals_over_top_k():
+    """Ours is 1 when balanced, ``transformers``' Mixtral loss is ``top_k``: the same statistic, independently
+    written (their ``load_balancing_loss_func`` on the same router logits)."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    cfg = LlamaConfig(**{**MOE.to_dict(), "shared_experts": 0, "z_loss_coeff": 0.0})
+    layer = Llama(cfg).layers[0].feed_forward
+    x = torch.randn(2, 8, 32)
+    layer(x)
+    logits = layer.router.gate(x.reshape(-1, 32))
+    theirs = load_balancing_loss_func((logits,), num_experts=4, top_k=2)
+    assert float(layer.stats["aux_loss"]) * 2 == pytest.approx(float(theirs), rel=1e-6)
 
 
 def test_balanced_routing_has_aux_loss_one():
@@ -99,10 +118,10 @@ def test_bias_update_moves_towards_balance_identically():
 
 def test_config_names_every_problem():
     with pytest.raises(ValueError) as err:
-        LlamaConfig(**{**MOE.to_dict(), "experts_per_token": 5, "capacity_factor": -1.0, "expert_hidden": 12,
+        LlamaConfig(**{**MOE.to_dict(), "experts_per_token": 5, "capacity_factor": -1.0, "aux_loss": "always",
                        "dense_layers": 2})
     text = str(err.value)
-    for part in ("experts_per_token=5", "capacity_factor=-1.0", "expert_hidden=12", "dense_layers=2"):
+    for part in ("experts_per_token=5", "capacity_factor=-1.0", "aux_loss='always'", "dense_layers=2"):
         assert part in text
     with pytest.raises(ValueError, match="only apply to a mixture-of-experts model"):
         LlamaConfig(router_score="sigmoid")
