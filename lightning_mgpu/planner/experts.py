@@ -30,6 +30,7 @@ from typing import Iterable
 
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.hardware import ClusterSpec
+from lightning_mgpu.split_rules import expert_problems
 
 #: The busiest expert's tokens over the mean (an even split's) in one layer: what a rank's received tokens are
 #: planned at when the experts are spread over ranks. 1.25 is the capacity factor commonly provisioned for balanced
@@ -175,8 +176,9 @@ def replaced_mlp_reductions(cfg: LlamaConfig) -> int:
 
 
 def expert_parallel_sizes(cfg: LlamaConfig, data_context_ranks: int) -> list[int]:
-    """The expert-parallel sizes a search tries: divisors of ``num_experts`` that divide the data x context ranks
-    (1 alone for a dense model); :func:`lightning_mgpu.split_rules.expert_problems` is the rule each must pass."""
+    """The expert-parallel sizes a search tries: those :func:`lightning_mgpu.split_rules.expert_problems` accepts for
+    these data x context ranks and experts (1 alone for a dense model)."""
     if cfg.num_experts == 0:
         return [1]
-    return [d for d in range(1, data_context_ranks + 1) if data_context_ranks % d == 0 and cfg.num_experts % d == 0]
+    return [d for d in range(1, data_context_ranks + 1)
+            if not expert_problems(d, data_context_ranks, cfg.num_experts)]
