@@ -12,6 +12,7 @@ import lightning as L
 import torch
 
 from lightning_mgpu.models.moe import MoEFeedForward
+from lightning_mgpu.parallel.experts import move_router_biases
 
 
 def layer_report(layer: MoEFeedForward) -> dict[str, float]:
@@ -45,16 +46,9 @@ class ExpertLoad(L.Callback):
 
 
 def balance_without_strategy(layers: list[MoEFeedForward]) -> None:
-    """Under a strategy that is not ``MGPUStrategy`` (one device, DDP): move the balancing bias by the step's counts
+    """Under a strategy that is not ``MGPUStrategy`` (one device, DDP): the balancing bias moves by the step's counts
     summed over every process (MGPUStrategy does this itself after each engine step)."""
     import torch.distributed as dist
 
-    if not any(layer.cfg.router_bias_rate > 0 for layer in layers):
-        for layer in layers:
-            layer.router.step_counts.zero_()
-        return
-    counts = torch.stack([layer.router.step_counts for layer in layers])
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts)
-    for layer, total in zip(layers, counts):
-        layer.router.update_bias(total)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    move_router_biases(layers, dist.group.WORLD if distributed else None)

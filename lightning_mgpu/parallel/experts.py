@@ -138,14 +138,19 @@ def _keep_experts(experts: nn.Module, layout: ParallelLayout, total: int, shared
 
 def balance_experts(module: nn.Module, layout: ParallelLayout) -> None:
     """After an optimizer step: move each router's bias (auxiliary-loss-free balancing) by the step's token counts
-    summed over every data x context rank (one all-reduce for all layers), so every rank moves it alike."""
-    layers = moe_layers(module)
+    summed over every data x context rank."""
+    move_router_biases(moe_layers(module), layout.group("dp_cp") if layout.size("dp_cp") > 1 else None)
+
+
+def move_router_biases(layers: list, group: Any = None) -> None:
+    """Move the balancing bias of ``layers`` by their step's token counts summed over ``group`` (one all-reduce for
+    all layers; None: this process's counts), so every rank moves it alike; then start counting again."""
     if not any(layer.cfg.router_bias_rate > 0 for layer in layers):
         for layer in layers:
             layer.router.step_counts.zero_()
         return
     counts = torch.stack([layer.router.step_counts for layer in layers])
-    if layout.size("dp_cp") > 1:
-        dist.all_reduce(counts, group=layout.group("dp_cp"))
+    if group is not None:
+        dist.all_reduce(counts, group=group)
     for layer, total in zip(layers, counts):
         layer.router.update_bias(total)
