@@ -103,6 +103,12 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_multiplier(0, 10, 100, 0.1) == pytest.approx(0.1)
     assert lr_multiplier(9, 10, 100, 0.1) == pytest.approx(1.0)
     assert lr_multiplier(55, 10, 100, 0.1) == pytest.approx(0.55)
+    # Off the midpoint cosine and linear decay differ. Decay progress p = (step - 10) / 90, multiplier
+    # 0.1 + 0.9 * (1 + cos(pi p)) / 2: p = 1/3 -> cos = 1/2 -> 0.775 (linear: 0.7); p = 2/3 -> cos = -1/2 -> 0.325
+    # (linear: 0.4); p = 1/6 -> cos = sqrt(3)/2 -> 0.1 + 0.45 * 1.8660254 = 0.93971143 (linear: 0.85).
+    assert lr_multiplier(40, 10, 100, 0.1) == pytest.approx(0.775)
+    assert lr_multiplier(70, 10, 100, 0.1) == pytest.approx(0.325)
+    assert lr_multiplier(25, 10, 100, 0.1) == pytest.approx(0.93971143)
     assert lr_multiplier(100, 10, 100, 0.1) == pytest.approx(0.1)
 
 
