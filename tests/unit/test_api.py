@@ -85,7 +85,18 @@ def test_deepspeed_config_buckets_from_model_and_overrides_merge():
     cfg = zero_config(layout, model, 2, 4, 1.0, {"bf16": {"enabled": True}},
                       overrides={"zero_optimization": {"overlap_comm": True}, "steps_per_print": 5})
     z = cfg["zero_optimization"]
-    assert z["stage"] == 3 and z["reduce_bucket_size"] < 5e8 and z["overlap_comm"] is True
+    # The documented rule: a quarter of the parameters, at least 2**17 elements. The default model holds, per layer,
+    # wq 64*64 + wk 64*32 + wv 64*32 + wo 64*64 = 12288, w1/w2/w3 3*64*192 = 36864, two norms 128: 49280; four layers
+    # 197120, plus embeddings and output 2*256*64 = 32768 and the final norm 64: 229952. A quarter (57488) is below
+    # the floor, so the bucket is 2**17 = 131072.
+    assert sum(p.numel() for p in model.parameters()) == 229952
+    assert z["stage"] == 3 and z["reduce_bucket_size"] == 131072 and z["overlap_comm"] is True
+    assert z["allgather_bucket_size"] == 131072 and z["stage3_prefetch_bucket_size"] == 131072
+    # dim 128, ffn 384: per layer 128*128*2 + 128*64*2 = 49152, 3*128*384 = 147456, norms 256: 196864; four layers
+    # 787456, plus 2*256*128 = 65536 and 128: 853120. A quarter, 213280, is above the floor and is the bucket.
+    wider = Llama(LlamaConfig(dim=128, ffn_hidden=384))
+    assert sum(p.numel() for p in wider.parameters()) == 853120
+    assert zero_config(layout, wider, 2, 4, 1.0, {})["zero_optimization"]["reduce_bucket_size"] == 213280
     assert cfg["gradient_accumulation_steps"] == 4 and cfg["gradient_clipping"] == 1.0
     assert cfg["bf16"] == {"enabled": True} and cfg["steps_per_print"] == 5
     assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}}
