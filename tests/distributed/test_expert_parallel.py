@@ -27,8 +27,19 @@ def deep_ref(token_file):
 
 
 class Summary(L.Callback):
+    """The recorder's summary, and the dtypes the experts and the router really held and computed in (the helper's
+    probe sees the first attention linear only)."""
+
     def __init__(self, recorder: RouteRecorder) -> None:
-        self.recorder, self.out = recorder, {}
+        self.recorder, self.out = recorder, {"dtypes": {}}
+
+    def on_train_start(self, trainer, module) -> None:
+        dtypes = self.out["dtypes"]
+        for layer in self.recorder.layers:
+            dtypes["expert_weights"] = {str(p.dtype) for p in layer.experts.parameters()}
+            dtypes["router_weight"] = str(layer.router.gate.weight.dtype)
+            layer.experts.register_forward_hook(lambda m, a, out: dtypes.update(expert_output=str(out.dtype)))
+            layer.router.gate.register_forward_hook(lambda m, a, out: dtypes.update(router_output=str(out.dtype)))
 
     def on_train_end(self, trainer, module) -> None:
         self.out.update(self.recorder.summary(trainer))
@@ -188,6 +199,9 @@ def test_bf16_mixed_follows_fp32(token_file, moe_ref):
     rounding of the fp32 one."""
     from helpers import assert_bf16_curve
 
-    assert_bf16_curve(run_distributed(fit_moe, 2, token_file, 2, expert_parallel_size=2, zero_stage=2,
-                                      precision="bf16-mixed"), moe_ref)
+    results = run_distributed(fit_moe, 2, token_file, 2, expert_parallel_size=2, zero_stage=2, precision="bf16-mixed")
+    for r in results:
+        assert r["dtypes"] == {"expert_weights": {"torch.bfloat16"}, "expert_output": "torch.bfloat16",
+                               "router_weight": "torch.bfloat16", "router_output": "torch.float32"}, r["dtypes"]
+    assert_bf16_curve(results, moe_ref)
 
