@@ -26,7 +26,8 @@ def preemptible_fit(rank: int, token_file, directory, environ: dict, requeue=Non
     out = fit_weights(rank, token_file, 2, max_steps_=STEPS, zero_stage=1,
                       callbacks=(checkpoint, preemption, *fault_callbacks()), **kw)
     restored = before == [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)]
-    return {**out, "preempted": preemption.preempted, "handlers_restored": restored}
+    return {**out, "preempted": preemption.preempted, "handlers_restored": restored,
+            "received": signal.Signals(preemption.received).name if preemption.received else None}
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +68,10 @@ def test_with_gradient_accumulation_the_stop_waits_for_the_optimizer_step(token_
 
 
 def test_a_signal_in_the_last_step_lets_the_run_end_as_planned(token_file, tmp_path):
+    """SIGUSR2 (whose default action ends the process) reaches rank 1 in the last step: the callback's handler
+    catches it, and the run ends as planned, with no emergency checkpoint."""
     ended = run_distributed(preemptible_fit, 2, token_file, tmp_path, {"MGPU_SIGNAL_RANK_AT": f"1:{STEPS - 1}"})
+    assert [r["received"] for r in ended] == [None, "SIGUSR2"]  # the signal came, and this handler took it
     assert all(r["preempted"] is None and len(r["losses"]) == STEPS for r in ended)
     assert not tmp_path.exists() or not list(tmp_path.iterdir())  # no emergency checkpoint
 
