@@ -94,13 +94,30 @@ HOOKS = ("model_shape", "tensor_parallel_plan", "pipeline_stages", "pipeline_bat
          "context_parallel_batch", "compiled_blocks", "checkpointed_blocks", "initial_value")
 
 
+#: Where hooks given on a module's behalf are attached (``lightning_mgpu.hf`` gives them for a ``transformers`` model):
+#: consulted for each hook the module does not define itself.
+ADAPTER_ATTRIBUTE = "_mgpu_adapter_hooks"
+
+
 def hook(module: object, name: str) -> Optional[Callable[..., Any]]:
-    """``module``'s hook ``name`` (one of :data:`HOOKS`, declared in :class:`ParallelModule`), or ``None`` when the
-    module does not define it."""
+    """``module``'s hook ``name`` (one of :data:`HOOKS`, declared in :class:`ParallelModule`), or the one attached on
+    its behalf, or ``None`` when neither defines it."""
     if name not in HOOKS:
         raise KeyError(f"{name!r} is not a hook of lightning_mgpu.contract.ParallelModule; declare it there first")
-    value = getattr(module, name, None)
-    return value if callable(value) else None
+    for owner in (module, getattr(module, ADAPTER_ATTRIBUTE, None)):
+        value = getattr(owner, name, None)
+        if callable(value):
+            return value
+    return None
+
+
+def model_shape_of(module: object) -> Optional[ModelShape]:
+    """The shape ``module`` declares (a property, not a callable hook), or the one attached on its behalf."""
+    for owner in (module, getattr(module, ADAPTER_ATTRIBUTE, None)):
+        shape = getattr(owner, "model_shape", None)
+        if isinstance(shape, ModelShape):
+            return shape
+    return None
 
 
 def builds_on_meta(module: object) -> bool:

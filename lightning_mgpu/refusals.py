@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_mgpu.contract import hook
+from lightning_mgpu.contract import hook, model_shape_of
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.precision import pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.problems import raise_problems
@@ -22,7 +22,7 @@ PIPELINE_HOOKS = ("pipeline_stages", "pipeline_batch", "pipeline_loss")
 def check_module(module: Any, request: LayoutRequest, world_size: int, num_microbatches: int, precision: str) -> None:
     """The layout against the module's shape (when it declares ``model_shape``) and the micro-batch count the data
     gives; with pipeline stages, the precision and the hooks the pipeline calls."""
-    shape = getattr(module, "model_shape", None)  # a property of the contract, not a callable hook
+    shape = model_shape_of(module)
     problems = request.problems_with(world_size, shape, num_microbatches=num_microbatches)
     problems += replica_precision_problems(precision, request.zero_stage, request.replica_update)
     raise_problems("Invalid parallel layout", problems)

@@ -25,6 +25,7 @@ from lightning_mgpu import engine as engines
 from lightning_mgpu.engine.lightning_hooks import EngineHooks
 from lightning_mgpu import allocator
 from lightning_mgpu.contract import ParallelContext, builds_on_meta
+from lightning_mgpu.hf import adopt as adopt_hf_model
 from lightning_mgpu.launcher import choose_launcher
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.parallel.applied import applied_layout
@@ -211,6 +212,8 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         if plan:
             rank_zero_info(plan.describe(self.layout.size("pp")))
         check_trainer(trainer, module, self.layout, micro_batches)
+        if self._split.module is not module:  # a transformers model inside: the hooks its config implies
+            adopt_hf_model(module, self.layout)
         check_module(module, self.layout_request, self.world_size, micro_batches, self.precision_plugin.precision)
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
 

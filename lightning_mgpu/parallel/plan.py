@@ -14,7 +14,14 @@ Styles (see :mod:`lightning_mgpu.parallel.tensor` for where each puts its collec
 ``vocab_embedding``  ``nn.Embedding`` split by vocabulary rows
 ``vocab_output``     the LM head ``nn.Linear``, logits left sharded over the vocabulary (use
                      :func:`lightning_mgpu.parallel.cross_entropy.cross_entropy`), fed by a ``norm``
+``vocab_output_enter``  the same, fed by anything else with the whole sequence on every rank: enters the region
+                     itself (also under sequence parallelism, whose shards a ``sequence_gather`` joined before)
+``vocab_embedding_allreduce``  ``vocab_embedding`` whose output is the whole sequence on every rank even under
+                     sequence parallelism (a model that reads the sequence length off the embeddings)
 ===================  ==========================================================================
+
+Styles that keep a module as it is and add hooks (``enter_region``, ``sequence_scatter``, ``sequence_gather``,
+``grad_sum``, ``grad_sum_sp``) are for models whose code is not ours: :mod:`lightning_mgpu.parallel.plan_hooks`.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from lightning_mgpu.parallel.tensor import (
     padded_size,
     rank_and_size,
 )
+from lightning_mgpu.parallel.plan_hooks import HOOK_BUILDERS
 from lightning_mgpu.problems import format_problems
 
 TensorParallelPlan = Mapping[str, str]
@@ -45,6 +53,9 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "rowwise": lambda m, g, sp: RowParallelLinear(m, g, sp),
     "vocab_embedding": lambda m, g, sp: VocabParallelEmbedding(m, g, sp),
     "vocab_output": lambda m, g, sp: VocabParallelOutput(m, g, sp),
+    "vocab_output_enter": lambda m, g, sp: VocabParallelOutput(m, g, False, enters_region=True),
+    "vocab_embedding_allreduce": lambda m, g, sp: VocabParallelEmbedding(m, g, False),
+    **HOOK_BUILDERS,
 }
 STYLES = tuple(_BUILDERS)
 
@@ -75,10 +86,11 @@ def resolve_plan(module: nn.Module, plan: TensorParallelPlan) -> tuple[dict[str,
 
 
 def _module_problem(name: str, style: str, m: nn.Module, T: int) -> list[str]:
-    if style in ("colwise", "colwise_enter", "rowwise", "vocab_output") and not isinstance(m, nn.Linear):
+    if style in ("colwise", "colwise_enter", "rowwise", "vocab_output", "vocab_output_enter") and \
+            not isinstance(m, nn.Linear):
         return [f"{name!r} is a {type(m).__name__}; style {style!r} needs an nn.Linear"]
-    if style == "vocab_embedding" and not isinstance(m, nn.Embedding):
-        return [f"{name!r} is a {type(m).__name__}; style 'vocab_embedding' needs an nn.Embedding"]
+    if style in ("vocab_embedding", "vocab_embedding_allreduce") and not isinstance(m, nn.Embedding):
+        return [f"{name!r} is a {type(m).__name__}; style {style!r} needs an nn.Embedding"]
     if style == "norm":
         params = dict(m.named_parameters(recurse=True))
         weight = params.get("weight")
@@ -138,7 +150,7 @@ def apply_tensor_parallel(module: nn.Module, plan: TensorParallelPlan, group: An
             else:
                 shards[id(p)] = new
         setattr(parent, child, replacement)
-        if style in ("vocab_embedding", "vocab_output"):
+        if style in ("vocab_embedding", "vocab_output", "vocab_output_enter", "vocab_embedding_allreduce"):
             vocab = replacement.vocab_size
             padded = padded_size(vocab, T)
             if padded != vocab:

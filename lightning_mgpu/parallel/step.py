@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_mgpu import engine as engines
+from lightning_mgpu.contract import hook
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.models.moe import set_loss_scale
 from lightning_mgpu.parallel.microbatch import split_microbatches
@@ -70,7 +71,7 @@ class PipelineStep:
         # The schedule divides each micro-batch's loss by their number and scales no gradient after.
         engine = self.pipeline.engine
         set_loss_scale(engine.module, engines.loss_scale(engine) / self.pipeline.n_microbatches)
-        return mean_over_replicas(self.pipeline.train_step(*self.module.pipeline_batch(batch)), self.layout)
+        return mean_over_replicas(self.pipeline.train_step(*hook(self.module, "pipeline_batch")(batch)), self.layout)
 
 
 def layout_step(engine: Any, module: Any, layout: ParallelLayout, device: Any, micro_batches: int,
@@ -78,6 +79,6 @@ def layout_step(engine: Any, module: Any, layout: ParallelLayout, device: Any, m
                 forward: Callable[..., Any]) -> tuple[TrainStep, Optional[Pipeline]]:
     """The step of the layout (the pipeline's, or micro-batches through the engine) and the pipeline, if any."""
     if layout.size("pp") > 1:
-        pipeline = Pipeline(engine, layout, device, module.pipeline_loss, micro_batches, timeline)
+        pipeline = Pipeline(engine, layout, device, hook(module, "pipeline_loss"), micro_batches, timeline)
         return PipelineStep(pipeline, module, layout), pipeline
     return DataParallelStep(engine, module, layout, micro_batches, step_context, forward), None

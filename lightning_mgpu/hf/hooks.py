@@ -1,0 +1,101 @@
+"""The parallel hooks of :class:`lightning_mgpu.contract.ParallelModule`, given for a LightningModule that holds a
+``transformers`` causal LM and defines none of them: the user writes no plan, no stages and no loss.
+
+``MGPUStrategy`` attaches them (:func:`adopt`) before it checks and splits the module; a hook the module defines itself
+is used instead of the one here. Tensor parallelism keeps the user's ``training_step`` (``model(..., labels=...)
+.loss``): the model's loss becomes the vocabulary-parallel one. Pipeline parallelism runs the model's own loss on the
+last stage over a batch of token ids (or a mapping with ``input_ids`` and optionally ``labels``); a validation step
+calling the model with ``labels=`` gets the pipeline's loss.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from lightning_mgpu.contract import ADAPTER_ATTRIBUTE, parallel_context
+from lightning_mgpu.hf.loss import causal_lm_loss
+from lightning_mgpu.hf.model import HFModel, find_hf_model
+from lightning_mgpu.hf.stages import HFStage, hf_stages
+from lightning_mgpu.hf.tensor_plan import hf_tp_plan
+from lightning_mgpu.layout import ModelShape, ParallelLayout
+from lightning_mgpu.parallel.pipeline import stage_container
+from lightning_mgpu.parallel.plan_hooks import sequence_gather, sequence_scatter
+
+#: The keys a pipeline batch given as a mapping may hold.
+PIPELINE_BATCH_KEYS = ("input_ids", "labels")
+
+
+class HFHooks:
+    """The hooks for ``found`` inside ``owner`` (the LightningModule) on ``layout``."""
+
+    def __init__(self, found: HFModel, owner: nn.Module, layout: ParallelLayout) -> None:
+        self.found, self.owner, self.layout = found, owner, layout
+
+    @property
+    def model_shape(self) -> ModelShape:
+        return self.found.shape()
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """The model's own plan, translated; its ``labels=`` loss becomes the vocabulary-parallel one."""
+        plan = hf_tp_plan(self.found)
+        model = self.found.model
+        model.loss_function = causal_lm_loss(model.get_output_embeddings)
+        return plan
+
+    def pipeline_stages(self, stage_ids: list[int], num_stages: int,
+                        boundaries: Optional[list[int]] = None) -> nn.ModuleDict:
+        stages = hf_stages(self.found, stage_ids, num_stages, boundaries)
+        if self.layout.sequence_parallel:
+            self._cut_sequence_at_stage_ends(stages.values())
+        self.found.model.forward = self._pipelined_forward
+        return stage_container(stages)
+
+    def _cut_sequence_at_stage_ends(self, stages: Sequence[HFStage]) -> None:
+        """Hidden states travel between stages whole: each stage scatters them in and gathers them out."""
+        group = self.layout.group("tp")
+        for stage in stages:
+            layers = list(getattr(stage, stage.base_name).layers)
+            if not stage.first:  # the first layer of the whole model scatters by the plan already
+                sequence_scatter(layers[0], group, True)
+            sequence_gather(layers[-1], group, True)
+
+    def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input ids, labels) of a batch of token ids ``[batch, seq]`` (its own labels), or of a mapping with
+        ``input_ids`` and optionally ``labels``."""
+        if isinstance(batch, torch.Tensor):
+            return batch, batch
+        if isinstance(batch, Mapping) and "input_ids" in batch and set(batch) <= set(PIPELINE_BATCH_KEYS):
+            return batch["input_ids"], batch.get("labels", batch["input_ids"])
+        keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise ValueError(f"pipeline parallelism takes a batch of token ids [batch, seq] or a mapping with "
+                         f"{' and optionally '.join(PIPELINE_BATCH_KEYS)}; got {keys}. Padding masks cannot travel "
+                         "between stages: pack sequences without padding, or use pipeline_parallel_size=1")
+
+    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The model's own causal-LM loss of one micro-batch on the last stage."""
+        return self.found.model.loss_function(logits=logits, labels=labels, vocab_size=self.found.config.vocab_size)
+
+    def _pipelined_forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                           **ignored: Any) -> Any:
+        """The model's ``forward`` once its stages are spread over ranks: the pipeline's forward-only loss (every
+        rank gets it), for a validation or test step that calls ``model(input_ids=..., labels=...)``."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        context = parallel_context(self.owner)
+        if context is None or context.pipeline is None or input_ids is None:
+            raise RuntimeError("this model's layers are spread over pipeline stages: call it as "
+                               "model(input_ids=..., labels=...) inside a validation or test step of the run")
+        return CausalLMOutputWithPast(loss=context.pipeline.evaluate(input_ids, input_ids if labels is None else labels))
+
+
+def adopt(module: nn.Module, layout: ParallelLayout) -> Optional[HFHooks]:
+    """Attach the hooks for the ``transformers`` model ``module`` holds (none when it holds none)."""
+    found = find_hf_model(module)
+    if found is None:
+        return None
+    hooks = HFHooks(found, module, layout)
+    object.__setattr__(module, ADAPTER_ATTRIBUTE, hooks)
+    return hooks

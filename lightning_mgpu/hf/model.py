@@ -1,0 +1,102 @@
+"""Finding the ``transformers`` model inside a user's LightningModule, and the parts of it that the parallel plans name.
+
+``transformers`` is not a dependency of the package: a module can only hold one of its models if the user imported it,
+so it is looked up in ``sys.modules`` instead of imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+from lightning_mgpu.layout import ModelShape
+
+#: The hook a LightningModule may define to name its model where it holds several: ``def hf_model(self): return
+#: self.student``.
+NAMING_HOOK = "hf_model"
+
+
+def _pretrained_class() -> Optional[type]:
+    transformers = sys.modules.get("transformers")
+    return getattr(transformers, "PreTrainedModel", None) if transformers is not None else None
+
+
+@dataclass(frozen=True)
+class HFModel:
+    """A ``transformers`` causal LM found in a LightningModule: the model, its path in the module (``"llm."``), its
+    decoder (``base``, at ``prefix + base_name + "."``) and the names of the decoder's parts in its pipeline plan."""
+
+    model: nn.Module
+    prefix: str
+    base_name: str
+
+    @property
+    def base(self) -> nn.Module:
+        return getattr(self.model, self.base_name)
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def base_prefix(self) -> str:
+        return f"{self.prefix}{self.base_name}."
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def shape(self) -> ModelShape:
+        """The numbers that constrain a split. ``qk_norm`` stays False: the q/k norms of a ``transformers`` model keep
+        their weights whole and sum their gradients over the tensor-parallel group (``grad_sum``)."""
+        c = self.config
+        experts = int(getattr(c, "num_experts", 0) or getattr(c, "num_local_experts", 0) or 0)
+        return ModelShape(n_layers=self.n_layers, n_heads=int(c.num_attention_heads),
+                          n_kv_heads=int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads),
+                          ffn_hidden=int(c.intermediate_size), vocab_size=int(c.vocab_size),
+                          tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), num_experts=experts,
+                          expert_hidden=int(getattr(c, "moe_intermediate_size", 0) or 0) if experts else 0)
+
+
+def find_hf_model(module: nn.Module) -> Optional[HFModel]:
+    """The causal LM ``module`` holds (``None`` when it holds no ``transformers`` model). Raises when it holds several
+    and defines no ``hf_model()`` naming one."""
+    pretrained = _pretrained_class()
+    if pretrained is None:
+        return None
+    named = getattr(module, NAMING_HOOK, None)
+    if callable(named):
+        chosen = named()
+        found = [(name, m) for name, m in module.named_modules() if m is chosen]
+        if not found:
+            raise ValueError(f"{type(module).__name__}.hf_model() returned a {type(chosen).__name__} that is not a "
+                             "submodule of it; return the transformers model the module holds (e.g. self.llm)")
+        return _described(*found[0])
+    candidates = _outermost(module, pretrained)
+    if len(candidates) > 1:
+        raise ValueError(f"{type(module).__name__} holds {len(candidates)} transformers models "
+                         f"({', '.join(name for name, _ in candidates)}); define hf_model() returning the one to "
+                         "parallelise")
+    return _described(*candidates[0]) if candidates else None
+
+
+def _outermost(module: nn.Module, pretrained: type) -> list[tuple[str, nn.Module]]:
+    """The ``PreTrainedModel`` submodules that are not inside another one (a causal LM holds its decoder)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, m in module.named_modules():
+        if isinstance(m, pretrained) and not any(name.startswith(outer + ".") or outer == "" for outer, _ in found):
+            found.append((name, m))
+    return found
+
+
+def _described(name: str, model: nn.Module) -> HFModel:
+    prefix = f"{name}." if name else ""
+    base_name = getattr(model, "base_model_prefix", "model")
+    if not isinstance(getattr(model, base_name, None), nn.Module):
+        raise ValueError(f"{prefix or 'the module'} ({type(model).__name__}) has no decoder at .{base_name}; pass a "
+                         "causal language model (AutoModelForCausalLM), or write tensor_parallel_plan() and the "
+                         "pipeline hooks for it")
+    return HFModel(model, prefix, base_name)

@@ -1,0 +1,71 @@
+"""A ``transformers`` model's own tensor-parallel plan, translated onto the package's styles.
+
+``transformers`` configs carry ``base_model_tp_plan`` (its causal-LM classes add the head, the model instance holds
+both as ``_tp_plan`` under full names). Each entry becomes a style of :mod:`lightning_mgpu.parallel.plan`:
+
+=================================  ===================================================================================
+``colwise``                        ``colwise``; the module holding it (attention, MLP) gets ``enter_region``, so its
+                                   input enters the region once for all its column-parallel linears
+``rowwise``                        ``rowwise``
+``replicated_with_grad_allreduce`` ``grad_sum`` (Qwen3's per-head q/k norms: each rank normalises its own heads)
+``embedding_rowwise``              ``vocab_embedding_allreduce`` (whole sequence out: the model reads positions off it)
+``colwise_gather_output`` (head)   ``vocab_output_enter``: logits stay sharded over the vocabulary, and the model's
+                                   ``labels=`` loss becomes the vocabulary-parallel one (:mod:`lightning_mgpu.hf.loss`)
+=================================  ===================================================================================
+
+With sequence parallelism the residual stream between a run of decoder layers is cut along the sequence: the first
+layer's input is scattered (``sequence_scatter``), the last layer's output gathered (``sequence_gather``), and every
+other parameter of a layer that sees only a shard (its norms) sums its gradient (``grad_sum_sp``). Any other style is
+refused by module and name.
+"""
+
+from __future__ import annotations
+
+import re
+
+from lightning_mgpu.hf.model import HFModel
+from lightning_mgpu.problems import format_problems
+
+#: transformers' style -> this package's style.
+STYLE_OF = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "replicated_with_grad_allreduce": "grad_sum",
+    "embedding_rowwise": "vocab_embedding_allreduce",
+    "colwise_gather_output": "vocab_output_enter",
+}
+
+
+def hf_tp_plan(found: HFModel) -> dict[str, str]:
+    """``{module name pattern in the LightningModule: style}`` from the model's own plan. Raises one ``ValueError``
+    naming every entry whose style has no counterpart here."""
+    source = dict(getattr(found.model, "_tp_plan", None) or {})
+    if not source:
+        raise ValueError(f"{type(found.model).__name__}'s config carries no tensor-parallel plan (base_model_tp_plan); "
+                         "define tensor_parallel_plan() on the LightningModule returning {module name pattern: style} "
+                         "(styles of lightning_mgpu.parallel.plan), or pass MGPUStrategy(tensor_parallel_plan=...)")
+    unknown = [f"{found.prefix}{key}: style {style!r} has no counterpart here (known: {', '.join(STYLE_OF)}); "
+               f"write the plan by hand with tensor_parallel_plan(), splitting that module with this package's styles "
+               f"or leaving it out (whole on every rank)" for key, style in source.items() if style not in STYLE_OF]
+    if unknown:
+        raise ValueError(format_problems(f"Cannot translate {type(found.model).__name__}'s tensor-parallel plan",
+                                         unknown))
+    plan = {found.prefix + key: STYLE_OF[style] for key, style in source.items()}
+    for key, style in source.items():
+        if style == "colwise":
+            plan[found.prefix + key.rpartition(".")[0]] = "enter_region"
+    return {**plan, **_sequence_parallel_entries(found, plan)}
+
+
+def _sequence_parallel_entries(found: HFModel, plan: dict[str, str]) -> dict[str, str]:
+    """Under sequence parallelism (the styles below do nothing without it): the run of layers in and out, and the
+    layers' own parameters outside the entered regions."""
+    layers = f"{found.base_prefix}layers"
+    entries = {f"{layers}.0": "sequence_scatter", f"{layers}.{found.n_layers - 1}": "sequence_gather"}
+    covered = [re.compile(re.escape(key).replace(r"\*", r"[^.]+")) for key in plan]
+    for child, module in found.base.layers[0].named_children():
+        name = f"{layers}.0.{child}"
+        if any(True for _ in module.parameters()) and not any(p.fullmatch(name) for p in covered):
+            entries[f"{layers}.*.{child}"] = "grad_sum_sp"
+    return entries
+

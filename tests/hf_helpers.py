@@ -1,0 +1,125 @@
+"""A user's LightningModule holding a ``transformers`` causal LM as it is, with its own DataLoader, and its
+single-process reference: what the tests of ``lightning_mgpu.hf`` share.
+
+The module is what a Lightning user writes: ``training_step`` returns ``self.llm(input_ids=x, labels=x).loss``; no plan,
+no pipeline hooks. Its tiny models are built here with random weights (nothing is downloaded)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+import transformers
+from torch.utils.data import DataLoader
+
+from lightning_mgpu import MGPUStrategy
+
+SEQ, SAMPLES, MICRO, VOCAB = 16, 64, 4, 64
+LR, CLIP = 1e-2, 0.3
+
+FAMILIES = {
+    "llama": lambda **kw: transformers.LlamaConfig(**kw),
+    "qwen2": lambda **kw: transformers.Qwen2Config(**kw),  # q/k/v biases
+    "qwen3": lambda **kw: transformers.Qwen3Config(**kw),  # per-head q/k norms
+    "mistral": lambda **kw: transformers.MistralConfig(sliding_window=6, **kw),  # a window shorter than the sequence
+}
+
+
+def tiny_config(family: str, n_layers: int = 2, tied: bool = False) -> Any:
+    return FAMILIES[family](vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                            tie_word_embeddings=tied, attn_implementation="sdpa")
+
+
+def tiny_model(family: str, n_layers: int = 2, tied: bool = False) -> torch.nn.Module:
+    torch.manual_seed(11)
+    return transformers.AutoModelForCausalLM.from_config(tiny_config(family, n_layers, tied))
+
+
+def token_ids(samples: int = SAMPLES, seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (samples, seq), generator=torch.Generator().manual_seed(3))
+
+
+class CausalLM(L.LightningModule):
+    """What a user writes around a ``transformers`` model: nothing about parallelism."""
+
+    def __init__(self, family: str, n_layers: int = 2, tied: bool = False) -> None:
+        super().__init__()
+        self.llm = tiny_model(family, n_layers, tied)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.llm(input_ids=batch, labels=batch).loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.llm(input_ids=batch, labels=batch).loss, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(token_ids(), batch_size=MICRO)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(token_ids(8)[:, :], batch_size=MICRO)
+
+
+class Seen(L.Callback):
+    """Per step: the batch this rank was given, the global loss the strategy returned and the global grad norm."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+        self.losses: list[float] = []
+        self.grad_norms: list[Optional[float]] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.batches.append(batch.clone())
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+        self.grad_norms.append(trainer.strategy.last_grad_norm)
+
+
+def fit_hf(rank: int, family: str, devices: int, steps: int = 3, n_layers: int = 2, validate: bool = False,
+           **strategy_kwargs: Any) -> dict:
+    """One ``Trainer.fit`` of :class:`CausalLM` on this rank; what it saw, the local shard sizes and the layout."""
+    seen = Seen()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs), max_steps=steps,
+                        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[seen],
+                        limit_val_batches=1 if validate else 0, val_check_interval=steps if validate else None,
+                        check_val_every_n_epoch=None if validate else 1)
+    module = CausalLM(family, n_layers)
+    trainer.fit(module)
+    layout = trainer.strategy.layout
+    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    out = {"rank": rank, "batches": seen.batches, "losses": seen.losses, "grad_norms": seen.grad_norms,
+           "shapes": shapes, "coords": {axis: layout.rank(axis) for axis in ("tp", "pp", "dp")}}
+    if validate:
+        out["val_loss"] = float(trainer.callback_metrics["val_loss"])
+    return out
+
+
+def global_batches(results: list[dict]) -> list[torch.Tensor]:
+    """Each step's global batch: the batches of the data-parallel ranks (one per dp coordinate), in dp order."""
+    by_dp = {r["coords"]["dp"]: r["batches"] for r in sorted(results, key=lambda r: r["rank"])}
+    return [torch.cat([by_dp[d][step] for d in sorted(by_dp)]) for step in range(len(results[0]["batches"]))]
+
+
+def single_process(family: str, batches: list[torch.Tensor], n_layers: int = 2,
+                   validation: Optional[torch.Tensor] = None) -> dict:
+    """The same training written as a plain loop over the global batches: the model's own loss, the global grad norm
+    before clipping at ``CLIP``, torch's AdamW."""
+    model = tiny_model(family, n_layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, norms = [], []
+    for batch in batches:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    out = {"losses": losses, "grad_norms": norms, "model": model}
+    if validation is not None:
+        with torch.no_grad():
+            out["val_loss"] = model(input_ids=validation, labels=validation).loss.item()
+    return out
