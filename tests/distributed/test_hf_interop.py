@@ -13,23 +13,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
+from helpers import datamodule, fit, global_batches
+from safetensors.torch import load_file
 
-transformers = pytest.importorskip("transformers")
-
-import lightning as L  # noqa: E402
-from helpers import datamodule, fit, global_batches  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-
-from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
-from lightning_mgpu.checkpoint.hf import from_hf_config, load_hf, load_into, to_hf_name  # noqa: E402
-from lightning_mgpu.checkpoint.integrity import record_checksums  # noqa: E402
-from lightning_mgpu.checkpoint.universal import TRAINER_STATE, read_model_weights, read_trainer_state  # noqa: E402
-from lightning_mgpu.cli.export import main as export_main  # noqa: E402
-from lightning_mgpu.models import Llama  # noqa: E402
-from lightning_mgpu.testing import run_distributed  # noqa: E402
+from lightning_mgpu import LLMModule, MGPUStrategy
+from lightning_mgpu.checkpoint.hf import from_hf_config, load_hf, load_into, to_hf_name
+from lightning_mgpu.checkpoint.integrity import record_checksums
+from lightning_mgpu.checkpoint.universal import TRAINER_STATE, read_model_weights, read_trainer_state
+from lightning_mgpu.cli.export import main as export_main
+from lightning_mgpu.models import Llama
+from lightning_mgpu.testing import run_distributed
 
 
 def tiny_hf(directory, tied: bool):

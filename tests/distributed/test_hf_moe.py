@@ -8,19 +8,17 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
+from safetensors.torch import load_file
 
-transformers = pytest.importorskip("transformers")
-
-from safetensors.torch import load_file  # noqa: E402
-
-from lightning_mgpu import LLMModule  # noqa: E402
-from lightning_mgpu.checkpoint.files import write_consolidated  # noqa: E402
-from lightning_mgpu.checkpoint.hf import HFWeights, from_hf_config, load_hf, load_into, to_hf_config  # noqa: E402
-from lightning_mgpu.checkpoint.integrity import record_checksums  # noqa: E402
-from lightning_mgpu.cli.errors import ConfigError  # noqa: E402
-from lightning_mgpu.cli.export import export  # noqa: E402
-from lightning_mgpu.layout import ModelShape, ParallelLayout  # noqa: E402
-from lightning_mgpu.models import Llama  # noqa: E402
+from lightning_mgpu import LLMModule
+from lightning_mgpu.checkpoint.files import write_consolidated
+from lightning_mgpu.checkpoint.hf import HFWeights, from_hf_config, load_hf, load_into, to_hf_config
+from lightning_mgpu.checkpoint.integrity import record_checksums
+from lightning_mgpu.cli.errors import ConfigError
+from lightning_mgpu.cli.export import export
+from lightning_mgpu.layout import ModelShape, ParallelLayout
+from lightning_mgpu.models import Llama
 
 SHAPE = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
              num_experts_per_tok=2, rms_norm_eps=1e-6)
