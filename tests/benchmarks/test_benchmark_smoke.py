@@ -1,7 +1,9 @@
 """Every benchmark runs in its smoke mode here, so none can rot: it must finish and print its figure (timings are never
 asserted). Their full runs are ``make benchmarks`` (CPU) and ``make gpu-check`` (one GPU)."""
 
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +32,34 @@ SMOKE = {
     # runs gpu_llama_mfu.py, gpu_planner_check.py and compile_blocks.py in their smoke modes and tabulates them
     "gpu_check.py": "| check | figure | expectation | verdict |",
 }
+_N = r"(\d+\.\d+)"  # a figure as the benchmarks print it: never nan or inf
+#: benchmark -> (a pattern whose groups are its figures, and the open range each must lie in): at least one match,
+#: every figure finite and in range. Ranges are wide (timings on busy cores), but exclude 0 where 0 means "not run".
+FIGURES = {
+    "activation_memory.py": [(r"\| (\d\.\d{3}) \|", 0.5, 2.0)],  # measured / predicted, block and model
+    "async_checkpoint.py": [(r"\s(\d+\.\d)%\s", 0.0, 1000.0)],
+    "chaos_goodput.py": [(r"effective training time (\d+\.\d)%", 5.0, 1000.0)],
+    "checkpoint_io.py": [(rf"dp2-zero1\s+{_N}\s+{_N}\s+{_N}$", 0.0, 600.0)],  # save s, load s, MB
+    "checkpoint_verify.py": [(rf"^\s+tiny\s+\S+\s+\d+\s+{_N}\s+{_N}\s+{_N}\s+{_N}\s", 0.0, 600.0)],
+    "context_parallel.py": [(rf"^\s+2\s+balanced\s.*\s{_N}$", 0.0, 100.0)],  # MB sent with 2 context ranks
+    "document_mask.py": [(rf"^\s+\d+\s+{_N}\s+{_N}\s+{_N}$", 0.0, 1e5)],
+    "moe_throughput.py": [(r"expert parallel 2: ([\d,]+) tokens/s \((\d+) ms", 0.0, 1e9),
+                          (rf"expert parallel 2: .* all-to-all {_N} MB a step per rank, planner {_N} MB", 0.0, 100.0)],
+    "overhead.py": [(rf"overhead ratio \(ours / hand-written\): {_N}", 0.05, 100.0)],
+    "pipeline_bubble.py": [(r"^1f1b\s+2\s+4\s+(\d+\.\d)%\s+(\d+\.\d)%", 0.0, 100.0),
+                           (r"worst excess over theory: ([+-]\d+\.\d) percentage points", -100.0, 100.0)],
+    "pipeline_in_flight.py": [(r"\| \[(\d+), (\d+)\] \| \[(\d+), (\d+)\] \| yes \|", 0.0, 9.0)],
+    "planner_calibration.py": [(r"\| ([\d,]+) \| ([\d,]+) \| [+-]\d+% \|", 1.0, 1e7)],  # published, predicted
+    "replica_updates.py": [(rf"^\| (?:sync|local|async)[^|]* \| {_N} \| {_N} \|", 0.0, 20.0),  # losses
+                           (r"^\| (?:sync|local|async)[^|]* \| [\d.]+ \| [\d.]+ \| ([\d,]+) \|", 0.0, 1e10)],
+    "setup_memory.py": [(rf"\| {_N} \| \d+\.\d+ \| \d+\.\d \|$", 0.0, 1000.0)],  # first-step peak GB per rank
+    "tp_vs_dtensor.py": [(rf"ratio ours/theirs = {_N}", 0.01, 100.0)],
+    "zero_memory.py": [(rf"worst measured / paper ratio: {_N}", 0.1, 100.0)],
+    # on CPU the planner's GPU step time over the measured CPU one prints as 0.00: not bounded here
+    "gpu_check.py": [(r"\| bf16 MFU of \S+ on one GPU \| (\d+\.\d) \|", 0.0, 100.0),
+                     (rf"peak memory \(none, selective, full\) \| {_N}, {_N}, {_N} \|", 0.0, 100.0),
+                     (rf"speed-up of the blocks .* \| {_N} \|", 0.0, 100.0)],
+}
 #: run by gpu_check.py (its smoke table shows each ran), or not a benchmark
 COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "smoke.py"}
 
@@ -37,6 +67,7 @@ COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "smo
 def test_every_benchmark_has_a_smoke_run():
     scripts = {p.name for p in BENCHMARKS.glob("*.py")}
     assert scripts - COVERED == set(SMOKE), "add the new benchmark's --smoke run to SMOKE"
+    assert set(FIGURES) == set(SMOKE), "name the new benchmark's figures and their plausible range in FIGURES"
 
 
 @pytest.fixture(scope="module")
@@ -66,11 +97,21 @@ def test_benchmark_smoke_mode_runs_and_prints_its_figure(script, smoke_outputs):
     lines = output.splitlines()
     marked = [i for i, line in enumerate(lines) if SMOKE[script] in line]
     assert marked, output[-3000:]
-    figures = [line for line in lines[marked[0]:] if any(c.isdigit() for c in line)]
-    assert figures, output[-3000:]
+    assert_figures(script, output)
     if script == "gpu_check.py":  # every check ran and read its figure
         rows = [line for line in lines if line.startswith("| ") and "expectation" not in line and "---" not in line]
         assert len(rows) == 5 and all("ran (smoke)" in row or "not run" in row for row in rows), output
+
+
+def assert_figures(script: str, output: str) -> None:
+    """Every figure of :data:`FIGURES` is printed, finite and within its plausible range."""
+    for pattern, low, high in FIGURES[script]:
+        found = re.findall(pattern, output, re.MULTILINE)
+        assert found, f"{script}: no figure matches {pattern!r}\n{output[-3000:]}"
+        for match in found:
+            for text in match if isinstance(match, tuple) else (match,):
+                value = float(text.replace(",", ""))
+                assert math.isfinite(value) and low < value < high, (script, pattern, text, (low, high))
 
 
 def test_gpu_check_refuses_without_cuda_naming_what_is_missing():
