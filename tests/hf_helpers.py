@@ -13,7 +13,7 @@ import torch
 import transformers
 from torch.utils.data import DataLoader
 
-from lightning_mgpu import MGPUStrategy
+from lightning_mgpu import MGPUStrategy, parameter_shape
 
 SEQ, SAMPLES, MICRO, VOCAB = 16, 64, 4, 64
 LR, CLIP = 1e-2, 0.3
@@ -90,7 +90,7 @@ def fit_hf(rank: int, family: str, devices: int, steps: int = 3, n_layers: int =
     module = CausalLM(family, n_layers)
     trainer.fit(module)
     layout = trainer.strategy.layout
-    shapes = {name: tuple(p.shape) for name, p in module.named_parameters()}
+    shapes = {name: tuple(parameter_shape(p)) for name, p in module.named_parameters()}
     out = {"rank": rank, "batches": seen.batches, "losses": seen.losses, "grad_norms": seen.grad_norms,
            "shapes": shapes, "coords": {axis: layout.rank(axis) for axis in ("tp", "pp", "dp")}}
     if validate:

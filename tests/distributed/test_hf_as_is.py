@@ -1,0 +1,64 @@
+"""A ``transformers`` causal LM as it is, inside a plain LightningModule with its own DataLoader (``hf_helpers``):
+tensor (with sequence parallelism), pipeline (1F1B and zero-bubble) and ZeRO parallelism from the plans in its config,
+against one process running the same model on the same global batches -- loss and gradient norm each step, the
+user's ``labels=`` loss -- and the split asserted applied (local shard sizes, stages held)."""
+
+import pytest
+from hf_helpers import MICRO, fit_hf, global_batches, single_process, tiny_model, token_ids
+from helpers import max_abs_diff
+
+from lightning_mgpu.testing import run_distributed
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+
+#: name -> (ranks, layers, strategy arguments). Each family runs every one.
+LAYOUTS = {
+    "tp2_sp_zero3": (2, 2, dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3)),
+    "pp2_1f1b_validated": (2, 2, dict(pipeline_parallel_size=2, num_microbatches=2)),
+    "pp2_zbv": (2, 4, dict(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="zbv",
+                           num_microbatches=4)),
+    "tp2_pp2_dp2_zero1": (8, 2, dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1,
+                                     num_microbatches=2)),
+}
+
+
+def assert_split(results: list[dict], family: str, n_layers: int, kw: dict) -> None:
+    """Local shapes: a query projection keeps 1/T of its rows, the embedding 1/T of the vocabulary; a pipeline rank
+    holds its stages' layers only, the embedding on the first stage and the head on the last."""
+    whole = {name: tuple(p.shape) for name, p in tiny_model(family, n_layers).named_parameters()}
+    T, P = kw.get("tensor_parallel_size", 1), kw.get("pipeline_parallel_size", 1)
+    per_rank = n_layers // (P * kw.get("virtual_pipeline_size", 1))
+    for r in results:
+        shapes = {name.removeprefix("llm."): shape for name, shape in r["shapes"].items()}
+        layers = sorted({int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.")})
+        pp = r["coords"]["pp"]
+        if P == 1:
+            assert layers == list(range(n_layers))
+        elif kw.get("pipeline_schedule") == "zbv":  # V placement: stages pp and 2P-1-pp
+            assert layers == [pp, 2 * P - 1 - pp], (r["rank"], layers)
+        else:
+            assert layers == list(range(pp * per_rank, (pp + 1) * per_rank)), (r["rank"], layers)
+        holds_embedding, holds_head = "model.embed_tokens.weight" in shapes, "lm_head.weight" in shapes
+        head_rank = 0 if kw.get("pipeline_schedule") == "zbv" else P - 1
+        assert (holds_embedding, holds_head) == (pp == 0, pp == head_rank), (r["rank"], holds_embedding, holds_head)
+        q = f"model.layers.{layers[0]}.self_attn.q_proj.weight"
+        assert shapes[q] == (whole[q][0] // T, whole[q][1]), (q, shapes[q])
+        if holds_embedding:
+            assert shapes["model.embed_tokens.weight"][0] == whole["model.embed_tokens.weight"][0] // T
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parity_with_one_process(family, layout):
+    ranks, n_layers, kw = LAYOUTS[layout]
+    validate = layout.endswith("validated")
+    results = run_distributed(fit_hf, ranks, family, ranks, n_layers=n_layers, validate=validate, **kw)
+    expected = single_process(family, global_batches(results), n_layers,
+                              validation=token_ids(8)[:MICRO] if validate else None)
+    assert_split(results, family, n_layers, kw)
+    for r in results:
+        assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5, (r["rank"], r["losses"], expected["losses"])
+        assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5, (r["rank"], r["grad_norms"],
+                                                                              expected["grad_norms"])
+        if validate:
+            assert abs(r["val_loss"] - expected["val_loss"]) < 1e-5, (r["val_loss"], expected["val_loss"])
