@@ -72,6 +72,11 @@ class ParallelModule(Protocol):
         """This context rank's chunks of each ``[batch, seq]`` tensor, for ``context_parallel_size > 1`` (its attention
         must expose a replaceable ``kernel``, which ``parallelize`` swaps)."""
 
+    def context_parallel_attention(self, group: Any, rank: int, size: int) -> int:
+        """Wire the module's attention (and its inputs) for ``size`` context ranks itself, in place of the replaceable
+        ``kernel`` and ``context_parallel_batch`` (a model whose code is not ours); the number of attention layers
+        wired (0: the module cannot be context-parallel)."""
+
     def compiled_blocks(self) -> tuple[Optional[str], list[nn.Module]]:
         """(``torch.compile`` backend or ``None``, the blocks to compile one by one) of the module as it is now."""
 
@@ -91,7 +96,7 @@ class ParallelModule(Protocol):
 
 #: The hooks above, by name: what :func:`hook` may look up.
 HOOKS = ("model_shape", "tensor_parallel_plan", "pipeline_stages", "pipeline_batch", "pipeline_loss",
-         "context_parallel_batch", "compiled_blocks", "checkpointed_blocks", "initial_value")
+         "context_parallel_batch", "context_parallel_attention", "compiled_blocks", "checkpointed_blocks", "initial_value")
 
 
 #: Where hooks given on a module's behalf are attached (``lightning_mgpu.hf`` gives them for a ``transformers`` model):

@@ -23,6 +23,8 @@ FAMILIES = {
     "qwen2": lambda **kw: transformers.Qwen2Config(**kw),  # q/k/v biases
     "qwen3": lambda **kw: transformers.Qwen3Config(**kw),  # per-head q/k norms
     "mistral": lambda **kw: transformers.MistralConfig(sliding_window=6, **kw),  # a window shorter than the sequence
+    "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                          **kw),  # every layer routes over 4 experts
 }
 
 
@@ -92,7 +94,8 @@ def fit_hf(rank: int, family: str, devices: int, steps: int = 3, n_layers: int =
     layout = trainer.strategy.layout
     shapes = {name: tuple(parameter_shape(p)) for name, p in module.named_parameters()}
     out = {"rank": rank, "batches": seen.batches, "losses": seen.losses, "grad_norms": seen.grad_norms,
-           "shapes": shapes, "coords": {axis: layout.rank(axis) for axis in ("tp", "pp", "dp")}}
+           "shapes": shapes, "coords": {axis: layout.rank(axis) for axis in ("tp", "pp", "dp")},
+           "attention": module.llm.config._attn_implementation}
     if validate:
         out["val_loss"] = float(trainer.callback_metrics["val_loss"])
     return out

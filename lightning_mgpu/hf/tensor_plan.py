@@ -11,6 +11,7 @@ both as ``_tp_plan`` under full names). Each entry becomes a style of :mod:`ligh
 ``embedding_rowwise``              ``vocab_embedding_allreduce`` (whole sequence out: the model reads positions off it)
 ``colwise_gather_output`` (head)   ``vocab_output_enter``: logits stay sharded over the vocabulary, and the model's
                                    ``labels=`` loss becomes the vocabulary-parallel one (:mod:`lightning_mgpu.hf.loss`)
+``moe_tp_experts``, ``packed_*``   nothing: the experts stay whole on every rank (no expert parallelism here)
 =================================  ===================================================================================
 
 With sequence parallelism the residual stream between a run of decoder layers is cut along the sequence: the first
@@ -21,9 +22,10 @@ refused by module and name.
 
 from __future__ import annotations
 
-import re
+from torch import nn
 
 from lightning_mgpu.hf.model import HFModel
+from lightning_mgpu.parallel.plan import plan_pattern
 from lightning_mgpu.problems import format_problems
 
 #: transformers' style -> this package's style.
@@ -34,6 +36,9 @@ STYLE_OF = {
     "embedding_rowwise": "vocab_embedding_allreduce",
     "colwise_gather_output": "vocab_output_enter",
 }
+#: transformers' styles of mixture-of-experts weights: the experts stay whole on every tensor-parallel rank (each rank
+#: computes every expert for the whole sequence; under sequence parallelism for its shard, summing the gradients).
+KEPT_WHOLE = ("moe_tp_experts", "packed_colwise", "packed_rowwise")
 
 
 def hf_tp_plan(found: HFModel) -> dict[str, str]:
@@ -44,17 +49,25 @@ def hf_tp_plan(found: HFModel) -> dict[str, str]:
         raise ValueError(f"{type(found.model).__name__}'s config carries no tensor-parallel plan (base_model_tp_plan); "
                          "define tensor_parallel_plan() on the LightningModule returning {module name pattern: style} "
                          "(styles of lightning_mgpu.parallel.plan), or pass MGPUStrategy(tensor_parallel_plan=...)")
+    source = {key: style for key, style in source.items() if _matches_a_module(found.model, key)}
     unknown = [f"{found.prefix}{key}: style {style!r} has no counterpart here (known: {', '.join(STYLE_OF)}); "
                f"write the plan by hand with tensor_parallel_plan(), splitting that module with this package's styles "
-               f"or leaving it out (whole on every rank)" for key, style in source.items() if style not in STYLE_OF]
+               f"or leaving it out (whole on every rank)" for key, style in source.items()
+               if style not in STYLE_OF and style not in KEPT_WHOLE]
     if unknown:
         raise ValueError(format_problems(f"Cannot translate {type(found.model).__name__}'s tensor-parallel plan",
                                          unknown))
-    plan = {found.prefix + key: STYLE_OF[style] for key, style in source.items()}
+    plan = {found.prefix + key: STYLE_OF[style] for key, style in source.items() if style in STYLE_OF}
     for key, style in source.items():
         if style == "colwise":
             plan[found.prefix + key.rpartition(".")[0]] = "enter_region"
     return {**plan, **_sequence_parallel_entries(found, plan)}
+
+
+def _matches_a_module(model: nn.Module, key: str) -> bool:
+    """A plan is written for a family: entries for parts a given config lacks (the dense MLP of a model whose every
+    layer holds experts, or a parameter such as ``experts.down_proj`` rather than a module) match nothing."""
+    return any(plan_pattern(key).fullmatch(name) for name, _ in model.named_modules())
 
 
 def _sequence_parallel_entries(found: HFModel, plan: dict[str, str]) -> dict[str, str]:
@@ -62,7 +75,7 @@ def _sequence_parallel_entries(found: HFModel, plan: dict[str, str]) -> dict[str
     layers' own parameters outside the entered regions."""
     layers = f"{found.base_prefix}layers"
     entries = {f"{layers}.0": "sequence_scatter", f"{layers}.{found.n_layers - 1}": "sequence_gather"}
-    covered = [re.compile(re.escape(key).replace(r"\*", r"[^.]+")) for key in plan]
+    covered = [plan_pattern(key) for key in plan]
     for child, module in found.base.layers[0].named_children():
         name = f"{layers}.0.{child}"
         if any(True for _ in module.parameters()) and not any(p.fullmatch(name) for p in covered):

@@ -125,9 +125,18 @@ class ContextParallelAttention:
         if bias is not None:
             raise NotImplementedError("context parallelism does not support document masking yet: train without "
                                       "eod_token_id, or with context_parallel_size=1")
-        positions, order, queries = self._layout(q.shape[2], q.device)
+        positions = self._layout(q.shape[2], q.device)[0]
         cos, sin = cos[positions], sin[positions]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.attend_local(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+
+    def attend_local(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: Optional[float] = None) -> torch.Tensor:
+        """Causal attention of this rank's queries ``[b, heads, s/C, d]`` (rotary embeddings already at their positions
+        in the whole sequence, :func:`chunk_positions`) over the whole sequence's keys and values, gathered here.
+        ``scale`` is the softmax scale (default ``1 / sqrt(d)``)."""
+        if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
+            q = q * (scale * q.shape[-1] ** 0.5)  # the kernels' default scale, times the asked-for one
+        order, queries = self._layout(q.shape[2], q.device)[1:]
         head_dim = k.shape[-1]
         kv = torch.cat([k, v], dim=-1).transpose(1, 2)  # [b, s/C, kv_heads, 2 head_dim]: one gather for both
         whole = GatherSequence.apply(kv, self.group).index_select(1, order).transpose(1, 2)

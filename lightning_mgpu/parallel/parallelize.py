@@ -81,8 +81,12 @@ def _context_parallel(module: nn.Module, layout: ParallelLayout) -> list[str]:
         return []
     masked = getattr(getattr(module, "config", None), "eod_token_id", None) is not None
     raise_problems("Invalid context parallelism", context_document_problems(C, masked))
-    changed = apply_context_parallel(module, layout.group("cp"), layout.rank("cp"), C)
-    if not changed or hook(module, "context_parallel_batch") is None:
+    wire = hook(module, "context_parallel_attention")
+    if wire is not None:
+        changed = wire(layout.group("cp"), layout.rank("cp"), C)
+    else:
+        changed = apply_context_parallel(module, layout.group("cp"), layout.rank("cp"), C)
+    if not changed or (wire is None and hook(module, "context_parallel_batch") is None):
         raise ValueError(f"context_parallel_size={C} needs a module whose attention exposes a replaceable "
                          f"`kernel` and that defines context_parallel_batch() to give each rank its chunks of a "
                          f"sequence (LLMModule does); {type(module).__name__} has {changed} such attention "

@@ -61,7 +61,8 @@ STYLES = tuple(_BUILDERS)
 
 
 @functools.lru_cache(maxsize=None)
-def _pattern(key: str) -> re.Pattern:
+def plan_pattern(key: str) -> re.Pattern:
+    """The regular expression of a plan key (`*` matches one name component)."""
     return re.compile(r"[^.]+".join(re.escape(part) for part in key.split("*")))
 
 
@@ -74,7 +75,7 @@ def resolve_plan(module: nn.Module, plan: TensorParallelPlan) -> tuple[dict[str,
         if style not in _BUILDERS:
             problems.append(f"plan entry {key!r}: style {style!r} is unknown; choose one of {', '.join(STYLES)}")
             continue
-        matched = [n for n in names if _pattern(key).fullmatch(n)]
+        matched = [n for n in names if plan_pattern(key).fullmatch(n)]
         if not matched:
             example = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
             problems.append(f"plan entry {key!r} matches no module; names look like: {example}")

@@ -1,0 +1,90 @@
+"""Context parallelism for a ``transformers`` causal LM, through its own attention interface.
+
+Each context rank keeps two of ``2C`` chunks of every sequence (:mod:`lightning_mgpu.parallel.context`). Two things
+are plugged into the model, and its code is not changed:
+
+* a forward pre-hook on the causal LM cuts ``input_ids`` to this rank's chunks and passes their ``position_ids`` in
+  the whole sequence (so the model's rotary embeddings are right) and ``shift_labels`` (the labels shifted over the
+  *whole* sequence, then cut: shifting a chunk would lose the target of its last token);
+* the attention function, registered in ``transformers.AttentionInterface`` and selected by the model's
+  ``_attn_implementation``, gathers keys and values over the context group and attends causally chunk by chunk; the
+  mask function registered under the same name builds no mask (the chunks' causal structure is the kernel's).
+
+Each rank's loss is its summed loss over the whole sequence's count of targets divided by ``C``, so that the
+strategy's average over the context ranks is the mean over the sequence.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from lightning_mgpu.hf.model import HFModel
+from lightning_mgpu.parallel.context import ContextParallelAttention, chunk_positions, shard_sequence
+
+#: The name the attention and mask functions are registered under in ``transformers``.
+ATTENTION_NAME = "mgpu_context_parallel"
+IGNORE_INDEX = -100
+
+
+def context_problems(found: HFModel, size: int) -> list[str]:
+    """Why ``found`` cannot be split over ``size`` context ranks (empty when it can)."""
+    c = found.config
+    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
+    if window:
+        return [f"context_parallel_size={size}: {type(found.model).__name__} attends within a sliding window "
+                f"(sliding_window={window}), which the context-parallel kernel does not mask; use "
+                "context_parallel_size=1 for this model"]
+    return []
+
+
+def _attention(kernel: ContextParallelAttention):
+    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                  **kwargs: Any) -> tuple[torch.Tensor, None]:
+        if attention_mask is not None or dropout:
+            raise ValueError("context parallelism takes no attention mask and no attention dropout: pack sequences "
+                             "without padding and set attention_dropout=0")
+        return kernel.attend_local(query, key, value, scale=scaling).transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def _cut_inputs(group_rank: int, size: int):
+    def pre_hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs = dict(kwargs)
+        if args:
+            kwargs["input_ids"], args = args[0], args[1:]
+        ids = kwargs.get("input_ids")
+        if ids is None or kwargs.get("attention_mask") is not None or kwargs.get("position_ids") is not None:
+            raise ValueError("under context parallelism call the model with input_ids= (and labels=) only: each rank "
+                             "cuts its chunks of the sequence and their positions itself")
+        positions = chunk_positions(ids.shape[1], group_rank, size, device=ids.device)
+        kwargs["input_ids"] = ids.index_select(1, positions)
+        kwargs["position_ids"] = positions.unsqueeze(0).expand(ids.shape[0], -1)
+        labels = kwargs.get("labels")
+        if labels is not None:
+            shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+            kwargs["shift_labels"] = shard_sequence(shifted, group_rank, size)
+            kwargs["labels"] = kwargs["shift_labels"]
+            # The strategy averages the context ranks' losses with equal weights; the sequence's last token has no
+            # target, so the ranks count different numbers of them: each divides its sum by the whole count / C.
+            kwargs["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum() / size
+        return args, kwargs
+
+    return pre_hook
+
+
+def apply_context_parallel(found: HFModel, group: Any, rank: int, size: int) -> int:
+    """Wire the model's attention and inputs for ``size`` context ranks; the number of attention layers that now
+    attend over the whole sequence."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _attention(ContextParallelAttention(group, rank, size)))
+    AttentionMaskInterface.register(ATTENTION_NAME, lambda *args, **kwargs: None)
+    found.model.set_attn_implementation(ATTENTION_NAME)
+    found.model.register_forward_pre_hook(_cut_inputs(rank, size), with_kwargs=True)
+    return len(found.base.layers)  # one attention per decoder layer

@@ -1,0 +1,86 @@
+"""What ``lightning_mgpu.hf`` reads off a ``transformers`` model, without processes: the translated tensor-parallel plan
+(hand-written expectations for Qwen3 and Qwen3-MoE), the refusals by name, and the pipeline batch convention."""
+
+import pytest
+import torch
+from hf_helpers import CausalLM, tiny_model
+
+from lightning_mgpu.hf import find_hf_model
+from lightning_mgpu.hf.context import context_problems
+from lightning_mgpu.hf.hooks import HFHooks
+from lightning_mgpu.hf.stages import hf_stages
+from lightning_mgpu.hf.tensor_plan import hf_tp_plan
+
+
+def test_qwen3_plan_translates_onto_the_package_styles():
+    plan = hf_tp_plan(find_hf_model(CausalLM("qwen3")))
+    layer = "llm.model.layers.*."
+    expected = {
+        "llm.lm_head": "vocab_output_enter", "llm.model.embed_tokens": "vocab_embedding_allreduce",
+        layer + "self_attn": "enter_region", layer + "mlp": "enter_region",
+        layer + "self_attn.q_proj": "colwise", layer + "self_attn.k_proj": "colwise",
+        layer + "self_attn.v_proj": "colwise", layer + "self_attn.o_proj": "rowwise",
+        layer + "self_attn.q_norm": "grad_sum", layer + "self_attn.k_norm": "grad_sum",
+        layer + "mlp.gate_proj": "colwise", layer + "mlp.up_proj": "colwise", layer + "mlp.down_proj": "rowwise",
+        layer + "input_layernorm": "grad_sum_sp", layer + "post_attention_layernorm": "grad_sum_sp",
+        "llm.model.layers.0": "sequence_scatter", "llm.model.layers.1": "sequence_gather",
+    }
+    assert plan == expected
+
+
+def test_experts_stay_whole_and_sum_their_gradients_under_sequence_parallelism():
+    plan = hf_tp_plan(find_hf_model(CausalLM("qwen3_moe")))
+    assert not any("experts" in key or "gate_proj" in key for key in plan), plan
+    assert plan["llm.model.layers.*.mlp"] == "grad_sum_sp"  # the block holding router and experts
+    assert plan["llm.model.layers.*.self_attn.q_proj"] == "colwise"
+
+
+def test_a_style_without_counterpart_is_refused_by_module_and_style():
+    module = CausalLM("llama")
+    module.llm._tp_plan = {**module.llm._tp_plan, "model.layers.*.mlp.up_proj": "local_colwise",
+                           "model.norm": "sequence_parallel"}
+    with pytest.raises(ValueError) as refused:
+        hf_tp_plan(find_hf_model(module))
+    message = str(refused.value)
+    assert "llm.model.layers.*.mlp.up_proj: style 'local_colwise'" in message
+    assert "llm.model.norm: style 'sequence_parallel'" in message and "tensor_parallel_plan()" in message
+
+
+def test_a_model_without_plans_is_refused_with_the_hooks_to_write():
+    module = CausalLM("llama")
+    module.llm._tp_plan = {}
+    module.llm.config.base_model_pp_plan = None
+    found = find_hf_model(module)
+    with pytest.raises(ValueError, match="carries no tensor-parallel plan.*tensor_parallel_plan"):
+        hf_tp_plan(found)
+    with pytest.raises(ValueError, match="carries no base_model_pp_plan.*pipeline_stages, pipeline_batch"):
+        hf_stages(found, [0], 2)
+
+
+def test_tied_embeddings_are_refused_pipeline_stages():
+    found = find_hf_model(CausalLM("llama", tied=True))
+    with pytest.raises(ValueError, match="tie"):
+        hf_stages(found, [0], 2)
+
+
+def test_sliding_window_is_refused_context_parallelism():
+    assert "sliding_window=6" in context_problems(find_hf_model(CausalLM("mistral")), 2)[0]
+    assert context_problems(find_hf_model(CausalLM("qwen2")), 2) == []  # its window is switched off by default
+
+
+def test_several_models_need_the_naming_hook():
+    module = CausalLM("llama")
+    module.teacher = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="holds 2 transformers models .*llm, teacher.*hf_model"):
+        find_hf_model(module)
+    module.hf_model = lambda: module.teacher
+    assert find_hf_model(module).prefix == "teacher."
+
+
+def test_a_pipeline_batch_is_token_ids_or_ids_and_labels():
+    hooks = HFHooks(find_hf_model(CausalLM("llama")), None, None)
+    ids, labels = torch.ones(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)
+    assert hooks.pipeline_batch(ids)[1] is ids
+    assert hooks.pipeline_batch({"input_ids": ids, "labels": labels})[1] is labels
+    with pytest.raises(ValueError, match="attention_mask.*Padding masks cannot travel"):
+        hooks.pipeline_batch({"input_ids": ids, "attention_mask": ids})
