@@ -104,3 +104,50 @@ def test_every_command_mgpu_plan_prints_is_accepted(overrides):
     assert commands or "no layout fits" in report
     for command in commands:
         assert refused(composed(command)) == [], command
+
+
+#: Hand-stated layouts the rules must refuse on one node of 8 GPUs (each set one rule's worked limit apart from an
+#: accepted one), with the key the refusal names. A rule loosened where the planner and the launcher share it would
+#: still let both agree above; these numbers do not come from that rule.
+REFUSED = [
+    # 4 key/value heads split 8 ways: half a head per rank (4 ways: one each, accepted)
+    (["model=llama3_8b", "model.n_kv_heads=4", "parallel.tensor_parallel_size=8"], "tensor_parallel_size=8"),
+    # 8 stages of 8 virtual stages: 64 stages for 32 layers (8 x 4 = 32: one layer each, accepted)
+    (["model=llama3_8b", "parallel.pipeline_parallel_size=8", "parallel.virtual_pipeline_size=8",
+      "parallel.pipeline_schedule=interleaved_1f1b", "parallel.num_microbatches=8"], "virtual_pipeline_size=64"),
+    # 2 context ranks hold 2 of 4 chunks each: 8190 tokens are not a multiple of 4 (8192 are)
+    (["model=llama3_8b", "parallel.context_parallel_size=2", "data.seq_len=8190", "model.max_seq_len=8192"],
+     "seq_len=8190"),
+    # 6 experts over an expert group of 4: 1.5 experts a rank (a group of 2: 3 each, accepted)
+    (["model=mixtral_8x7b", "model.num_experts=6", "parallel.expert_parallel_size=4", "data.micro_batch_size=1"],
+     "expert_parallel_size=4"),
+]
+ACCEPTED = [
+    ["model=llama3_8b", "model.n_kv_heads=4", "parallel.tensor_parallel_size=4"],
+    ["model=llama3_8b", "parallel.pipeline_parallel_size=8", "parallel.virtual_pipeline_size=4",
+     "parallel.pipeline_schedule=interleaved_1f1b", "parallel.num_microbatches=8"],
+    ["model=llama3_8b", "parallel.context_parallel_size=2", "data.seq_len=8192", "model.max_seq_len=8192"],
+    ["model=mixtral_8x7b", "model.num_experts=6", "parallel.expert_parallel_size=2", "data.micro_batch_size=1"],
+]
+
+
+@pytest.mark.parametrize("overrides, key", REFUSED, ids=[" ".join(r[0][1:]) for r in REFUSED])
+def test_the_launcher_refuses_the_hand_worked_limits(overrides, key):
+    problems = refused(composed(["trainer=gpu", "cluster=local", "trainer.devices=8", *overrides]))
+    assert any(key in p for p in problems), problems
+
+
+@pytest.mark.parametrize("overrides", ACCEPTED, ids=[" ".join(a[1:]) for a in ACCEPTED])
+def test_the_launcher_accepts_the_layouts_one_step_inside_them(overrides):
+    assert refused(composed(["trainer=gpu", "cluster=local", "trainer.devices=8", *overrides])) == []
+
+
+def test_every_planned_layout_keeps_the_hand_worked_limits():
+    """llama3_8b (32 heads, 8 key/value heads, 32 layers) on 2 nodes of 8 GPUs at 8,192 tokens: every layout uses the
+    16 GPUs, splits whole key/value heads, gives each stage a layer and cuts the sequence into equal chunks."""
+    _, rows = _plan(["trainer=gpu", "cluster=local", "model=llama3_8b", "trainer.num_nodes=2", "trainer.devices=8",
+                     "data.seq_len=8192", "model.max_seq_len=8192"])
+    assert rows
+    for c in (row.candidate for row in rows):
+        assert c.tp * c.pp * c.cp * c.dp == 16 and 8 % c.tp == 0 and c.pp * c.virtual <= 32, c
+        assert 8192 % (2 * c.cp) == 0 and (not c.sequence_parallel or 8192 % (c.cp * c.tp) == 0), c
