@@ -23,9 +23,6 @@ BIN = Path(sys.executable).parent
 #: timeout: 5 s once failed there on two busy cores, when each rank started its own interpreter; the local ranks are
 #: now forked from rank 0 with everything imported.
 TIMEOUT_S = 6
-#: Allowed between the timeout and the report reaching this process (the survivor logs it as soon as the collective
-#: times out): scheduling on two busy cores.
-SLACK_S = 2
 
 
 def launch(token_file, tmp_path, name, env, timeout_s):
@@ -83,7 +80,8 @@ def test_hung_rank_is_named_as_unresponsive_after_the_timeout(token_file, tmp_pa
     assert returncode != 0
     stopped = fault_time(lines, "stops")
     reported, line = report(lines, "LostRankError: rank 1 of 2 stopped responding")
-    assert "Timed out" in line  # the collective timeout fired: the stopped rank's sockets stayed open
+    # the collective timeout fired, the configured one: the stopped rank's sockets stayed open
+    assert "Timed out" in line and f"{TIMEOUT_S * 1000}ms" in line, line
     print(line)
     # the collective it waits in, and the stopped rank's last one, with rank 0's trace and stacks in the run directory
     assert re.search(r"Where: rank 1 has not entered collective #\d+ \(gloo:\w+\) of process group \S+, which rank 0 "
@@ -92,7 +90,9 @@ def test_hung_rank_is_named_as_unresponsive_after_the_timeout(token_file, tmp_pa
         assert str(tmp_path / "stopped" / name) in line and (tmp_path / "stopped" / name).stat().st_size > 0
     elapsed = reported - stopped
     print(f"stopped at {stopped:.3f}, reported {elapsed:.2f} s later (timeout {TIMEOUT_S} s)")
-    assert TIMEOUT_S - 1 <= elapsed <= TIMEOUT_S + SLACK_S, elapsed
+    # Not before the timeout (a busy machine only delays the report; 1 s for rank 0 having entered the collective just
+    # before rank 1 printed), and from the timeout, not from the 90 s the job is given: within 3 timeouts.
+    assert TIMEOUT_S - 1 <= elapsed <= 3 * TIMEOUT_S, elapsed
 
 
 def test_rank_that_raised_is_named_with_its_exception(token_file, tmp_path):
@@ -138,10 +138,14 @@ def test_only_a_ranks_own_failure_is_recorded_and_a_stopped_stamp_goes_stale(tcp
     try:
         peer.record_failure(closed)  # a consequence of someone else's failure: not the peer's own
         assert not survivor.lost_peers(wait_s=0)
+        asked, lost_peers = [], survivor.lost_peers
+        survivor.lost_peers = lambda *a, **kw: asked.append(a) or lost_peers(*a, **kw)  # type: ignore[method-assign]
         start = time.monotonic()
         with pytest.raises(ValueError, match="bad batch"), name_lost_ranks(survivor):
             raise ValueError("bad batch")  # this rank's own error passes through at once
-        assert time.monotonic() - start < 0.5
+        # at once: without asking after the peers (which waits up to STALE_S + 1 s for their records to appear)
+        assert asked == [] and time.monotonic() - start < STALE_S
+        survivor.lost_peers = lost_peers  # type: ignore[method-assign]
         peer.record_failure(ValueError("bad batch"))
         with pytest.raises(LostRankError, match="^rank 1 of 2 failed with ValueError: bad batch, while rank 0"), \
                 name_lost_ranks(survivor):

@@ -18,13 +18,16 @@ STEPS = 6
 
 
 class Boundaries(L.Callback):
-    """The time each optimizer step ended, and the published checkpoints seen then (placed before the saver)."""
+    """The time each optimizer step ended, and the published checkpoints seen then (placed before the saver). With
+    ``saver``, each boundary first waits until that saver's write in flight has ended (written or failed), so that the
+    saver sees its outcome at this boundary however slowly the machine runs."""
 
-    def __init__(self, directory, step_s: float = 0.0) -> None:
-        self.directory, self.seen, self.step_s = directory, [], step_s
+    def __init__(self, directory, saver=None) -> None:
+        self.directory, self.seen, self.saver = directory, [], saver
 
     def on_train_batch_end(self, trainer, *args) -> None:
-        time.sleep(self.step_s)  # a step as long as the test needs: a background write ends within the next one
+        if self.saver is not None and self.saver.in_flight is not None:
+            self.saver.in_flight.wait()
         published = sorted(p.name for p in self.directory.glob("step-*") if not p.name.endswith(".partial"))
         self.seen.append((trainer.global_step, time.time(), published))
 
@@ -63,7 +66,7 @@ def background_fit(rank: int, token_file, directory, slow_rank: int = -1, fail: 
         else:
             integrity.file_checksum = failing_checksum
     saver = PeriodicCheckpoint(directory, every_n_steps=2, async_save=True)
-    boundaries = Boundaries(directory, 0.5 if fail else 0.0)
+    boundaries = Boundaries(directory, saver if fail else None)
     try:
         out = fit_weights(rank, token_file, 2, max_steps_=STEPS, zero_stage=1, callbacks=(boundaries, saver),
                           ckpt_path=ckpt_path)
@@ -107,7 +110,8 @@ def test_published_only_after_every_rank_has_written_while_training_goes_on(toke
 def test_a_failed_background_write_stops_every_rank_naming_rank_and_path(token_file, tmp_path, fail, said):
     """Rank 1's write of step 4 fails (its tensor files, or the checksums of its share, which every rank then gives
     up together): both ranks stop at the next boundary, after step 5, with one error naming rank 1, the cause and the
-    checkpoint; it is not published, and the checkpoint of step 2 is whole."""
+    checkpoint; it is not published, and the checkpoint of step 2 is whole. (Each boundary first waits for the write
+    in flight to end: the failure is known at the boundary after step 5 however busy the machine is.)"""
     results = run_distributed(background_fit, 2, token_file, tmp_path, fail=fail, timeout=120)
     for r in results:
         assert said in r["error"] and "rank 0:" not in r["error"] and r["raised_after"] == 5, r
