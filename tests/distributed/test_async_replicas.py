@@ -68,10 +68,16 @@ def timed_fit(rank: int, token_file, **kw) -> dict:
             "weights": weights.weights, "staleness": getattr(sync, "staleness", None)}
 
 
-def long_steps(result: dict) -> list[int]:
-    """The steps (0-based) of the fast rank that took much longer than its own work: it waited for the slow one."""
+def waits(result: dict) -> list[float]:
+    """Per step of this rank, the seconds it waited for others: the step's wall time beyond its own busy time."""
     starts = [result["ends"][0] - result["busy"][0]] + result["ends"][:-1]
-    return [i for i, (s, e, b) in enumerate(zip(starts, result["ends"], result["busy"])) if e - s > b + COMPUTE_SECONDS]
+    return [max(0.0, e - s - b) for s, e, b in zip(starts, result["ends"], result["busy"])]
+
+
+def waited(result: dict, steps) -> float:
+    """The fast rank's total wait over ``steps`` (0-based)."""
+    w = waits(result)
+    return sum(w[i] for i in steps)
 
 
 def steps_ahead(fast: dict, slow: dict) -> float:
@@ -84,7 +90,7 @@ def steps_ahead(fast: dict, slow: dict) -> float:
 def test_a_slow_rank_holds_back_sync_every_step_local_every_round_and_async_never(token_file):
     """Rank 1 made 2x slower (``slow_ranks={1: 2.0}``), 12 steps. ``sync`` (one replica of 2 ranks): rank 0 waits
     for it at every step. ``local`` (2 replicas of one rank, H=2): only at the steps that end a round. ``async``
-    (H=2, at most 8 rounds ahead): never before its last step, and it completes at least 1.8x the slow replica's
+    (H=2, at most 8 rounds ahead): never before its last step, and it completes at least 1.5x the slow replica's
     inner steps meanwhile, its rounds starting from stale weights (and the slow one's not); both end on the same
     weights. With at most 1 round ahead, the fast replica waits again. The straggler report names rank 1 in each."""
     runs = {"sync": {}, "local": dict(replicas=2, replica_update="local", sync_every=2),
@@ -93,14 +99,22 @@ def test_a_slow_rank_holds_back_sync_every_step_local_every_round_and_async_neve
     results = {name: run_distributed(timed_fit, 2, token_file, **kw) for name, kw in runs.items()}
     for name, (fast, slow) in results.items():
         assert "straggler: rank 1 is busy" in fast["report"], (name, fast["report"])
-    assert long_steps(results["sync"][0]) == list(range(1, SLOW_STEPS)), results["sync"][0]
-    assert long_steps(results["local"][0]) == list(range(1, SLOW_STEPS, 2))
-    assert long_steps(results["async"][0])[:-1] == []
-    assert steps_ahead(*results["async"]) >= 1.8, steps_ahead(*results["async"])
+    # Sums of waits compared between runs, with wide margins: busy cores stretch every step alike. Steps 2, 4, ...
+    # (1-based) end local's rounds; the last step waits in every run.
+    inside, ends = range(2, SLOW_STEPS - 1, 2), range(1, SLOW_STEPS - 1, 2)  # step 1: start-up
+    sync, local, fast_async = results["sync"][0], results["local"][0], results["async"][0]
+    slow_extra = sum(results["sync"][1]["busy"][1:-1]) / 2  # what rank 1's slowness adds over those steps
+    assert waited(sync, range(1, SLOW_STEPS - 1)) > 0.4 * slow_extra, waits(sync)  # every step
+    assert waited(local, inside) < 0.5 * waited(sync, inside), (waits(local), waits(sync))  # not inside rounds
+    assert waited(local, ends) > 2 * waited(local, inside), waits(local)  # ... but where they end
+    assert waited(fast_async, range(SLOW_STEPS - 1)) < 0.3 * waited(sync, range(SLOW_STEPS - 1)), waits(fast_async)
+    assert steps_ahead(*results["async"]) >= 1.5, steps_ahead(*results["async"])
     assert steps_ahead(*results["local"]) < 1.3 and steps_ahead(*results["sync"]) < 1.3
     fast, slow = results["async"]
     assert max(fast["staleness"]) >= 2 and max(slow["staleness"]) == 0, (fast["staleness"], slow["staleness"])
     assert "replica 0 staleness: max" in fast["report"]
+    # both end on the weights after every replica's last round, which stale rounds made other than local's
     assert weight_diff(fast["weights"], slow["weights"]) == 0.0
+    assert weight_diff(fast["weights"], results["local"][0]["weights"]) > 1e-4
     bounded = results["bounded"]
-    assert max(bounded[0]["staleness"]) <= 1 and steps_ahead(*bounded) < 1.6, steps_ahead(*bounded)
+    assert max(bounded[0]["staleness"]) <= 1 and steps_ahead(*bounded) < steps_ahead(*results["async"])
