@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -32,6 +33,17 @@ def enable() -> None:
 
 def _dump() -> dict:
     return json.loads(torch._C._distributed_c10d._dump_fr_trace_json(includeCollectives=True))
+
+
+def recorded() -> list[dict]:
+    """Every operation the Flight Recorder holds for this process, oldest first: its process group's name, op
+    (``all_reduce``), elements of its inputs, when it was issued (``time.time_ns()``) and by which thread
+    (``threading.get_ident()``). Recorded by the process group itself: whether ``torch.distributed``'s functions, a
+    functional collective or the group's own methods issued it."""
+    out = [{"group": str(e["process_group"][0]), "op": e["profiling_name"].split(":", 1)[-1],
+            "elements": sum(math.prod(size) for size in e.get("input_sizes") or []),
+            "created_ns": e["time_created_ns"], "thread": int(e["thread_id"])} for e in _dump().get("entries", [])]
+    return sorted(out, key=lambda entry: entry["created_ns"])
 
 
 def place() -> dict:

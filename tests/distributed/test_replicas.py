@@ -2,6 +2,11 @@
 against a one-process simulation of DiLoCo, and what the outer step sends."""
 
 
+import bisect
+import os
+import threading
+import time
+import traceback
 from typing import Optional
 
 import lightning as L
@@ -13,6 +18,7 @@ from helpers import GLOBAL_BATCH, OPTIM, TINY, fit, global_batches, max_abs_diff
 from lightning_mgpu import LLMModule
 from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
 from lightning_mgpu.engine import ParameterState
+from lightning_mgpu.parallel import collective_trace
 from lightning_mgpu.testing import run_distributed
 
 STEPS = 4
@@ -182,45 +188,73 @@ def test_diloco_equals_a_one_process_simulation_of_its_replicas(token_file, name
         assert max_abs_diff(replica_means(local, 2), wrong["losses"]) > 1e-5  # the losses see it too
 
 
+#: The torch.distributed functions whose callers the trace records (what issued each operation).
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
                "broadcast", "reduce", "all_to_all", "all_to_all_single", "barrier", "send", "recv", "isend", "irecv",
                "batch_isend_irecv", "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list")
+#: Flight Recorder entries kept per process while tracing: more than a short fit issues.
+TRACE_ENTRIES = 100_000
 
 
 class CollectiveTrace(L.Callback):
-    """Every torch.distributed collective called during ``fit``'s training, with the step it ran in (the optimizer
-    steps done so far), its group's ranks, its elements, and who called it (the functions on the stack)."""
+    """Every operation on any process group during ``fit``'s training, as the process groups recorded it (the Flight
+    Recorder: functional collectives and a group's own methods count too), with the step it ran in (the optimizer
+    steps done before it), its group's ranks, its elements, and who called it: the functions on the stack of the
+    torch.distributed function that issued it (an empty set for one issued another way). Build it before ``fit``."""
 
     def __init__(self) -> None:
-        import inspect
-        import traceback
-
         import torch.distributed as dist
 
-        self.trainer, self.calls = None, []
+        os.environ[collective_trace.BUFFER_VARIABLE] = str(TRACE_ENTRIES)  # before the first group exists
+        self.calls: list[tuple] = []
+        self.windows: list[tuple[int, int, int, set]] = []  #: (thread, start ns, end ns, callers) of each call
+        self.groups: dict[str, tuple[int, ...]] = {}  #: group name -> its global ranks
+        self.boundaries: list[int] = []
+        self.training, self.step_seen = False, 0
         for name in COLLECTIVES:
-            original = getattr(dist, name)
-            signature = inspect.signature(original)
+            setattr(dist, name, self._traced(getattr(dist, name)))
+        new_group = dist.new_group
 
-            def traced(*args, _original=original, _name=name, _signature=signature, **kwargs):
-                if self.trainer is not None:
-                    bound = _signature.bind_partial(*args, **kwargs).arguments
-                    group = bound.get("group")
-                    ranks = dist.get_process_group_ranks(group) if group is not None else \
-                        list(range(dist.get_world_size()))
-                    tensor = bound.get("tensor", bound.get("input"))
-                    callers = {frame.name for frame in traceback.extract_stack()}
-                    self.calls.append((self.trainer.global_step, _name, tuple(ranks),
-                                       tensor.numel() if torch.is_tensor(tensor) else 0, callers))
-                return _original(*args, **kwargs)
+        def recorded_group(*args, **kwargs):
+            group = new_group(*args, **kwargs)
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                self.groups[group.group_name] = tuple(dist.get_process_group_ranks(group))
+            return group
 
-            setattr(dist, name, traced)
+        dist.new_group = recorded_group
+
+    def _traced(self, original):
+        def traced(*args, **kwargs):
+            if not self.training:
+                return original(*args, **kwargs)
+            callers = {frame.name for frame in traceback.extract_stack()}
+            begin = time.time_ns()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.windows.append((threading.get_ident(), begin, time.time_ns(), callers))
+        return traced
 
     def on_train_start(self, trainer, *args) -> None:
-        self.trainer = trainer
+        import torch.distributed as dist
+
+        self.groups[dist.group.WORLD.group_name] = tuple(range(dist.get_world_size()))
+        self.training, self.start_ns = True, time.time_ns()
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        if trainer.global_step != self.step_seen:  # an optimizer step ended
+            self.step_seen = trainer.global_step
+            self.boundaries.append(time.time_ns())
 
     def on_train_end(self, trainer, *args) -> None:
-        self.trainer = None
+        self.training, end = False, time.time_ns()
+        entries = collective_trace.recorded()
+        assert len(entries) < TRACE_ENTRIES, "the Flight Recorder overflowed: raise TRACE_ENTRIES"
+        for e in (e for e in entries if self.start_ns <= e["created_ns"] <= end):
+            inside = [w for w in self.windows if w[0] == e["thread"] and w[1] <= e["created_ns"] <= w[2]]
+            callers = max(inside, key=lambda w: w[1])[3] if inside else set()  # the innermost call
+            self.calls.append((bisect.bisect(self.boundaries, e["created_ns"]), e["op"], self.groups[e["group"]],
+                               e["elements"], callers))
 
 
 def traced_fit(rank: int, token_file, **kw) -> dict:
@@ -231,6 +265,32 @@ def traced_fit(rank: int, token_file, **kw) -> dict:
 
     return {"rank": rank, "calls": trace.calls,
             "share": sum(m.numel() for m in master_weights(module.trainer.strategy.model))}
+
+
+class OtherWays(L.Callback):
+    """After the first step: a functional all-reduce of 5 elements and the world group's own all-reduce of 3, neither
+    through torch.distributed's functions."""
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        if trainer.global_step == 1:
+            funcol.wait_tensor(funcol.all_reduce(torch.ones(5), "sum", dist.group.WORLD))
+            dist.group.WORLD.allreduce([torch.ones(3)]).wait()
+
+
+def other_ways_fit(rank: int, token_file) -> list:
+    trace = CollectiveTrace()
+    fit(rank, token_file, 2, max_steps=2, clip=None, callbacks=[trace, OtherWays()], zero_stage=1)
+    return trace.calls
+
+
+def test_the_trace_sees_functional_collectives_and_a_groups_own_methods(token_file):
+    for calls in run_distributed(other_ways_fit, 2, token_file):
+        unnamed = [(step, op, ranks, n) for step, op, ranks, n, callers in calls if not callers]
+        assert unnamed == [(1, "all_reduce", (0, 1), 5), (1, "all_reduce", (0, 1), 3)], unnamed
+        assert any(callers for *_, callers in calls)  # the engine's own, through torch.distributed
 
 
 #: Collectives over every rank that are not the outer step's, by a function that calls them: ZeRO-3's check, once
