@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from forked_cli import entry_point, run_cli
 from helpers import max_abs_diff, reference
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -88,7 +89,12 @@ TINY_ARGS = ["model.dim=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_
              "sample.prompt=0", "optim.warmup_steps=2", "seed=7"]
 
 
-def run(args, cwd, timeout=240, env=None):
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+def run(args, cwd, timeout=240, env=None, fork=True):
+    """Run a command that must succeed; the package's console scripts are forked from this process (``forked_cli``)
+    unless ``fork=False`` (a test that finds the run's processes by their command line)."""
+    if fork and entry_point(str(args[0])) is not None:
+        proc = run_cli(args, cwd=cwd, timeout=timeout, env=env)
+    else:
+        proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc

@@ -7,6 +7,7 @@ import sys
 
 import pytest
 from cli_helpers import BIN, REPO, assert_cli_parity, cli_args, cli_reference, read_losses, read_metric
+from forked_cli import run_cli
 
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -80,13 +81,12 @@ def test_dry_run_prints_the_405b_layout_and_starts_nothing(tmp_path):
     """mgpu-train recipe=... dry_run=true: no GPU, no process group; one row per rank, equal to the planner's; a bad
     layout fails with the launch's own message and exit status 2."""
     base = [str(BIN / "mgpu-train"), "recipe=llama3_405b_64node", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(base, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    proc = run_cli(base, cwd=tmp_path, timeout=240)  # forked: the entry point itself runs for real above
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "512 processes = tp 8 x pp 16 x dp 4, ZeRO-1" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 0 |") or line.startswith("| 7 |")]
     assert len(rows) == 32 and all(r.split("|")[4] == r.split("|")[5] for r in rows)  # built == planned, 16 pp ranks
     assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "config.yaml").exists()
-    bad = subprocess.run(base + ["parallel.tensor_parallel_size=3"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=240)
+    bad = run_cli(base + ["parallel.tensor_parallel_size=3"], cwd=tmp_path, timeout=240)
     assert bad.returncode == 2 and "parallel.tensor_parallel_size=3 does not divide n_heads=128" in bad.stderr
 

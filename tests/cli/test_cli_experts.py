@@ -1,12 +1,12 @@
 """A mixture of experts through ``mgpu-train`` with expert parallelism, validation and checkpoints on; and the same
 module under a plain Lightning Trainer on one device."""
 
-import subprocess
 from dataclasses import replace
 
 import lightning as L
 import torch
 from cli_helpers import BIN, assert_cli_parity, cli_args, read_metric
+from forked_cli import run_cli
 from helpers import GLOBAL_BATCH, OPTIM, Recorder, datamodule, max_abs_diff
 from moe_helpers import TINY_MOE, moe_reference
 
@@ -25,7 +25,7 @@ def test_cli_expert_parallel_trains_validates_and_checkpoints(token_file, tmp_pa
     args = [str(BIN / "mgpu-train"), *cli_args(token_file, STEPS), *MOE_ARGS, "parallel.expert_parallel_size=2",
             "parallel.zero_stage=2", "data.val_batches=1", "trainer.val_check_interval=2", "checkpoint.every_n_steps=2",
             f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    proc = run_cli(args, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "experts: 2 layers of 4 experts, 2 on each rank of 2 (expert parallel)" in proc.stdout + proc.stderr
     optim = dict(lr=3e-3, warmup_steps=2, max_steps=STEPS, min_lr_ratio=0.1, weight_decay=0.1)

@@ -3,8 +3,8 @@ the job exits with the requeue status after an emergency checkpoint, and ``check
 directory finishes with the uninterrupted run's losses."""
 
 import os
-import subprocess
 
+from forked_cli import run_cli
 from cli_helpers import BIN, cli_args, read_losses, run
 
 from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT
@@ -16,8 +16,7 @@ def test_cli_preempted_run_exits_for_a_requeue_and_resumes_with_no_step_lost(tok
     args = [str(BIN / "mgpu-train"), *cli_args(token_file, 6), "parallel.zero_stage=1", "checkpoint.resume=auto"]
     again = tmp_path / "again"
     env = dict(os.environ, MGPU_SIGNAL_RANK_AT="1:3")
-    first = subprocess.run([*args, f"hydra.run.dir={again}"], cwd=tmp_path, capture_output=True, text=True,
-                           timeout=240, env=env)
+    first = run_cli([*args, f"hydra.run.dir={again}"], cwd=tmp_path, timeout=240, env=env)
     out = first.stdout + first.stderr
     assert first.returncode == REQUEUE_EXIT, out[-3000:]
     assert "Preempted: SIGUSR2 reached rank 1; every rank stopped after step 4; emergency checkpoint" in out

@@ -17,7 +17,7 @@ def test_local_job_with_a_killed_rank_restarts_and_completes(token_file, tmp_pat
     (step 3), and the losses of steps 5 and 6 are the uninterrupted run's."""
     again = tmp_path / "again"
     proc = run([str(BIN / "mgpu-train"), *cli_args(token_file, 6), *RESTARTABLE, "cluster.max_restarts=2",
-                f"hydra.run.dir={again}"], tmp_path, env=dict(os.environ, MGPU_KILL_RANK_AT="0:3"))
+                f"hydra.run.dir={again}"], tmp_path, env=dict(os.environ, MGPU_KILL_RANK_AT="0:3"), fork=False)
     out = proc.stdout + proc.stderr
     assert "attempt 1 exited with status" in out and "restart 1 of 2" in out, out[-3000:]
     assert "Restart 1: resumed at step 2; the attempt before reached step 3: 1 step(s) lost" in out

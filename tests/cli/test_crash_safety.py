@@ -18,13 +18,13 @@ import csv
 import os
 import re
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from forked_cli import run_cli
 from cli_helpers import TINY_ARGS
 
 from lightning_mgpu.callbacks import newest_checkpoint
@@ -37,12 +37,12 @@ def attempt(token_file, tmp_path, name, checkpoints, kill=None, every=1, extra=(
     """One launch; returns its logged losses by step and the step it printed that it resumed at (None: fresh)."""
     run_dir = tmp_path / name
     env = dict(os.environ, **({"MGPU_KILL_AT": kill} if kill else {}))
-    proc = subprocess.run(
+    proc = run_cli(
         [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}",
          f"trainer.max_steps={STEPS}", f"checkpoint.every_n_steps={every}", "checkpoint.keep_last=2", *extra,
          f"checkpoint.dir={checkpoints}", "checkpoint.resume=auto", "throughput.enabled=false", *TINY_ARGS,
          f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240, start_new_session=True)
+        cwd=tmp_path, env=env, timeout=240, start_new_session=True)
     output = proc.stdout + proc.stderr
     if kill:
         assert proc.returncode == -signal.SIGKILL, output[-3000:]

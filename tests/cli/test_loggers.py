@@ -8,7 +8,6 @@ import glob
 import json
 import os
 import struct
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelSummary, Timer
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+from forked_cli import run_cli
 from cli_helpers import TINY_ARGS, composed, read_losses
 
 from lightning_mgpu.cli.build import build_loggers
@@ -83,10 +83,9 @@ def test_one_run_writes_train_loss_to_every_logger(token_file, tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config"),
            "WANDB_CACHE_DIR": str(tmp_path / "wandb-cache")}
-    proc = subprocess.run([str(BIN / "mgpu-train"), "trainer.devices=1", "data=tokens", f"data.path={token_file}",
-                           "trainer.max_steps=3", *TINY_ARGS, "logger=[csv,tensorboard,wandb,mlflow]",
-                           f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=240)
+    proc = run_cli([str(BIN / "mgpu-train"), "trainer.devices=1", "data=tokens", f"data.path={token_file}",
+                    "trainer.max_steps=3", *TINY_ARGS, "logger=[csv,tensorboard,wandb,mlflow]",
+                    f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     expected = read_losses(run_dir / "metrics.csv")
     assert len(expected) == 3

@@ -3,12 +3,12 @@ the checks ``mgpu-train`` makes of tokenizers, prepared directories and blends b
 
 import gzip
 import json
-import subprocess
 
 import pytest
 import torch
 from helpers import TEST_EOD, corpus_text, make_tokenizer
 from cli_helpers import BIN, composed, read_losses, read_metric
+from forked_cli import run_cli
 
 from lightning_mgpu.cli.build import build_datamodule, build_tokenizer
 from lightning_mgpu.cli.run_data import resolve_data
@@ -46,21 +46,20 @@ def test_prepare_then_train_through_the_command_lines(tmp_path, tokenizer_dir, c
     end-of-document id), validates and prints a sample decoded by the tokenizer (a byte decoder yields at most one
     character per generated token; BPE tokens yield more)."""
     out = tmp_path / "tokens"
-    prep = subprocess.run([str(BIN / "mgpu-prepare"), "--tokenizer", str(tokenizer_dir), "--out", str(out),
-                           "--workers", "2", str(corpus / "*.txt"), str(corpus / "*.jsonl.gz")],
-                          capture_output=True, text=True, timeout=120)
+    prep = run_cli([str(BIN / "mgpu-prepare"), "--tokenizer", str(tokenizer_dir), "--out", str(out),
+                    "--workers", "2", str(corpus / "*.txt"), str(corpus / "*.jsonl.gz")], timeout=120)
     assert prep.returncode == 0, prep.stderr[-3000:]
     assert "tokens (uint16, vocabulary 512" in prep.stdout and "MB/s per process (2 processes)" in prep.stdout
     assert "tokenizing" in prep.stderr  # the progress bar
     run_dir, prompt, new_tokens = tmp_path / "run", "def ", 40
-    train = subprocess.run(
+    train = run_cli(
         [str(BIN / "mgpu-train"), "data=tokens", f"data.path={out}", f"data.tokenizer={tokenizer_dir}", "model=tiny",
          "model.vocab_size=512", "data.document_mask=true", "trainer.devices=1", "trainer.max_steps=4",
          "data.seq_len=32", "data.global_batch_size=4", "data.micro_batch_size=2", "data.val_batches=2",
          f"sample.prompt='{prompt}'",
          f"sample.max_new_tokens={new_tokens}", "trainer.enable_progress_bar=false",
          "trainer.enable_model_summary=false", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        cwd=tmp_path, timeout=240)
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-4000:]
     assert len(read_losses(run_dir / "metrics.csv")) == 4 and len(read_metric(run_dir / "metrics.csv", "val/loss")) == 1
     sample = train.stdout.split("--- sample after 4 steps ---\n", 1)[1].rsplit("\n---", 1)[0]

@@ -4,10 +4,10 @@ No test here trains: the refusal happens before any process starts."""
 
 import re
 import resource
-import subprocess
 
 import pytest
 import torch
+from forked_cli import run_cli
 from cli_helpers import BIN, composed, resolved
 
 from lightning_mgpu.cli import memory_check
@@ -64,8 +64,8 @@ def at_most_4_gib() -> None:
 def test_a_layout_that_cannot_fit_is_refused_before_launch(tmp_path):
     cfg = composed(*LLAMA3_70B_CPU)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([str(BIN / "mgpu-train"), *LLAMA3_70B_CPU, f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120, preexec_fn=at_most_4_gib)
+    proc = run_cli([str(BIN / "mgpu-train"), *LLAMA3_70B_CPU, f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=120,
+                   preexec_fn=at_most_4_gib)
     assert proc.returncode == EXIT_REFUSED, proc.stderr[-3000:]
     assert not (run_dir / "config.yaml").exists()  # refused before the run was written or any process started
     [head] = [line for line in proc.stderr.splitlines() if line.startswith("  - memory:")]

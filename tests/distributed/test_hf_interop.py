@@ -9,7 +9,6 @@ import os
 import pickle
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from forked_cli import run_cli
 from helpers import datamodule, fit, global_batches
 from safetensors.torch import load_file
 
@@ -136,13 +136,12 @@ def cli_run(token_file, tmp_path_factory):
 def _mgpu_train(root, token_file, run_dir, *overrides):
     """``mgpu-train`` on one process from the tiny Hugging Face model in ``root / "hf"``."""
     mgpu_train = Path(sys.executable).parent / "mgpu-train"
-    return subprocess.run([str(mgpu_train), "trainer.devices=1", f"model.init_from=hf:{root / 'hf'}", "data=tokens",
-                           f"data.path={token_file}", "data.seq_len=16", "data.global_batch_size=8",
-                           "data.micro_batch_size=2", "trainer.num_sanity_val_steps=0",
-                           "trainer.limit_val_batches=0", "trainer.enable_progress_bar=false",
-                           "trainer.enable_model_summary=false", "seed=7", "sample.prompt=0",
-                           "sample.max_new_tokens=1", f"hydra.run.dir={run_dir}", *overrides],
-                          cwd=root, capture_output=True, text=True, timeout=240)
+    return run_cli([str(mgpu_train), "trainer.devices=1", f"model.init_from=hf:{root / 'hf'}", "data=tokens",
+                    f"data.path={token_file}", "data.seq_len=16", "data.global_batch_size=8",
+                    "data.micro_batch_size=2", "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=0",
+                    "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", "seed=7",
+                    "sample.prompt=0", "sample.max_new_tokens=1", f"hydra.run.dir={run_dir}", *overrides],
+                   cwd=root, timeout=240)
 
 
 def test_cli_init_from_hf_starts_from_its_weights(token_file, cli_run):

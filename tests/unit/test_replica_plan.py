@@ -4,9 +4,9 @@ two-site recipe, its command lines (replica settings kept, each accepted and dry
 
 import re
 import shlex
-import subprocess
 
 import pytest
+from forked_cli import run_cli
 from cli_helpers import BIN, composed, resolved
 
 from lightning_mgpu.cli.dry_run import dry_run_report
@@ -175,9 +175,8 @@ def test_the_commands_mgpu_plan_suggests_keep_the_replica_settings_and_dry_run(u
 def test_the_recipe_dry_runs_and_prints_its_cross_replica_bytes(tmp_path):
     """``mgpu-train recipe=llama3_8b_2site dry_run=true`` on this machine: exit 0, the layout, and the bytes per outer
     step from the built shares (the fullest built rank's share over ZeRO's 8 ranks of a site)."""
-    proc = subprocess.run([str(BIN / "mgpu-train"), f"recipe={RECIPE}", "dry_run=true",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=240)
+    proc = run_cli([str(BIN / "mgpu-train"), f"recipe={RECIPE}", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"],
+                   cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "32 processes = tp 2 x pp 1 x dp 8 x 2 replicas" in proc.stdout
     built = max(int(line.split("|")[4].replace(",", ""))
