@@ -108,14 +108,55 @@ def run_cli(args: Sequence[str], cwd=None, timeout: float = 240, env: Optional[d
                                            err.read().decode(errors="replace"))
 
 
-def _wait(pid: int, timeout: float, args: Sequence[str]) -> int:
+class ForkedCli:
+    """What ``subprocess.Popen(args, stdout=PIPE, stderr=PIPE, text=True, ...)`` gives, for a console script forked by
+    :func:`popen_cli`: ``pid``, line-buffered text ``stdout``/``stderr``, ``wait``, ``communicate`` and
+    ``returncode``."""
+
+    def __init__(self, args: Sequence[str], pid: int, stdout, stderr) -> None:
+        self.args, self.pid, self.stdout, self.stderr = list(args), pid, stdout, stderr
+        self.returncode: Optional[int] = None
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        if self.returncode is None:
+            self.returncode = _wait(self.pid, float("inf") if timeout is None else timeout, self.args, kill=False)
+        return self.returncode
+
+    def communicate(self, timeout: Optional[float] = None) -> tuple[str, str]:
+        out, err = self.stdout.read(), self.stderr.read()  # until the child (and what it started) closes them
+        self.wait(timeout)
+        return out, err
+
+
+def popen_cli(args: Sequence[str], cwd=None, env: Optional[dict] = None,
+              start_new_session: bool = False) -> ForkedCli:
+    """``subprocess.Popen`` of a console script of the package with both streams piped, forked from this process."""
+    module = entry_point(args[0])
+    if module is None:
+        raise ValueError(f"{args[0]} is not one of the package's console scripts {sorted(ENTRY_POINTS)}")
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(out_r)
+        os.close(err_r)
+        _child(module, [str(a) for a in args], None if cwd is None else str(cwd), env, out_w, err_w,
+               start_new_session, None)
+    os.close(out_w)
+    os.close(err_w)
+    return ForkedCli(args, pid, os.fdopen(out_r, "r", errors="replace"), os.fdopen(err_r, "r", errors="replace"))
+
+
+def _wait(pid: int, timeout: float, args: Sequence[str], kill: bool = True) -> int:
     deadline = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
             return os.waitstatus_to_exitcode(status)
         if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+            if kill:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
             raise subprocess.TimeoutExpired(list(args), timeout)
         time.sleep(0.05)

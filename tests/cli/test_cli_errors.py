@@ -6,13 +6,13 @@ is tested), started at once; the other checks call the same ``main`` functions t
 """
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from cli_helpers import composed
+from forked_cli import popen_cli
 
 from lightning_mgpu.cli import export, plan, train
 from lightning_mgpu.cli.errors import EXIT_REFUSED, refusal_message
@@ -28,9 +28,8 @@ def ran(tmp_path_factory):
                "trainer.max_epochs=2", f"hydra.run.dir={tmp / 'refused'}"]
     lines = {"config": refused, "typo": ["trainer.max_step=3"], "full_error": refused}
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    procs = {name: subprocess.Popen([str(BIN / "mgpu-train"), *args], cwd=tmp, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True,
-                                    env=dict(env, HYDRA_FULL_ERROR="1") if name == "full_error" else env)
+    procs = {name: popen_cli([str(BIN / "mgpu-train"), *args], cwd=tmp,
+                             env=dict(env, HYDRA_FULL_ERROR="1") if name == "full_error" else env)
              for name, args in lines.items()}
     out = {}
     for name, proc in procs.items():

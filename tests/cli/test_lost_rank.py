@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from cli_helpers import TINY_ARGS
+from forked_cli import popen_cli
 
 from lightning_mgpu.parallel.liveness import STALE_S, Heartbeat, LostRankError, name_lost_ranks
 
@@ -29,12 +30,11 @@ def launch(token_file, tmp_path, name, env, timeout_s):
     """Run a 2-process job with the fault ``env`` asks for; return its exit status (None: still running after 90 s)
     and its output lines (stdout and stderr), each with the time it arrived. The job's whole process group is
     SIGKILLed at the end: a stopped rank would outlive it."""
-    proc = subprocess.Popen(
+    proc = popen_cli(
         [str(BIN / "mgpu-train"), "trainer.devices=2", "data=tokens", f"data.path={token_file}", "trainer.max_steps=4",
          f"parallel.timeout={timeout_s}", "throughput.enabled=false", *TINY_ARGS,
          f"hydra.run.dir={tmp_path / name}"],
-        cwd=tmp_path, env=dict(os.environ, **env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+        cwd=tmp_path, env=dict(os.environ, **env), start_new_session=True)
     lines: list[tuple[float, str]] = []
 
     def read(stream):
