@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 from lightning_mgpu import LLMModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.planner.memory import block_activation_bytes, head_activation_bytes  # noqa: E402
-from lightning_mgpu.planner.measure import kept_forward_bytes  # noqa: E402
+from lightning_mgpu.measure import kept_forward_bytes  # noqa: E402
 from lightning_mgpu.testing import parallel_saved_bytes, run_distributed  # noqa: E402
 from smoke import sized  # noqa: E402
 

@@ -23,14 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from helpers import TINY, fit, make_token_file  # noqa: E402
 
-from lightning_mgpu.layout import SCHEDULES, layout_problems  # noqa: E402
-from lightning_mgpu.parallel.timeline import (  # noqa: E402
-    bubble_fraction,
-    message_waits,
-    replayed_bubble,
-    start_delays,
-    theoretical_bubble,
-)
+from lightning_mgpu.layout import SCHEDULES, layout_problems, theoretical_bubble  # noqa: E402
+from lightning_mgpu.parallel.timeline import bubble_fraction, message_waits, replayed_bubble, start_delays  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
 from smoke import sized  # noqa: E402
 

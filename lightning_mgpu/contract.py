@@ -72,11 +72,6 @@ class ParallelModule(Protocol):
         """This context rank's chunks of each ``[batch, seq]`` tensor, for ``context_parallel_size > 1`` (its attention
         must expose a replaceable ``kernel``, which ``parallelize`` swaps)."""
 
-    def context_parallel_attention(self, group: Any, rank: int, size: int) -> int:
-        """Wire the module's attention (and its inputs) for ``size`` context ranks itself, in place of the replaceable
-        ``kernel`` and ``context_parallel_batch`` (a model whose code is not ours); the number of attention layers
-        wired (0: the module cannot be context-parallel)."""
-
     def compiled_blocks(self) -> tuple[Optional[str], list[nn.Module]]:
         """(``torch.compile`` backend or ``None``, the blocks to compile one by one) of the module as it is now."""
 
@@ -94,7 +89,10 @@ class ParallelModule(Protocol):
         partitioned: read a parameter's shape with :func:`lightning_mgpu.parameter_shape`, not ``param.shape``."""
 
 
-#: The hooks above, by name: what :func:`hook` may look up.
+#: The hooks above, by name: what :func:`hook` may look up. One more is not in the protocol (``LLMModule`` has the
+#: replaceable ``kernel`` instead): ``context_parallel_attention(group, rank, size) -> int`` wires a module's attention and
+#: inputs for ``size`` context ranks itself (a model whose code is not ours, ``lightning_mgpu.hf``) and returns the
+#: number of attention layers wired (0: the module cannot be context-parallel).
 HOOKS = ("model_shape", "tensor_parallel_plan", "pipeline_stages", "pipeline_batch", "pipeline_loss",
          "context_parallel_batch", "context_parallel_attention", "compiled_blocks", "checkpointed_blocks", "initial_value")
 

@@ -113,13 +113,11 @@ def _spin_forever() -> None:
         count += 1
 
 
-def fault_callbacks(environ: Optional[Mapping[str, str]] = None) -> list:
+def fault_callbacks(environ: Optional[Mapping[str, str]] = None, attempt: int = 0) -> list:
     """The Lightning callbacks that inject the faults the environment asks for (none when no variable is set, and
-    none in a restarted attempt: a fault rehearses one failure, which the restart recovers from)."""
-    from lightning_mgpu.cli.restarts import attempt
-
+    none in a restarted ``attempt`` > 0: a fault rehearses one failure, which the restart recovers from)."""
     environ = os.environ if environ is None else environ
-    if attempt() > 0:
+    if attempt > 0:
         return []
     problems: list[str] = []
     rank_faults = {}
@@ -185,7 +183,7 @@ def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional
             if trainer.global_rank == skipper:
                 _say(f"rank {skipper} skips a collective after step {step} at time {time.time():.3f}")
             else:
-                from lightning_mgpu.callbacks.agreement import agree
+                from lightning_mgpu.parallel.agreement import agree
 
                 agree(trainer, [0])
 

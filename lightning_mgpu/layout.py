@@ -281,3 +281,25 @@ def stage_ids(pipeline_parallel_size: int, virtual_pipeline_size: int, schedule:
     if schedule in V_SCHEDULES:
         return [pp_rank, 2 * P - 1 - pp_rank]
     return [pp_rank + k * P for k in range(virtual_pipeline_size)]
+
+
+def theoretical_bubble(schedule: str, P: int, M: int, V: int = 1) -> float:
+    """The schedule's bubble under the usual unit-cost model.
+
+    GPipe and 1F1B: ``(P-1)/(M+P-1)``; interleaved 1F1B and looped BFS with ``V`` stages per rank:
+    ``(P-1)/(V*M+P-1)``; zero-bubble schedules (backward split into input and weight gradients, each costing
+    as much as a forward): ``(P-1)/(3*V*M+P-1)``, with ``V=2`` for the V-shaped ``zbv`` and ``dualpipev``.
+    """
+    if schedule in V_SCHEDULES:
+        V = 2
+    if schedule in ("gpipe", "1f1b"):
+        return (P - 1) / (M + P - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (P - 1) / (V * M + P - 1)
+    return (P - 1) / (3 * V * M + P - 1)
+
+
+def canonical_name(name: str, layout: ParallelLayout, prefix: str = "model.") -> str:
+    """A parameter's name independent of layout: the pipeline container's stage key becomes ``prefix``. Initial values
+    (``parallelize``) and checkpoints (``lightning_mgpu.checkpoint``) are keyed by it."""
+    return prefix + name.split(".", 1)[1] if layout.size("pp") > 1 else name

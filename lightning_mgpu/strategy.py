@@ -21,9 +21,8 @@ from typing_extensions import override
 
 from lightning_mgpu.checkpoint.hooks import EngineCheckpointHooks
 from lightning_mgpu.checkpoint.formats import CheckpointSettings, format_name_problems
-from lightning_mgpu import engine as engines
-from lightning_mgpu.engine.lightning_hooks import EngineHooks
-from lightning_mgpu import allocator
+from lightning_mgpu import allocator, engine as engines
+from lightning_mgpu.engine_hooks import EngineHooks
 from lightning_mgpu.contract import ParallelContext, builds_on_meta
 from lightning_mgpu.hf import adopt as adopt_hf_model
 from lightning_mgpu.launcher import choose_launcher
@@ -45,8 +44,7 @@ from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.refusals import check_module, check_optimizers, check_trainer
 
 
-#: The strategy names registered in Lightning's ``StrategyRegistry`` when the package is imported, with the
-#: ``MGPUStrategy`` arguments each stands for.
+#: The names registered in Lightning's ``StrategyRegistry`` on import, with the ``MGPUStrategy`` arguments of each.
 REGISTERED_NAMES = {"mgpu": {}, "mgpu_zero1": {"zero_stage": 1}, "mgpu_zero2": {"zero_stage": 2},
                     "mgpu_zero3": {"zero_stage": 3},
                     "mgpu_zero3_offload": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}}
@@ -59,7 +57,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
     (data x context parallel). One Lightning batch is this rank's share of one global batch: ``training_step`` runs
     its micro-batches (forward and backward through the engine); the optimizer step is one ``engine.step()``, with
     gradient clipping (``Trainer(gradient_clip_val=...)``) by the global norm. The class is Lightning's hooks, each
-    delegating: the engine's (``engine.lightning_hooks``), checkpoints (``checkpoint.hooks``), evaluation
+    delegating: the engine's (``engine_hooks``), checkpoints (``checkpoint.hooks``), evaluation
     (``parallel.evaluation``) and collectives (``parallel.collectives``).
 
     Args:
@@ -216,7 +214,6 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
             adopt_hf_model(module, self.layout)
         check_module(module, self.layout_request, self.world_size, micro_batches, self.precision_plugin.precision)
         accumulate = trainer.accumulate_grad_batches if module.automatic_optimization else 1
-
         engine_config = functools.partial(
             engines.run_config, self.layout, micro_batch_size=plan.micro_batch_size if plan else 1,
             num_microbatches=micro_batches * accumulate, gradient_clipping=trainer.gradient_clip_val,

@@ -29,7 +29,7 @@ from typing import Optional
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mgpu.callbacks.agreement import agree, at_boundary
+from lightning_mgpu.parallel.agreement import agree, at_boundary
 from lightning_mgpu.checkpoint.background import FAILED, WRITING, BackgroundSave, InBackground
 from lightning_mgpu.checkpoint.formats import LOADED_FROM, complete_checkpoints
 from lightning_mgpu.parallel.collectives import gather_objects

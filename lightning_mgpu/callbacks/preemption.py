@@ -30,7 +30,7 @@ from typing import Any, Optional, Sequence
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mgpu.callbacks.agreement import agree, at_boundary
+from lightning_mgpu.parallel.agreement import agree, at_boundary
 from lightning_mgpu.callbacks.checkpoint import PeriodicCheckpoint
 
 #: The signals that mean "stop soon": SLURM's preemption and time limit, torchrun's and Kubernetes' shutdown.

@@ -17,15 +17,12 @@ from typing import Optional
 
 from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS
 from lightning_mgpu.checkpoint.integrity import CHECKSUMS
+from lightning_mgpu.engine.checkpoint_dir import DEEPSPEED_TAG, PIPELINE_RANK_DIR
 
 FORMATS = ("universal", "deepspeed")
 #: The trainer state written beside DCP's ``.metadata`` (``lightning_mgpu.checkpoint.universal``).
 TRAINER_STATE = "trainer_state.pt"
 UNIVERSAL_FILES = (".metadata", TRAINER_STATE)
-#: The folder (DeepSpeed's tag) that DeepSpeed's engine writes its files under, and (with pipeline stages) the
-#: folder of each pipeline rank above it (``lightning_mgpu.engine.checkpoint_dir``).
-DEEPSPEED_TAG = "checkpoint"
-PIPELINE_RANK_DIR = "pipeline_rank_{:03d}"
 TRUST_SETTING = ("MGPUStrategy(trust_deepspeed_checkpoints=True) (mgpu-train: "
                  "checkpoint.trust_deepspeed_checkpoints=true)")
 #: The key of the loaded checkpoint's path in the state a load returns (Lightning hands it to ``on_load_checkpoint``).

@@ -126,6 +126,19 @@ def _shape_fields(hf: Mapping) -> dict:
                 norm_eps=hf.get("rms_norm_eps", 1e-5), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
+def planning_shape(hf: Mapping) -> LlamaConfig:
+    """The sizes of any ``transformers`` decoder's ``config.json`` as a :class:`LlamaConfig`, for the layout rules, the
+    planner, the memory check and the dry run of a model trained as it is (``model=hf``): what
+    :func:`from_hf_config` refuses to import (biases, a sliding window, another family) does not change the sizes they
+    count. The q/k norms are left out (``qk_norm``: a ``transformers`` model splits them as it is)."""
+    fields = _shape_fields(hf)
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if experts:
+        fields.update(num_experts=experts, experts_per_token=int(hf.get("num_experts_per_tok", 2)),
+                      expert_hidden=int(hf.get("moe_intermediate_size") or 0))
+    return LlamaConfig(**fields)
+
+
 def from_hf_config(hf: Mapping) -> LlamaConfig:
     """Our :class:`LlamaConfig` for a Hugging Face Llama, Mixtral or Qwen3-MoE ``config.json``; what we cannot
     represent is an error that names every such key at once."""

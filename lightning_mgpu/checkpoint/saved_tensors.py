@@ -13,11 +13,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_mgpu.layout import ParallelLayout
 
 
-def canonical_name(name: str, layout: ParallelLayout, prefix: str = "model.") -> str:
-    """A parameter's name independent of layout: the pipeline container's stage key becomes ``prefix``."""
-    return prefix + name.split(".", 1)[1] if layout.size("pp") > 1 else name
-
-
 def _unpadded(local: torch.Tensor, param: torch.nn.Parameter, layout: ParallelLayout) -> torch.Tensor:
     dim, per_rank = param.partition_dim, local.shape[param.partition_dim]
     real = max(0, min(per_rank, param.full_size - layout.rank("tp") * per_rank))

@@ -33,11 +33,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_mgpu.checkpoint import replica_state
 from lightning_mgpu.checkpoint.formats import TRAINER_STATE
 from lightning_mgpu.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
-from lightning_mgpu.checkpoint.saved_tensors import as_saved, canonical_name, expert_mesh, from_saved
+from lightning_mgpu.checkpoint.saved_tensors import as_saved, expert_mesh, from_saved
 from lightning_mgpu.engine import MOMENTS, ParameterState
 from lightning_mgpu.engine.experts import schedules_by_origin, schedules_for_groups
 from lightning_mgpu.engine.pieces import Piece, assemble, own_piece
-from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.layout import ParallelLayout, canonical_name
 
 
 def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str = "", defer: bool = False

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import lightning as L
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
@@ -40,9 +41,16 @@ def build_datamodule(spec: RunSpec) -> TokenFileDataModule:
     return TokenFileDataModule(d.path, dtype=d.dtype, **common)
 
 
-def build_module(spec: RunSpec) -> LLMModule:
+def build_module(spec: RunSpec) -> L.LightningModule:
+    """``LLMModule``, or with ``model=hf`` the ``transformers`` model of ``model.path`` as it is (``HFCausalLM``)."""
     cfg = spec.config
     o = cfg.optim
+    if cfg.model.name == "hf":
+        from lightning_mgpu.hf.module import HFCausalLM
+
+        return HFCausalLM(cfg.model.path, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+                          warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps, min_lr_ratio=o.min_lr_ratio,
+                          activation_checkpointing=cfg.model.activation_checkpointing)
     return LLMModule(spec.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
                      eps=o.eps, warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps,
                      min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,

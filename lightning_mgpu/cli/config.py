@@ -19,7 +19,7 @@ from omegaconf import MISSING, OmegaConf
 class ModelConfig:
     """A named Llama shape, with optional overrides of single fields."""
 
-    name: str = "tiny"  #: tiny | llama3_1b | llama3_8b | llama3_70b | llama3_405b
+    name: str = "tiny"  #: tiny | llama3_1b | llama3_8b | llama3_70b | llama3_405b | hf (a transformers model: path)
     activation_checkpointing: str = "none"  #: none | selective (recompute all but matmuls) | full
     compile: bool = False  #: torch.compile each transformer block
     compile_backend: str = "inductor"  #: inductor (fused kernels) | aot_eager (traces, generates no code)
@@ -50,6 +50,8 @@ class ModelConfig:
     aux_loss_coeff: Optional[float] = None  #: weight of the load-balancing loss
     router_bias_rate: Optional[float] = None  #: > 0: auxiliary-loss-free balancing by a per-expert bias
     init_from: Optional[str] = None  #: hf:PATH = start from a Hugging Face Llama's weights (its shape wins)
+    #: with name=hf: a transformers causal-LM directory (config.json, *.safetensors) trained as it is
+    path: Optional[str] = None
 
 
 @dataclass

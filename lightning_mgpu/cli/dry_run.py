@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from lightning_mgpu.cli.build import build_module, build_strategy
 from lightning_mgpu.cli.spec import RunSpec
+from lightning_mgpu.hf import adopt as adopt_hf_model
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.models.moe import moe_layers
@@ -61,6 +62,7 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
                 module = build_module(spec)
                 module.configure_model()
             view = layout.planned_at(layout.global_rank_of(tp=tp_rank, pp=pp_rank))
+            adopt_hf_model(module, view)  # a transformers model: the hooks its config implies, as a launch gives them
             kept = parallelize(module, view, torch.device("meta"), strategy.tensor_parallel_plan,
                                strategy.pipeline_boundaries).module
             ids = layout.stage_ids(pp_rank)

@@ -35,6 +35,8 @@ from lightning_mgpu.split_rules import steps_apart
 def model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaConfig], list[str]]:
     """(the model config when it can be built, its problems)."""
     m = cfg.model
+    if m.name == "hf":
+        return _hf_model_problems(cfg, data)
     if m.init_from:
         from lightning_mgpu.checkpoint.hf import hf_path
 
@@ -58,6 +60,23 @@ def model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaConfig
         return resolve_model(cfg, data), []
     except ValueError as err:  # LlamaConfig lists its own rules (head_dim, heads vs kv heads, ...)
         return None, [f"model: {line.strip(' -')}" for line in str(err).splitlines()[1:]]
+
+
+def _hf_model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaConfig], list[str]]:
+    """``model=hf``: a directory with ``config.json``; compilation and imported weights are the package model's own
+    settings, which a ``transformers`` model trained as it is does not take (recomputation it takes: its decoder
+    layers are the blocks)."""
+    m = cfg.model
+    if not m.path or not (Path(m.path) / "config.json").is_file():
+        return None, [f"model.path={m.path!r} is not a Hugging Face model directory (no config.json); give "
+                      "model.path=DIR of a directory with config.json and *.safetensors"]
+    out = [f"model.{key}={m[key]!r} is a setting of the package's own model; model=hf trains the transformers model "
+           f"as it is: leave model.{key} unset" for key, unset in (("compile", False), ("init_from", None))
+           if m[key] != unset]
+    out += activation_checkpointing_problems(m.activation_checkpointing, "model.activation_checkpointing")
+    out += [f"model.{key}={m[key]!r}: model=hf takes its shape from {m.path}/config.json; leave model.{key} unset"
+            for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size") if m[key] is not None]
+    return (None, out) if out else (resolve_model(cfg, data), [])
 
 
 def trainer_problems(cfg: DictConfig) -> list[str]:

@@ -116,20 +116,32 @@ def _prepared(path: str) -> PreparedSource:
         return PreparedSource(path, None, str(err))
 
 
+def _model_directory(cfg: DictConfig) -> Optional[tuple[str, Path]]:
+    """(the key that names it, the Hugging Face directory the model comes from), if any."""
+    if cfg.model.name == "hf" and cfg.model.get("path"):
+        return f"model.path={cfg.model.path!r}", Path(cfg.model.path)
+    if cfg.model.init_from:
+        from lightning_mgpu.checkpoint.hf import hf_path
+
+        return f"model.init_from={cfg.model.init_from!r}", hf_path(cfg.model.init_from)
+    return None
+
+
 def _find_tokenizer(cfg: DictConfig, prepared: tuple[PreparedSource, ...]) -> Optional[tuple[Path, str]]:
     """(tokenizer path, how to name it) of a run, or None for byte tokens: ``data.tokenizer``; else the
-    ``tokenizer.json`` beside ``model.init_from``'s weights; else the tokenizer the first prepared source was made
+    ``tokenizer.json`` beside the weights of ``model.path`` (``model=hf``) or ``model.init_from``; else the tokenizer the first prepared source was made
     with, where that file is still there unchanged."""
     explicit = cfg.data.get("tokenizer")
     if explicit:
         return Path(explicit), f"data.tokenizer={explicit!r}"
-    if cfg.model.init_from:
-        from lightning_mgpu.checkpoint.hf import hf_path
+    directory = _model_directory(cfg)
+    if directory is not None:
         from lightning_mgpu.data.tokenizer import TOKENIZER_FILE
 
-        beside = hf_path(cfg.model.init_from) / TOKENIZER_FILE
+        key, path = directory
+        beside = path / TOKENIZER_FILE
         if beside.is_file():
-            return beside, f"the tokenizer of model.init_from={cfg.model.init_from!r} ({beside})"
+            return beside, f"the tokenizer of {key} ({beside})"
     if not prepared or prepared[0].manifest is None:
         return None  # without a readable manifest, validation names what is wrong with it
     from lightning_mgpu.data.tokenizer import file_sha256

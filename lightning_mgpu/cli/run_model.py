@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -25,7 +26,11 @@ def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:
     Left without one where the data has none, or an id the vocabulary lacks: validation refuses such a run before it
     starts (``document_mask_problems``, ``vocabulary_problems``), naming the data rather than this field."""
     m = cfg.model
-    if m.init_from:  # the checkpoint's shape, whatever model.name says
+    if m.name == "hf":  # a transformers model trained as it is: the sizes of its config.json
+        from lightning_mgpu.checkpoint.hf import planning_shape
+
+        model = planning_shape(json.loads((Path(m.path) / "config.json").read_text()))
+    elif m.init_from:  # the checkpoint's shape, whatever model.name says
         from lightning_mgpu.checkpoint.hf import from_hf_config, hf_path
 
         hf = json.loads((hf_path(m.init_from) / "config.json").read_text())

@@ -25,12 +25,13 @@ from lightning_mgpu.cli.dry_run import dry_run_report
 from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.memory_check import memory_problems
-from lightning_mgpu.cli.restarts import ATTEMPT_VARIABLE, RestartRecord, supervise
+from lightning_mgpu.cli.restarts import ATTEMPT_VARIABLE, RestartRecord, attempt, supervise
 from lightning_mgpu.cli.spec import RunSpec, run_spec
 from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
 from lightning_mgpu.faults import fault_callbacks
-from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, theoretical_bubble
+from lightning_mgpu.layout import theoretical_bubble
+from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline
 from lightning_mgpu.problems import format_problems
 
 #: The resolved config of a run, in its run directory; local workers load it.
@@ -142,7 +143,7 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     requeue = slurm_requeue_command(dict(os.environ)) if cfg.cluster.launcher == "slurm" else None
     out.append(Preemption(saver if can_save else None, requeue=requeue))
 
-    out.extend(fault_callbacks())  # fault injection for tests (MGPU_*_AT variables); none without them
+    out.extend(fault_callbacks(attempt=attempt()))  # fault injection (MGPU_*_AT variables); none without them
     return out
 
 
@@ -184,9 +185,12 @@ def _fit(spec: RunSpec, run_dir: Path, trainer: L.Trainer, strategy, module, dat
     if cfg.parallel.pipeline_timeline and strategy.pipeline is not None:
         report_timeline(strategy, trainer.global_step - 1, run_dir)
     lost = spec.data.lost_tokenizer
-    if cfg.parallel.pipeline_parallel_size > 1 or cfg.parallel.context_parallel_size > 1:
+    hf_sequence_parallel = cfg.model.name == "hf" and cfg.parallel.sequence_parallel
+    if cfg.parallel.pipeline_parallel_size > 1 or cfg.parallel.context_parallel_size > 1 or hf_sequence_parallel:
         if trainer.is_global_zero:
-            split = "pipeline stages" if cfg.parallel.pipeline_parallel_size > 1 else "context-parallel sequence chunks"
+            split = "pipeline stages" if cfg.parallel.pipeline_parallel_size > 1 else \
+                "context-parallel sequence chunks" if cfg.parallel.context_parallel_size > 1 else \
+                "sequence-parallel shards (a transformers model's sample needs whole sequences)"
             print(f"(no sample: generation needs the whole model and whole sequences on each rank, and this run splits "
                   f"them into {split})")
     elif lost is not None:
@@ -220,9 +224,8 @@ def generate_sample(module, spec: RunSpec) -> str:
     Every rank runs it (ZeRO-3 gathers parameters collectively) with the same generator, so all ranks produce the
     same text."""
     cfg, tokenizer = spec.config, build_tokenizer(spec)
-    model = module.model
-    model.eval()
-    device = next(model.parameters()).device
+    module.eval()
+    device = next(module.parameters()).device
     ids = encode_bytes(cfg.sample.prompt) if tokenizer is None else tokenizer.encode(cfg.sample.prompt)
     prompt = torch.as_tensor(ids, dtype=torch.int64)[None].to(device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)

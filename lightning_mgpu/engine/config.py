@@ -11,18 +11,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lightning_mgpu.buckets import bucket_elements_for
 from lightning_mgpu.layout import ParallelLayout
-
-#: DeepSpeed's default bucket size; buckets are never larger than this.
-MAX_BUCKET_ELEMENTS = 500_000_000
-MIN_BUCKET_ELEMENTS = 1 << 17
-
-
-def bucket_elements_for(total_parameters: int) -> int:
-    """Communication bucket size sized from the model: a quarter of it (at least 2**17 elements), at most DeepSpeed's
-    default. DeepSpeed's fixed 5e8-element buckets cost GBs and tens of seconds on a tiny CPU model."""
-    return int(min(MAX_BUCKET_ELEMENTS, max(MIN_BUCKET_ELEMENTS, total_parameters // 4)))
-
 
 def parameter_elements(param: nn.Parameter) -> int:
     """Elements of ``param`` as the model sees it, also once ZeRO-3 has partitioned it (its local data is then empty)."""

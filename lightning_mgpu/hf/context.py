@@ -64,9 +64,10 @@ def _cut_inputs(group_rank: int, size: int):
         positions = chunk_positions(ids.shape[1], group_rank, size, device=ids.device)
         kwargs["input_ids"] = ids.index_select(1, positions)
         kwargs["position_ids"] = positions.unsqueeze(0).expand(ids.shape[0], -1)
-        labels = kwargs.get("labels")
-        if labels is not None:
-            shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
+        if labels is not None or shifted is not None:
+            if shifted is None:
+                shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
             kwargs["shift_labels"] = shard_sequence(shifted, group_rank, size)
             kwargs["labels"] = kwargs["shift_labels"]
             # The strategy averages the context ranks' losses with equal weights; the sequence's last token has no

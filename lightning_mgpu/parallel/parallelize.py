@@ -18,9 +18,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from lightning_mgpu.checkpoint.universal import canonical_name
 from lightning_mgpu.contract import hook
-from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.layout import ParallelLayout, canonical_name
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.compile import compile_blocks, compile_layout_problems
 from lightning_mgpu.parallel.context import apply_context_parallel

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from lightning_mgpu.layout import V_SCHEDULES
 
 _ACTIONS = (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W"))
 
@@ -100,7 +99,7 @@ def replayed_bubble(per_rank: Sequence[Sequence[Action]]) -> float:
     gradient, the next stage's, or the last stage's own forward; a weight gradient, its own input gradient).
 
     Measured minus replayed is what the messages and the time between actions cost (point-to-point latency, Python);
-    replayed minus :func:`theoretical_bubble` is what unequal action times cost (a backward that is not twice a
+    replayed minus ``lightning_mgpu.layout.theoretical_bubble`` is what unequal action times cost (a backward that is not twice a
     forward, a first or last stage with more work)."""
     last_stage = max(a.stage for rank in per_rank for a in rank)
     queues = [sorted(rank, key=lambda a: a.start) for rank in per_rank]
@@ -167,22 +166,6 @@ def _dependency(a: Action, last_stage: int) -> tuple[str, int, int] | None:
     if a.kind == "B":
         return ("F", a.stage, a.microbatch) if a.stage == last_stage else ("B", a.stage + 1, a.microbatch)
     return ("B", a.stage, a.microbatch)
-
-
-def theoretical_bubble(schedule: str, P: int, M: int, V: int = 1) -> float:
-    """The schedule's bubble under the usual unit-cost model.
-
-    GPipe and 1F1B: ``(P-1)/(M+P-1)``; interleaved 1F1B and looped BFS with ``V`` stages per rank:
-    ``(P-1)/(V*M+P-1)``; zero-bubble schedules (backward split into input and weight gradients, each costing
-    as much as a forward): ``(P-1)/(3*V*M+P-1)``, with ``V=2`` for the V-shaped ``zbv`` and ``dualpipev``.
-    """
-    if schedule in V_SCHEDULES:
-        V = 2
-    if schedule in ("gpipe", "1f1b"):
-        return (P - 1) / (M + P - 1)
-    if schedule in ("interleaved_1f1b", "looped_bfs"):
-        return (P - 1) / (V * M + P - 1)
-    return (P - 1) / (3 * V * M + P - 1)
 
 
 def plot_timeline(per_rank: Sequence[Sequence[Action]], path: str | Path, title: str = "") -> Path:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from typing import Callable, Optional, Sequence
 
-from lightning_mgpu.engine.config import bucket_elements_for
+from lightning_mgpu.buckets import bucket_elements_for
 from lightning_mgpu.layout import stage_ids
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.models.llama_plan import balanced_boundaries
@@ -182,7 +182,7 @@ def block_bytes_for(cfg: LlamaConfig) -> BlockBytes:
     """The per-block activation figure the planner uses for ``cfg``: the model's own, when its config defines
     ``block_activation_bytes(tokens, tp, sequence_parallel, mode, element_bytes)`` (a custom model described by a
     ``LlamaConfig`` subclass for its sizes, with numbers measured for its own block, e.g. by
-    :func:`lightning_mgpu.planner.measure.block_bytes_per_token`), else :func:`block_activation_bytes`, derived for
+    :func:`lightning_mgpu.measure.block_bytes_per_token`), else :func:`block_activation_bytes`, derived for
     this Llama's block."""
     own = getattr(cfg, "block_activation_bytes", None)
     if callable(own):

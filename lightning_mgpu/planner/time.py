@@ -9,7 +9,7 @@
   with recomputation) of ``s b h`` bf16 activations, as ring all-reduces ``2 (t-1)/t * bytes / bandwidth``
   over NVLink when the group fits a node (all-gather + reduce-scatter under sequence parallelism move the
   same bytes);
-* pipeline bubble: the schedule's bubble fraction ``f`` (``lightning_mgpu.parallel.timeline.theoretical_bubble``)
+* pipeline bubble: the schedule's bubble fraction ``f`` (``lightning_mgpu.layout.theoretical_bubble``)
   stretches compute + tensor-parallel time by ``1 / (1 - f)``; point-to-point sends between stages are
   ``2 s b h`` bytes per micro-batch each way;
 * data parallelism: the gradients of the rank's parameters, all-reduced (ZeRO 0-2: reduce-scatter +
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from lightning_mgpu.models.llama import LlamaConfig
-from lightning_mgpu.parallel.timeline import theoretical_bubble
+from lightning_mgpu.layout import theoretical_bubble
 from lightning_mgpu.planner.experts import ExpertTraffic, expert_traffic, replaced_mlp_reductions
 from lightning_mgpu.planner.hardware import ClusterSpec
 from lightning_mgpu.planner.model_stats import max_rank_split, model_flops_per_token, recompute_flops_per_token

@@ -115,7 +115,7 @@ COMPOSITION_ERRORS = [  # what a new user mistypes, and the line they get
     (["trainr.devices=2"], "trainr is not a setting; did you mean trainer?"),
     (["parallel.zero_stage=two"], "parallel.zero_stage: Value 'two' of type 'str' could not be converted to Integer"),
     (["trainer.limit_val_batches=all"], "trainer.limit_val_batches: Value 'all' of type 'str' could not be converted"),
-    (["model=llama3_9b"], "model=llama3_9b is not an option of model; choose one of deepseek_moe_16b, llama3_1b, "
+    (["model=llama3_9b"], "model=llama3_9b is not an option of model; choose one of deepseek_moe_16b, hf, llama3_1b, "
                           "llama3_405b"),
     (["recipe=llama3_1t"], "recipe=llama3_1t is not an option of recipe; choose one of deepseek_moe_16b_1node, "
                            "llama3_1b_1node"),

@@ -1,6 +1,8 @@
 """The Hydra configs compose as the Python objects they mirror: every option of every group, every recipe (validated,
 and its every rank built on the meta device by a launch's own ``parallelize()``), typos and wrong types refused."""
 
+import json
+
 import pytest
 from cli_helpers import composed, group_options, resolved
 from hydra.errors import ConfigCompositionException
@@ -12,10 +14,17 @@ from lightning_mgpu.cli.spec import run_spec
 from lightning_mgpu.models import LlamaConfig
 
 
+#: A transformers Llama's config.json (a shape only: nothing here reads weights).
+HF_CONFIG = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256, "max_position_embeddings": 256}
+
+
 @pytest.mark.parametrize("group", ["model", "data", "parallel", "trainer", "optim", "cluster"])
-def test_every_group_option_composes(group):
+def test_every_group_option_composes(group, tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))  # model=hf reads the shape of a directory's config
     for option in group_options(group):
-        extra = ["data.path=/dev/null"] if (group, option) == ("data", "tokens") else []
+        extra = {("data", "tokens"): ["data.path=/dev/null"], ("model", "hf"): [f"model.path={tmp_path}"]}.get(
+            (group, option), [])
         cfg = composed(f"{group}={option}", *extra)
         spec = resolved(cfg)
         if group == "parallel":

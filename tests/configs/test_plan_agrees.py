@@ -18,7 +18,8 @@ from lightning_mgpu.cli.plan import plan_report
 from lightning_mgpu.cli.spec import config_problems
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
 
-MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml"))
+#: The shipped shapes (``model=hf`` takes a directory's: tests/cli/test_cli_hf.py checks what mgpu-plan prints for one).
+MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml") if p.stem != "hf")
 RECIPES = sorted(p.stem for p in (conf_dir().parent / "recipes").glob("*.yaml"))
 #: (nodes, GPUs per node, sequence length or None for the config's own)
 CLUSTERS = [(1, 8, None), (2, 8, 8192)]

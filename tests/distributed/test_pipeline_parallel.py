@@ -8,8 +8,8 @@ import pytest
 from helpers import GLOBAL_BATCH, MICRO_BATCH, OPTIM, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, reference
 
 from lightning_mgpu import LLMModule
-from lightning_mgpu.layout import V_SCHEDULES
-from lightning_mgpu.parallel.timeline import bubble_fraction, chunks_in_flight, plot_timeline, theoretical_bubble
+from lightning_mgpu.layout import V_SCHEDULES, theoretical_bubble
+from lightning_mgpu.parallel.timeline import bubble_fraction, chunks_in_flight, plot_timeline
 from lightning_mgpu.planner.memory import in_flight_chunks
 from lightning_mgpu.testing import run_distributed
 

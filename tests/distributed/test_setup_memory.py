@@ -12,7 +12,7 @@ import torch.distributed as dist
 from helpers import OPTIM, TINY, fit, make_token_file
 
 from lightning_mgpu import LLMModule, engine, parameter_shape
-from lightning_mgpu.checkpoint.universal import canonical_name
+from lightning_mgpu.layout import canonical_name
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.parallel.parallelize import parallelize

@@ -10,7 +10,7 @@ import torch
 from lightning_mgpu import LLMModule
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.planner.memory import block_activation_bytes, head_activation_bytes
-from lightning_mgpu.planner.measure import kept_forward_bytes
+from lightning_mgpu.measure import kept_forward_bytes
 
 #: (shape, sequence): GQA 3:1, plain multi-head attention, and GQA 8:1 with a wide MLP
 SHAPES = [(LlamaConfig(dim=96, n_heads=6, n_kv_heads=2, ffn_hidden=160, vocab_size=50, max_seq_len=128), 40),

@@ -211,6 +211,73 @@ def test_no_import_cycle_between_modules():
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
+def _package_of(module: str) -> str:
+    """``lightning_mgpu.parallel.tensor`` -> ``parallel``; a top-level module is its own package (``strategy``)."""
+    return module.split(".")[1] if "." in module else module
+
+
+def _package_graph() -> dict[str, set[str]]:
+    """Package -> the packages its modules import (at any depth), each package a folder of the package or a
+    top-level module."""
+    graph: dict[str, set[str]] = {}
+    files = _package_files()
+    for name, path in files.items():
+        if name == "lightning_mgpu":
+            continue
+        source = _package_of(name)
+        targets = {_package_of(m) for m in _imports(path) if m.startswith("lightning_mgpu.") and m in files}
+        graph.setdefault(source, set()).update(targets - {source})
+    return graph
+
+
+def test_no_import_cycle_between_packages():
+    """The modules of one folder (``engine``, ``parallel``, ``checkpoint``, ...) form a layer: no folder imports one
+    that imports it back, directly or through others (the module-level test above cannot see ``engine.a -> parallel.b
+    -> engine.c``)."""
+    graph = _package_graph()
+    reach = {p: set(graph.get(p, ())) for p in graph}
+    changed = True
+    while changed:
+        changed = False
+        for p in reach:
+            grown = reach[p].union(*(reach.get(q, set()) for q in reach[p]))
+            if grown != reach[p]:
+                reach[p], changed = grown, True
+    cycles = sorted(f"{p} -> {q} -> {p}" for p in reach for q in graph.get(p, ()) if p in reach.get(q, set()))
+    assert not cycles, cycles
+
+
+def test_the_planner_imports_nothing_distributed():
+    """The planner runs on a laptop for a cluster it is not on: none of its modules imports the parallel layers, the
+    engine, DeepSpeed or torch.distributed, directly or through other packages of the package."""
+    graph = _package_graph()
+    reached, todo = set(), ["planner"]
+    while todo:
+        for nxt in graph.get(todo.pop(), ()):
+            if nxt not in reached:
+                reached.add(nxt)
+                todo.append(nxt)
+    assert not reached & {"parallel", "engine", "strategy", "checkpoint", "hf"}, sorted(reached)
+    files = _package_files()
+    modules = [name for name in files if _package_of(name) in reached | {"planner"} and name != "lightning_mgpu"]
+    distributed = {name: [m for m in _module_level_imports(files[name]) if m.startswith(("torch.distributed",
+                                                                                         "deepspeed"))]
+                   for name in modules}
+    assert not any(distributed.values()), {k: v for k, v in distributed.items() if v}
+
+
+def _module_level_imports(path: Path) -> list[str]:
+    """What importing the module imports (its top-level statements; a function may import lazily what only a running
+    job needs, as the layout's process-group creation does)."""
+    out = []
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.append(node.module)
+    return out
+
+
 def test_the_package_stays_small_enough_to_read():
     """No module over 400 lines, no function over 50, and the strategy (Lightning's hooks, each delegating) at most
     300."""

@@ -1,5 +1,5 @@
 """A custom model gives the planner its own per-block activation numbers: measured for its block
-(``planner.measure.block_bytes_per_token``) and returned by a ``LlamaConfig`` subclass's ``block_activation_bytes``,
+(``measure.block_bytes_per_token``) and returned by a ``LlamaConfig`` subclass's ``block_activation_bytes``,
 which the planner then uses in place of its Llama formula."""
 
 from dataclasses import dataclass, replace
@@ -11,7 +11,7 @@ from torch import nn
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama import Block, Llama
 from lightning_mgpu.planner import estimate_memory
-from lightning_mgpu.planner.measure import block_bytes_per_token, kept_forward_bytes, measured_block_bytes
+from lightning_mgpu.measure import block_bytes_per_token, kept_forward_bytes, measured_block_bytes
 from lightning_mgpu.planner.memory import activation_bytes, block_activation_bytes, head_activation_bytes
 
 LLAMA = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=64, max_seq_len=128)

@@ -16,7 +16,7 @@ from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
 from lightning_mgpu.planner.experts import (IMBALANCE, all_to_all_bytes, ep_peers, expert_load, expert_traffic,
                                             moe_mlp_activation_bytes)
-from lightning_mgpu.planner.measure import kept_forward_bytes
+from lightning_mgpu.measure import kept_forward_bytes
 from lightning_mgpu.planner.memory import (block_activation_bytes, estimate_memory, layer_activation_bytes,
                                            model_state_bytes, rank_model_state_bytes)
 from lightning_mgpu.planner.model_stats import (RankParameters, model_flops_per_token, rank_parameter_split,

@@ -1,5 +1,6 @@
 """The Lightning hooks of the strategy that hand work to the engine: precision, backward, the optimizer step and
-gradient accumulation are the engine's (DeepSpeed's), not torch's or Lightning's."""
+gradient accumulation are the engine's (DeepSpeed's), not torch's or Lightning's. Strategy glue, beside the strategy:
+it calls the engine and the parallel layers, so it sits in neither package (the engine imports no parallel layer)."""
 
 from __future__ import annotations
 

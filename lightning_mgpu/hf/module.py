@@ -1,0 +1,109 @@
+"""``HFCausalLM``: a LightningModule around a ``transformers`` causal LM directory, as ``mgpu-train model=hf
+model.path=DIR`` trains it (usable from Python too).
+
+It is what a user would write: the model from ``from_pretrained`` (``config.json`` and ``*.safetensors``; no remote
+code, no pickled weights), its own ``labels=`` loss, AdamW with the package's warm-up and cosine schedule. The parallel
+hooks come from the model's config (:mod:`lightning_mgpu.hf.hooks`); the two this module defines itself are the
+pipeline batch and loss of the package's data modules, whose batches are ``[batch, seq + 1]`` tokens: the first
+``seq`` are the input and the last ``seq`` the targets (``shift_labels``), so every token of a sample has its target,
+as in ``LLMModule``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+
+from lightning_mgpu.contract import parallel_context
+from lightning_mgpu.engine.config import parameter_shape
+from lightning_mgpu.module import lr_multiplier
+
+
+def load_causal_lm(path: str, on_meta: bool = False) -> torch.nn.Module:
+    """The causal LM of a local directory: its weights from ``*.safetensors`` only (``use_safetensors=True``: a
+    pickled ``*.bin`` is never read) and no code from the directory (``trust_remote_code=False``). ``on_meta``: the
+    structure only, for a dry run."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
+    if on_meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+    return AutoModelForCausalLM.from_pretrained(path, config=config, use_safetensors=True, trust_remote_code=False,
+                                                local_files_only=True, dtype=torch.float32)
+
+
+class HFCausalLM(L.LightningModule):
+    """Train the ``transformers`` causal LM in ``path`` on batches of ``[batch, seq + 1]`` token ids."""
+
+    def __init__(self, path: str, lr: float = 3e-4, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, warmup_steps: int = 10, max_steps: int = 1000, min_lr_ratio: float = 0.1,
+                 activation_checkpointing: str = "none") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.llm: Optional[torch.nn.Module] = None
+
+    def configure_model(self) -> None:
+        if self.llm is None:  # built on the meta device (a dry run) when the caller asked for it
+            self.llm = load_causal_lm(str(Path(self.hparams.path)), on_meta=torch.empty(0).is_meta)
+
+    def loss(self, batch: torch.Tensor) -> torch.Tensor:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        return self.llm(input_ids=inputs, labels=targets, shift_labels=targets).loss
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
+        return self.loss(batch)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
+
+    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().float()
+        self.log("train/loss", loss * self.trainer.accumulate_grad_batches, prog_bar=True, on_step=True)
+        context = parallel_context(self)
+        if context is not None and context.last_grad_norm is not None:
+            self.log("train/grad_norm", float(context.last_grad_norm), on_step=True)
+
+    def checkpointed_blocks(self) -> tuple[str, list[torch.nn.Module]]:
+        """(``activation_checkpointing``: none | selective | full, the decoder layers this rank holds): ``parallelize``
+        makes each recompute in backward (``lightning_mgpu.parallel.checkpointing``), as for ``LLMModule``'s blocks."""
+        base = getattr(self.llm, self.llm.base_model_prefix)
+        return self.hparams.activation_checkpointing, list(base.layers)
+
+    # ---------------------------------------------- the package's batches through pipeline stages
+    def pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch[:, :-1], batch[:, 1:]
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.llm.loss_function(logits=logits, labels=targets, shift_labels=targets,
+                                      vocab_size=self.llm.config.vocab_size)
+
+    def configure_optimizers(self) -> dict:
+        params = list(self.llm.parameters())
+        hp = self.hparams
+        groups = [{"params": [p for p in params if len(parameter_shape(p)) >= 2], "weight_decay": hp.weight_decay},
+                  {"params": [p for p in params if len(parameter_shape(p)) < 2], "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: lr_multiplier(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Sampled continuation of ``prompt`` (every rank the same, with the same generator); the logits gathered over
+        a vocabulary split by tensor parallelism. Not with sequence, context or pipeline parallelism."""
+        from lightning_mgpu.parallel.cross_entropy import gather_logits
+
+        tokens, head = prompt, self.llm.get_output_embeddings()
+        for _ in range(max_new_tokens):
+            logits = gather_logits(self.llm(input_ids=tokens).logits[:, -1], head).float()
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)
+            tokens = torch.cat([tokens, nxt], dim=1)
+        return tokens

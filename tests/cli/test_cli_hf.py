@@ -1,0 +1,123 @@
+"""``mgpu-train model=hf model.path=DIR``: a ``transformers`` directory trained as it is from the command line, with
+validation and checkpoints, at parity with one process; its dry run, the planner and the memory check read its shape
+from ``config.json`` (a 70B-class config without weights), and a layout its shape forbids is refused before launch."""
+
+import json
+import shlex
+
+import pytest
+import torch
+import transformers
+from cli_helpers import BIN, TINY_MODEL, cli_args, composed, read_metric
+from forked_cli import run_cli
+from helpers import global_batches, max_abs_diff
+
+from lightning_mgpu.cli.plan import plan_report
+from lightning_mgpu.cli.spec import config_problems
+from lightning_mgpu.module import lr_multiplier
+
+STEPS = 4
+LR, WARMUP, MIN_LR, DECAY = 3e-3, 2, 0.1, 0.1
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen3")
+    config = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    transformers.Qwen3ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def reference(directory, token_file) -> dict:
+    """The same run as a plain loop: the model's own loss on the data module's global batches (inputs = all but the
+    last token, every next token its target), AdamW with decay on matrices, the warm-up and cosine schedule, the
+    global grad norm before clipping at 0.3."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, use_safetensors=True)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": DECAY},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, WARMUP, STEPS, MIN_LR))
+    losses, norms = [], []
+    for batch in global_batches(token_file, STEPS, global_batch=8, seq_len=16, seed=7):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        loss = torch.nn.functional.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, 0.3).item())
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grad_norms": norms}
+
+
+def data_and_trainer(token_file) -> list[str]:
+    """The tiny CLI run's settings (``cli_args``) without the package model's shape: ``model=hf`` refuses those."""
+    return [arg for arg in cli_args(token_file, STEPS) if arg not in TINY_MODEL and not arg.startswith("model.")]
+
+
+def test_a_transformers_directory_trains_as_it_is_at_parity(qwen3_dir, token_file, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [str(BIN / "mgpu-train"), "model=hf", f"model.path={qwen3_dir}", *data_and_trainer(token_file),
+            "trainer.devices=4", "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true",
+            "model.activation_checkpointing=selective",
+            "parallel.zero_stage=1", "optim.lr=3e-3", "optim.weight_decay=0.1", "data.val_batches=1",
+            "checkpoint.every_n_steps=2", f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "tensor parallel over 2 ranks" in out and "sequence parallel" in out, out[-3000:]
+    assert "activation checkpointing: selective on 2 blocks" in out, out[-3000:]
+    expected = reference(qwen3_dir, token_file)
+    metrics = run_dir / "metrics.csv"
+    assert max_abs_diff(read_metric(metrics, "train/loss"), expected["losses"]) < 1e-5
+    assert max_abs_diff(read_metric(metrics, "train/grad_norm"), expected["grad_norms"]) < 1e-5
+    assert read_metric(metrics, "val/loss"), "no validation ran"
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+
+
+LLAMA_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,
+             "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8,
+             "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def write_70b(directory):
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(LLAMA_70B))
+    return directory
+
+
+def test_every_command_mgpu_plan_prints_for_a_directory_is_accepted(tmp_path):
+    """Whatever mgpu-plan recommends for a transformers directory, mgpu-train accepts (recomputation included)."""
+    directory = write_70b(tmp_path / "llama70b")
+    overrides = ["trainer=gpu", "cluster=local", "model=hf", f"model.path={directory}", "trainer.num_nodes=8",
+                 "trainer.devices=8", "data.seq_len=8192"]
+    report = plan_report(composed(*overrides), overrides)
+    commands = [shlex.split(line.strip())[1:] for line in report.splitlines() if line.startswith("  mgpu-train ")]
+    assert commands, report
+    for command in commands:
+        assert config_problems(composed(*command), launching=False) == [], command
+
+
+def test_a_70b_config_dry_runs_on_the_meta_device_and_bad_layouts_are_refused(tmp_path):
+    """No weights at all: the dry run builds every distinct rank's share of the transformers model on the meta
+    device from config.json; 70.6 B parameters over tp8 x pp8 (8 ranks hold a stage each of 10 layers)."""
+    directory = write_70b(tmp_path / "llama70b")
+    base = [str(BIN / "mgpu-train"), "model=hf", f"model.path={directory}", "trainer=gpu", "trainer.num_nodes=8",
+            "trainer.devices=8", "data.seq_len=8192", "dry_run=true", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_cli(base + ["parallel.tensor_parallel_size=8", "parallel.pipeline_parallel_size=8",
+                           "parallel.zero_stage=1", "parallel.num_microbatches=8"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "64 processes = tp 8 x pp 8 x dp 1" in proc.stdout, proc.stdout[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 0 |")]
+    assert len(rows) == 8, proc.stdout[-3000:]
+    # every layer's weights split 8 ways: 80 layers / 8 stages x (4 * 8192^2 * 10/64 ... ) -- counted by hand below
+    per_layer = (8192 * 8192 * 2 + 8192 * 1024 * 2 + 3 * 8192 * 28672) // 8 + 2 * 8192
+    middle = int(rows[1].split("|")[4].replace(",", ""))
+    assert middle == 10 * per_layer, (middle, 10 * per_layer)
+    bad = run_cli(base + ["parallel.tensor_parallel_size=3"], cwd=tmp_path)
+    assert bad.returncode == 2 and "parallel.tensor_parallel_size=3" in bad.stderr, bad.stderr[-3000:]
