@@ -6,7 +6,7 @@ that cross between the two halves of the ranks (as if each replica were a site a
 link: the collectives' elements, and under ``async`` the pushed and pulled slices) and the wall time.
 
     python benchmarks/replica_updates.py [--steps 256] [--sync-every 16] [--only async]
-    # --smoke: 4 steps, H=2, sync, averaging and async
+    # --smoke: 2 steps, H=2, 32 tokens, sync, averaging and async
 """
 
 from __future__ import annotations
@@ -26,8 +26,10 @@ from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.data import StdlibCorpusDataModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from smoke import sized  # noqa: E402
 
 WORLD = 4
+SEQ, VAL_BATCHES = sized((128, 4), (32, 1))
 VARIANTS = {"sync": {}, "local (DiLoCo: Nesterov, lr 0.7, momentum 0.9)": {"outer_optimizer": None},
             "local (averaging: SGD, lr 1)": {"outer_optimizer": {"name": "sgd", "lr": 1.0, "momentum": 0.0}},
             "async (DiLoCo outer step, at most 2 rounds ahead)": {"replica_update": "async", "max_staleness": 2}}
@@ -60,8 +62,9 @@ def train(rank: int, variant: str, steps: int, sync_every: int) -> dict:
     trainer = L.Trainer(accelerator="cpu", devices=WORLD, strategy=MGPUStrategy(zero_stage=1, **extra),
                         max_steps=steps, gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                        val_check_interval=steps, limit_val_batches=4)
-    data = StdlibCorpusDataModule(seq_len=128, global_batch_size=16, micro_batch_size=4, seed=1234, val_batches=4)
+                        val_check_interval=steps, limit_val_batches=VAL_BATCHES)
+    data = StdlibCorpusDataModule(seq_len=SEQ, global_batch_size=16, micro_batch_size=4, seed=1234,
+                                  val_batches=VAL_BATCHES)
     start = time.perf_counter()
     trainer.fit(LLMModule(model, lr=3e-3, warmup_steps=10, max_steps=steps, global_batch_size=16), data)
     seconds, metrics = time.perf_counter() - start, trainer.callback_metrics
@@ -76,12 +79,12 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=256)
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--only", choices=[v.split()[0] for v in VARIANTS], help="the variants of one update rule")
-    parser.add_argument("--smoke", action="store_true", help="4 steps, H=2, sync, averaging and async")
+    parser.add_argument("--smoke", action="store_true", help="2 steps, H=2, 32 tokens, sync, averaging and async")
     args = parser.parse_args()
     variants = [v for v in VARIANTS if args.only is None or v.split()[0] == args.only]
     if args.smoke:
-        args.steps, args.sync_every, variants = 4, 2, variants[::2] + variants[3:]
-    print(f"tiny Llama, built-in corpus, {WORLD} CPU processes, ZeRO-1, global batch 16 x 128 tokens, {args.steps} "
+        args.steps, args.sync_every, variants = 2, 2, variants[::2] + variants[3:]
+    print(f"tiny Llama, built-in corpus, {WORLD} CPU processes, ZeRO-1, global batch 16 x {SEQ} tokens, {args.steps} "
           f"steps; local: 2 replicas of 2 ranks, H={args.sync_every}")
     print("| update | train loss (last step) | val loss | elements across the halves | wall s |")
     print("|---|---|---|---|---|")

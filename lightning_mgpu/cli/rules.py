@@ -175,12 +175,18 @@ def _key_problems(node: DictConfig, prefix: str) -> list[str]:
         path = f"{prefix}{key}"
         if known is not None and key not in known and path != "hydra":  # hydra: Hydra's own node, when composed in
             out.append(f"{path} is not a setting" + (did_you_mean(str(key), known, prefix) or "; remove it"))
-        elif OmegaConf.is_missing(node, key):
+        elif _could_be_missing(value) and OmegaConf.is_missing(node, key):
             out.append(f"{path} is required and has no value: add {path}=... to the command line")
         elif (isinstance(value, DictConfig) and not OmegaConf.is_interpolation(node, key)
               and node[key] is not None):
             out += _key_problems(value, f"{path}.")
     return out
+
+
+def _could_be_missing(value: object) -> bool:
+    """Whether ``OmegaConf.is_missing`` must be asked (it is slow: a launch's check of a whole config asks it of a few
+    hundred leaves): a node, or a leaf that reads as ``???`` unresolved."""
+    return isinstance(value, DictConfig) or (isinstance(value, str) and value == "???")
 
 
 def group_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig]) -> list[str]:

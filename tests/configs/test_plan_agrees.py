@@ -3,6 +3,7 @@ lengths, and for every recipe as it stands, every layout the planner's search re
 ``mgpu-plan`` prints passes the launcher's own validation (``config_problems``, as a launch asks it)."""
 
 import copy
+import functools
 import shlex
 
 import pytest
@@ -48,8 +49,14 @@ def _with(cfg, overrides):
     out = cfg
     for override in overrides:
         key, value = override.split("=", 1)
-        OmegaConf.update(out, key, yaml.safe_load(value), merge=False)
+        OmegaConf.update(out, key, _value(value), merge=False)
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _value(text: str):
+    """An override's value as the command line's YAML reads it (a layout's few values recur thousands of times)."""
+    return yaml.safe_load(text)
 
 
 def _plan(overrides):
