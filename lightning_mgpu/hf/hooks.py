@@ -28,6 +28,8 @@ from lightning_mgpu.problems import raise_problems
 
 #: The keys a pipeline batch given as a mapping may hold.
 PIPELINE_BATCH_KEYS = ("input_ids", "labels")
+#: Arguments of a model call that the pipeline's forward-only loss may pass over (the labels carry the same targets).
+PASSED_OVER = ("shift_labels", "use_cache", "return_dict", "num_items_in_batch")
 
 
 class HFHooks:
@@ -95,9 +97,11 @@ class HFHooks:
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
         context = parallel_context(self.owner)
-        if context is None or context.pipeline is None or input_ids is None:
-            raise RuntimeError("this model's layers are spread over pipeline stages: call it as "
-                               "model(input_ids=..., labels=...) inside a validation or test step of the run")
+        unused = sorted(key for key, value in ignored.items() if value is not None and key not in PASSED_OVER)
+        if context is None or context.pipeline is None or input_ids is None or unused:
+            raise RuntimeError(f"this model's layers are spread over pipeline stages: call it as model(input_ids=..., "
+                               f"labels=...) inside a validation or test step of the run (got {unused or 'no input_ids'}"
+                               "; masks and positions cannot travel between stages)")
         return CausalLMOutputWithPast(loss=context.pipeline.evaluate(input_ids, input_ids if labels is None else labels))
 
 

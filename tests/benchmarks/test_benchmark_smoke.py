@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -72,29 +73,55 @@ def test_every_benchmark_has_a_smoke_run():
     assert set(FIGURES) == set(SMOKE), "name the new benchmark's figures and their plausible range in FIGURES"
 
 
+class SmokeRuns:
+    """Every script's --smoke run, one after the other in one process (``run_smoke.py``: torch, Lightning and DeepSpeed
+    imported once for all), started once; each test waits for its own script's (exit code, output) only, so that the
+    durations pytest reports are each script's."""
+
+    def __init__(self, scripts: list[str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("run_smoke.py")), *scripts],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.done: dict[str, tuple[int, str]] = {}
+        self._ready = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        current, lines = None, []
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            if line.startswith("=== start "):
+                current, lines = line.split()[-1], []
+            elif line.startswith("=== end ") and current is not None:
+                with self._ready:
+                    self.done[current] = (int(line.split()[-1]), "\n".join(lines))
+                    self._ready.notify_all()
+                current = None
+            elif current is not None:
+                lines.append(line)
+        with self._ready:
+            self._ready.notify_all()  # the process ended: a script without its end marker never comes
+
+    def result(self, script: str, timeout: float = 600) -> tuple[int, str]:
+        with self._ready:
+            ended = self._ready.wait_for(lambda: script in self.done or self.proc.poll() is not None, timeout)
+        assert ended and script in self.done, f"{script} did not finish its smoke run (exit {self.proc.poll()})"
+        return self.done[script]
+
+
 @pytest.fixture(scope="module")
-def smoke_outputs() -> dict[str, tuple[int, str]]:
-    """Every script's (exit code, output) of its --smoke run, all in one process (``run_smoke.py``), imported once."""
+def smoke_outputs():
     # gpu_check.py last: it trains in this process (one-process Trainers), the others fork their ranks from it
     scripts = [str(BENCHMARKS / name) for name in sorted(SMOKE, key=lambda name: (name == "gpu_check.py", name))]
-    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("run_smoke.py")), *scripts],
-                          capture_output=True, text=True, timeout=900)
-    out, current, lines = {}, None, []
-    for line in proc.stdout.splitlines():
-        if line.startswith("=== start "):
-            current, lines = line.split()[-1], []
-        elif line.startswith("=== end ") and current is not None:
-            out[current] = (int(line.split()[-1]), "\n".join(lines))
-            current = None
-        elif current is not None:
-            lines.append(line)
-    assert set(out) == set(SMOKE), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    runs = SmokeRuns(scripts)
+    yield runs
+    runs.proc.kill()
+    runs.proc.wait()
 
 
-@pytest.mark.parametrize("script", sorted(SMOKE))
+@pytest.mark.parametrize("script", sorted(SMOKE, key=lambda name: (name == "gpu_check.py", name)))
 def test_benchmark_smoke_mode_runs_and_prints_its_figure(script, smoke_outputs):
-    code, output = smoke_outputs[script]
+    code, output = smoke_outputs.result(script)
     assert code == 0, output[-3000:]
     lines = output.splitlines()
     marked = [i for i, line in enumerate(lines) if SMOKE[script] in line]
