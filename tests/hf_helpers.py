@@ -81,8 +81,9 @@ class Seen(L.Callback):
 
 
 def fit_hf(rank: int, family: str, devices: int, steps: int = 3, n_layers: int = 2, validate: bool = False,
-           **strategy_kwargs: Any) -> dict:
-    """One ``Trainer.fit`` of :class:`CausalLM` on this rank; what it saw, the local shard sizes and the layout."""
+           ckpt_path: Optional[str] = None, save_to: Optional[str] = None, **strategy_kwargs: Any) -> dict:
+    """One ``Trainer.fit`` of :class:`CausalLM` on this rank (from ``ckpt_path``; saved to ``save_to`` at the end);
+    what it saw, the local shard sizes and the layout."""
     seen = Seen()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs), max_steps=steps,
                         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -90,7 +91,9 @@ def fit_hf(rank: int, family: str, devices: int, steps: int = 3, n_layers: int =
                         limit_val_batches=1 if validate else 0, val_check_interval=steps if validate else None,
                         check_val_every_n_epoch=None if validate else 1)
     module = CausalLM(family, n_layers)
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    if save_to:
+        trainer.save_checkpoint(save_to)
     layout = trainer.strategy.layout
     shapes = {name: tuple(parameter_shape(p)) for name, p in module.named_parameters()}
     out = {"rank": rank, "batches": seen.batches, "losses": seen.losses, "grad_norms": seen.grad_norms,
