@@ -121,3 +121,15 @@ def test_a_70b_config_dry_runs_on_the_meta_device_and_bad_layouts_are_refused(tm
     assert middle == 10 * per_layer, (middle, 10 * per_layer)
     bad = run_cli(base + ["parallel.tensor_parallel_size=3"], cwd=tmp_path)
     assert bad.returncode == 2 and "parallel.tensor_parallel_size=3" in bad.stderr, bad.stderr[-3000:]
+
+
+def test_context_parallelism_of_a_sliding_window_is_refused_before_launch(tmp_path):
+    directory = tmp_path / "mistral"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({**LLAMA_70B, "model_type": "mistral", "sliding_window": 4096}))
+    problems = config_problems(composed("trainer=gpu", "cluster=local", "model=hf", f"model.path={directory}",
+                                        "trainer.devices=8", "data.seq_len=8192", "parallel.context_parallel_size=2",
+                                        "parallel.pipeline_parallel_size=2"), launching=False)
+    assert any("context_parallel_size=2: this model attends within a sliding window (sliding_window=4096" in p
+               for p in problems), problems
+    assert any("with parallel.pipeline_parallel_size=2" in p for p in problems), problems
