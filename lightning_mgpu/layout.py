@@ -303,3 +303,9 @@ def canonical_name(name: str, layout: ParallelLayout, prefix: str = "model.") ->
     """A parameter's name independent of layout: the pipeline container's stage key becomes ``prefix``. Initial values
     (``parallelize``) and checkpoints (``lightning_mgpu.checkpoint``) are keyed by it."""
     return prefix + name.split(".", 1)[1] if layout.size("pp") > 1 else name
+
+
+def container_prefix(module: object) -> str:
+    """Where a pipeline stage container's contents sit in the LightningModule without stages: its ``canonical_prefix``
+    (a ``transformers`` model at ``llm.``), else ``model.`` (``LLMModule.model``)."""
+    return getattr(module, "canonical_prefix", "model.")

@@ -37,7 +37,7 @@ from lightning_mgpu.checkpoint.saved_tensors import as_saved, expert_mesh, from_
 from lightning_mgpu.engine import MOMENTS, ParameterState
 from lightning_mgpu.engine.experts import schedules_by_origin, schedules_for_groups
 from lightning_mgpu.engine.pieces import Piece, assemble, own_piece
-from lightning_mgpu.layout import ParallelLayout, canonical_name
+from lightning_mgpu.layout import ParallelLayout, canonical_name, container_prefix
 
 
 def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str = "", defer: bool = False
@@ -49,8 +49,9 @@ def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str =
     experts = expert_mesh(layout) if layout.size("ep") > 1 else None
     state: dict[str, Any] = {}
     params = []
+    stages = container_prefix(engine.module)
     for name, param in engine.module.named_parameters():
-        fqn = canonical_name(name, layout)
+        fqn = canonical_name(name, layout, stages)
         params.append((fqn, param))
         for key in (None, *MOMENTS):
             # an expert's pieces lie over its own data-parallel ranks, not the ones ``assemble`` reads: copied now
@@ -69,11 +70,11 @@ def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str =
 
 def persistent_buffers(module: torch.nn.Module, layout: ParallelLayout) -> list[tuple[str, torch.Tensor]]:
     """(layout-independent name, buffer) of every buffer ``module`` saves in its state dict."""
-    out = []
+    out, stages = [], container_prefix(module)
     for prefix, owner in module.named_modules():
         for key, buffer in owner._buffers.items():
             if buffer is not None and key not in owner._non_persistent_buffers_set:
-                out.append((canonical_name(f"{prefix}.{key}" if prefix else key, layout), buffer))
+                out.append((canonical_name(f"{prefix}.{key}" if prefix else key, layout, stages), buffer))
     return out
 
 

@@ -63,7 +63,9 @@ class HFHooks:
         if self.layout.sequence_parallel:
             self._cut_sequence_at_stage_ends(stages.values())
         self.found.model.forward = self._pipelined_forward
-        return stage_container(stages)
+        container = stage_container(stages)
+        container.canonical_prefix = self.found.prefix  # checkpoints name parameters as without stages
+        return container
 
     def _cut_sequence_at_stage_ends(self, stages: Sequence[HFStage]) -> None:
         """Hidden states travel between stages whole: each stage scatters them in and gathers them out."""

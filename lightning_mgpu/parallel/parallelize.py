@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.contract import hook
-from lightning_mgpu.layout import ParallelLayout, canonical_name
+from lightning_mgpu.layout import ParallelLayout, canonical_name, container_prefix
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.compile import compile_blocks, compile_layout_problems
 from lightning_mgpu.parallel.context import apply_context_parallel
@@ -126,4 +126,5 @@ def _materialize(module: nn.Module, kept: nn.Module, layout: ParallelLayout, dev
                          f"{missing[0]!r}) but defines no initial_value(name, shape, index) to fill them; define it, "
                          "or build the model on a real device")
     place = partitioner(kept) if partitioner is not None else None
-    return materialize(kept, device, value, lambda name: canonical_name(name, layout), place)
+    stages = container_prefix(kept)
+    return materialize(kept, device, value, lambda name: canonical_name(name, layout, stages), place)

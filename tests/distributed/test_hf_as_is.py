@@ -70,14 +70,18 @@ def test_parity_with_one_process(family, layout):
             assert abs(r["val_loss"] - expected["val_loss"]) < 1e-5, (r["val_loss"], expected["val_loss"])
 
 
-def test_a_universal_checkpoint_of_a_tp2_run_resumes_on_data_parallel_ranks(tmp_path):
-    """Qwen3 (its q/k norms whole on every rank): 2 steps at tp2 + SP, saved; 2 more steps on 2 data-parallel ranks at
-    ZeRO-1 from that checkpoint. The 4 steps equal one process training on the batches each part was given: the
-    weights and AdamW's moments came back whole from the shards (a run that ignored the checkpoint fails it)."""
-    checkpoint = str(tmp_path / "tp2")
-    first = run_distributed(fit_hf, 2, "qwen3", 2, steps=2, save_to=checkpoint, tensor_parallel_size=2,
-                            sequence_parallel=True)
-    second = run_distributed(fit_hf, 2, "qwen3", 2, steps=4, ckpt_path=checkpoint, zero_stage=1)
+@pytest.mark.parametrize("saved, resumed", [
+    (dict(tensor_parallel_size=2, sequence_parallel=True), dict(zero_stage=1)),
+    (dict(pipeline_parallel_size=2, num_microbatches=2), dict(tensor_parallel_size=2, zero_stage=3))],
+    ids=["tp2_sp->dp2_zero1", "pp2->tp2_zero3"])
+def test_a_universal_checkpoint_resumes_on_another_layout(tmp_path, saved, resumed):
+    """Qwen3 (its q/k norms whole on every rank): 2 steps on one layout, saved; 2 more steps on another from that
+    checkpoint. The 4 steps equal one process training on the batches each part was given: the weights and AdamW's
+    moments came back whole from the shards and stages, under the names the model has without stages (a run that
+    ignored the checkpoint fails it)."""
+    checkpoint = str(tmp_path / "saved")
+    first = run_distributed(fit_hf, 2, "qwen3", 2, steps=2, save_to=checkpoint, **saved)
+    second = run_distributed(fit_hf, 2, "qwen3", 2, steps=4, ckpt_path=checkpoint, **resumed)
     assert [len(r["losses"]) for r in first + second] == [2, 2, 2, 2]
     expected = single_process("qwen3", global_batches(first) + global_batches(second))
     for r in second:
