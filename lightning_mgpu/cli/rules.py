@@ -77,6 +77,10 @@ def _hf_model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaCo
     out += activation_checkpointing_problems(m.activation_checkpointing, "model.activation_checkpointing")
     out += [f"model.{key}={m[key]!r}: model=hf takes its shape from {m.path}/config.json; leave model.{key} unset"
             for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size") if m[key] is not None]
+    if not cfg.get("dry_run") and not any(Path(m.path).glob("*.safetensors")):
+        out.append(f"model.path={m.path!r} has no *.safetensors weights (pickled *.bin files are not read): save the "
+                   "model there with save_pretrained(DIR) (safetensors is its default), or add dry_run=true to lay "
+                   "out its config.json alone")
     out += _hf_context_problems(cfg, json.loads((Path(m.path) / "config.json").read_text()))
     return (None, out) if out else (resolve_model(cfg, data), [])
 

@@ -16,22 +16,27 @@ from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.engine.config import parameter_shape
+from lightning_mgpu.hf.weights import PretrainedSlices, real_buffers
 from lightning_mgpu.module import lr_multiplier
 
 
 def load_causal_lm(path: str, on_meta: bool = False) -> torch.nn.Module:
     """The causal LM of a local directory: its weights from ``*.safetensors`` only (``use_safetensors=True``: a
     pickled ``*.bin`` is never read) and no code from the directory (``trust_remote_code=False``). ``on_meta``: the
-    structure only, for a dry run."""
+    structure only, its parameters without storage (buffers computed from the config), for each rank to read its own
+    slices into (:class:`~lightning_mgpu.hf.weights.PretrainedSlices`) or for a dry run."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=False, local_files_only=True)
     if on_meta:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, trust_remote_code=False)
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=False, dtype=torch.float32)
+        real_buffers(model)
+        return model
     return AutoModelForCausalLM.from_pretrained(path, config=config, use_safetensors=True, trust_remote_code=False,
                                                 local_files_only=True, dtype=torch.float32)
 
@@ -45,14 +50,33 @@ class HFCausalLM(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.llm: Optional[torch.nn.Module] = None
+        self._slices: Optional[PretrainedSlices] = None
 
     def configure_model(self) -> None:
-        if self.llm is None:  # built on the meta device (a dry run) when the caller asked for it
-            self.llm = load_causal_lm(str(Path(self.hparams.path)), on_meta=torch.empty(0).is_meta)
+        """Under ``MGPUStrategy`` (which builds on the meta device because :meth:`initial_value` is defined) only the
+        structure is built, and each rank reads its own slices; elsewhere ``from_pretrained`` loads it whole."""
+        if self.llm is None:
+            on_meta = torch.empty(0).is_meta
+            self.llm = load_causal_lm(str(Path(self.hparams.path)), on_meta=on_meta)
+            if on_meta:
+                self._slices = PretrainedSlices(self.hparams.path, self.llm, prefix="llm.")
+
+    def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
+        """Part ``index`` of parameter ``name`` (``llm.model.layers.0.mlp.up_proj.weight``), read from the directory's
+        safetensors: only that slice is read."""
+        if self._slices is None:
+            raise RuntimeError("initial_value is asked only after configure_model built the model on the meta device")
+        return self._slices(name, shape, index)
+
+    def on_fit_start(self) -> None:
+        if self._slices is not None and self._slices.read:
+            rank_zero_info(f"{self.hparams.path}: rank 0 read {self._slices.read:,} of the model's "
+                           f"{self._slices.total:,} parameter elements (its own slices)")
+            self._slices.close()
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        return self.llm(input_ids=inputs, labels=targets, shift_labels=targets).loss
+        inputs, targets = batch[:, :-1], batch[:, 1:].contiguous()  # transformers' own loss views the labels flat
+        return self.llm(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False).loss
 
     def training_step(self, batch: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
         return self.loss(batch)

@@ -94,12 +94,22 @@ def _map_first(out: Any, group: Any) -> Any:
     raise TypeError(f"cannot gather an output of type {type(out).__name__} along the sequence")
 
 
+#: Set on a parameter whose gradient :func:`grad_sum` sums, so it is hooked once.
+GRAD_SUMMED = "_mgpu_grad_summed"
+
+
 def grad_sum(module: nn.Module, group: Any, sequence_parallel: bool = True) -> nn.Module:
     """Sum each parameter's gradient over ``group`` as autograd computes it (before it is accumulated, so an engine's
-    own gradient hooks see the sum)."""
-    for param in module.parameters():
-        if param.requires_grad:
-            param.register_hook(lambda grad: _all_reduce(grad.clone(), group))
+    own gradient hooks see the sum). The hooks go on at the module's first forward: a model built on the meta device
+    has its parameters replaced by real ones after the plan is applied, and a hook on the meta one would be lost."""
+
+    def hook_parameters(owner: nn.Module, args: tuple) -> None:
+        for param in owner.parameters():
+            if param.requires_grad and not param.is_meta and not getattr(param, GRAD_SUMMED, False):
+                param.register_hook(lambda grad: _all_reduce(grad.clone(), group))
+                setattr(param, GRAD_SUMMED, True)
+
+    module.register_forward_pre_hook(hook_parameters)
     return module
 
 

@@ -8,6 +8,7 @@ import shlex
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 from cli_helpers import BIN, TINY_MODEL, cli_args, composed, read_metric
 from forked_cli import run_cli
 from helpers import global_batches, max_abs_diff
@@ -71,6 +72,10 @@ def test_a_transformers_directory_trains_as_it_is_at_parity(qwen3_dir, token_fil
     assert proc.returncode == 0, out[-4000:]
     assert "tensor parallel over 2 ranks" in out and "sequence parallel" in out, out[-3000:]
     assert "activation checkpointing: selective on 2 blocks" in out, out[-3000:]
+    # Built on the meta device, rank 0 read only its slices (tp rank 0 of 2, ZeRO-1 partitions nothing at build):
+    # the vocabulary-split embedding and head 32 * 32 each, the final norm 32; per layer q 16 * 32, k and v 8 * 32,
+    # o 32 * 16, q/k norms 8 each, gate and up 32 * 32, down 32 * 32, two norms of 32: 4688. Whole: 22,720.
+    assert f"rank 0 read {1024 + 1024 + 32 + 2 * 4688:,} of the model's 22,720 parameter elements" in out, out[-3000:]
     expected = reference(qwen3_dir, token_file)
     metrics = run_dir / "metrics.csv"
     assert max_abs_diff(read_metric(metrics, "train/loss"), expected["losses"]) < 1e-5
@@ -94,6 +99,9 @@ def write_70b(directory):
 def test_every_command_mgpu_plan_prints_for_a_directory_is_accepted(tmp_path):
     """Whatever mgpu-plan recommends for a transformers directory, mgpu-train accepts (recomputation included)."""
     directory = write_70b(tmp_path / "llama70b")
+    # a launch needs weights in the directory (mgpu-train refuses one without *.safetensors); which ones it does not
+    # read before launch
+    save_file({"placeholder": torch.zeros(1)}, str(directory / "model.safetensors"))
     overrides = ["trainer=gpu", "cluster=local", "model=hf", f"model.path={directory}", "trainer.num_nodes=8",
                  "trainer.devices=8", "data.seq_len=8192"]
     report = plan_report(composed(*overrides), overrides)
@@ -133,3 +141,7 @@ def test_context_parallelism_of_a_sliding_window_is_refused_before_launch(tmp_pa
     assert any("context_parallel_size=2: this model attends within a sliding window (sliding_window=4096" in p
                for p in problems), problems
     assert any("with parallel.pipeline_parallel_size=2" in p for p in problems), problems
+    assert any("has no *.safetensors weights" in p for p in problems), problems  # and every problem at once
+    dry = config_problems(composed("trainer=gpu", "cluster=local", "model=hf", f"model.path={directory}",
+                                   "trainer.devices=8", "data.seq_len=8192", "dry_run=true"), launching=False)
+    assert not any("safetensors" in p for p in dry), dry  # a dry run lays out config.json alone

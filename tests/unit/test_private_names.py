@@ -74,6 +74,7 @@ ATTRIBUTES = [
      "engine/master_weights.py"),
     ("deepspeed", "deepspeed.runtime.zero.stage_1_and_2:DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",
      "engine/parameter_state.py"),
+    ("transformers", "transformers.modeling_utils:PreTrainedModel._init_weights", "hf/weights.py real_buffers"),
     ("submitit", "submitit.slurm.slurm:_convert_mem", "cli/slurm.py"),
     ("submitit", "submitit.slurm.slurm:_make_sbatch_string", "cli/slurm.py"),
     ("submitit", "submitit.slurm.slurm:SlurmExecutor._equivalence_dict", "cli/slurm.py"),

@@ -1,0 +1,65 @@
+"""Each rank's slices of a ``from_pretrained`` directory, read into a model built on the meta device
+(``lightning_mgpu.hf.weights``): compared with what ``transformers``' own loader builds from the same directory."""
+
+import pytest
+import torch
+import transformers
+from hf_helpers import tiny_config
+from safetensors.torch import load_file, save_file
+
+from lightning_mgpu.hf.module import load_causal_lm
+from lightning_mgpu.hf.weights import PretrainedSlices
+
+
+def mixtral_config():
+    return transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=64)
+
+
+def saved(tmp_path, config):
+    torch.manual_seed(2)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen3_moe", "mixtral"])
+def test_slices_equal_what_from_pretrained_loads(tmp_path, family):
+    """Dense and tied tensors by their own names; packed experts assembled from one tensor per expert (Qwen-MoE's
+    gate/up/down, Mixtral's block_sparse_moe w1/w3/w2)."""
+    config = {"llama_tied": lambda: tiny_config("llama", tied=True), "qwen3_moe": lambda: tiny_config("qwen3_moe"),
+              "mixtral": mixtral_config}[family]()
+    directory = saved(tmp_path, config)
+    theirs = dict(transformers.AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+    skeleton = load_causal_lm(str(directory), on_meta=True)
+    slices = PretrainedSlices(directory, skeleton, prefix="llm.")
+    assert slices.problems == []
+    for name, param in skeleton.named_parameters():
+        whole = slices(f"llm.{name}", param.shape, tuple(slice(None) for _ in param.shape))
+        assert torch.equal(whole, theirs[name]), name
+        index = (slice(1, 3),) + tuple(slice(0, n // 2) for n in param.shape[1:])  # experts 1-2, or rows 1-2
+        assert torch.equal(slices(f"llm.{name}", param.shape, index), theirs[name][index]), name
+    assert slices.read == 2 * slices.total - sum(  # every whole tensor once, then the slices
+        p.numel() - p[(slice(1, 3),) + tuple(slice(0, n // 2) for n in p.shape[1:])].numel()
+        for p in skeleton.parameters())
+    buffers = dict(transformers.AutoModelForCausalLM.from_pretrained(directory).named_buffers())
+    assert all(torch.equal(b, buffers[n]) for n, b in skeleton.named_buffers())
+
+
+def test_a_directory_missing_tensors_is_refused_naming_each_at_the_first_read(tmp_path):
+    directory = saved(tmp_path, tiny_config("qwen3_moe"))
+    tensors = load_file(str(directory / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.q_norm.weight"], tensors["model.layers.0.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    slices = PretrainedSlices(directory, load_causal_lm(str(directory), on_meta=True), prefix="llm.")
+    assert [p.split(" ")[1] for p in slices.problems] == ["model.layers.0.mlp.experts.3.up_proj.weight",
+                                                        "model.layers.1.self_attn.q_norm.weight"]
+    with pytest.raises(ValueError, match="experts.3.up_proj"):
+        slices("llm.model.norm.weight", torch.Size([32]), (slice(None),))
+
+
+def test_a_directory_without_safetensors_builds_for_a_dry_run_and_refuses_a_read(tmp_path):
+    tiny_config("llama").save_pretrained(tmp_path)
+    slices = PretrainedSlices(tmp_path, load_causal_lm(str(tmp_path), on_meta=True), prefix="llm.")
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        slices("llm.model.norm.weight", torch.Size([32]), (slice(None),))
