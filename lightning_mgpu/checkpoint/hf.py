@@ -10,14 +10,16 @@ unpickled.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Collection, Mapping, Optional, Sequence
 
 import torch
 
 from lightning_mgpu.checkpoint.hf_moe import (FAMILIES, family_of, is_stacked, moe_export_problems, moe_fields,
                                               moe_hf_config, moe_hf_names)
+from lightning_mgpu.checkpoint.hf_shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.problems import format_problems
 
@@ -155,30 +157,68 @@ def from_hf_config(hf: Mapping) -> LlamaConfig:
     return LlamaConfig(**fields)
 
 
-def save_hf(state_dict: Mapping[str, torch.Tensor], cfg: LlamaConfig, out_dir: str | Path,
-            dtype: torch.dtype = torch.float32) -> Path:
-    """Write our full (unsplit) state dict as a Hugging Face Llama checkpoint directory."""
-    from safetensors.torch import save_file
+#: Reads some of our parameters whole, by name (a stacked parameter with all its experts).
+ParameterReader = Callable[[list[str]], Mapping[str, torch.Tensor]]
 
+
+def save_hf(read: ParameterReader, shapes: Mapping[str, Sequence[int]], cfg: LlamaConfig, out_dir: str | Path,
+            dtype: torch.dtype = torch.float32, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[Path]:
+    """Write our model as a Hugging Face directory: ``config.json`` and safetensors shards of at most
+    ``max_shard_bytes`` in ``dtype`` (:mod:`~lightning_mgpu.checkpoint.hf_shards`). Each shard's parameters are read
+    through ``read`` just before it is written and dropped after, so a model too big for one process's memory is
+    written from a checkpoint read a shard at a time. ``shapes``: every parameter's shape (name -> shape). Returns the
+    files written, ``config.json`` first."""
     config = to_hf_config(cfg)  # refuses a model no family holds before anything is written
+    sources = hf_sources(shapes, cfg)
+    plan = plan_shards([(key, math.prod(shape) * dtype.itemsize) for key, (_, shape) in sources.items()],
+                       max_shard_bytes)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf_tensors(state_dict, cfg, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
+    written = write_shards(out, plan, lambda keys: _read_shard(read, keys, sources, cfg, dtype))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [out / "config.json", *written]
+
+
+def hf_sources(shapes: Mapping[str, Sequence[int]], cfg: LlamaConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Each Hugging Face tensor of our model: (our parameter it comes from, its shape as written), in our model's
+    parameter order (so that a layer's tensors are neighbours in the shards); a stacked ``[E, a, b]`` parameter gives
+    ``E`` tensors ``[b, a]``, and a tied head none (the embedding is written once). ``shapes``: name -> shape, of
+    every parameter (else no complete model can be written)."""
+    names = _parameter_names(cfg)
+    missing = [name for name in names if name not in shapes]
+    if missing:
+        raise ValueError(f"the weights lack {len(missing)} parameters of their model config (e.g. "
+                         f"{', '.join(missing[:3])}), so no complete model can be written; export a checkpoint "
+                         "that holds every parameter of its config")
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name in names:
+        shape = tuple(shapes[name])
+        keys = hf_names(name, cfg)
+        written = [(shape[2], shape[1])] * len(keys) if is_stacked(name) else [shape]
+        out.update({key: (name, one) for key, one in zip(keys, written)})
     return out
 
 
-def hf_tensors(state_dict: Mapping[str, torch.Tensor], cfg: LlamaConfig,
-               dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+def _read_shard(read: ParameterReader, keys: Sequence[str], sources: Mapping[str, tuple[str, tuple[int, ...]]],
+                cfg: LlamaConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors ``keys`` of one shard: their parameters read through ``read`` in one call (a stacked
+    one whole, even when the shard holds only some of its experts: the others are not converted), then converted."""
+    return hf_tensors(read(list(dict.fromkeys(sources[key][0] for key in keys))), cfg, dtype, set(keys))
+
+
+def hf_tensors(state_dict: Mapping[str, torch.Tensor], cfg: LlamaConfig, dtype: torch.dtype = torch.float32,
+               names: Optional[Collection[str]] = None) -> dict[str, torch.Tensor]:
     """Our state dict by Hugging Face names, in ``dtype``: stacked experts written one tensor per expert (each the
-    transpose of ours, as ``nn.Linear`` keeps it), a tied head not written again."""
+    transpose of ours, as ``nn.Linear`` keeps it), a tied head not written again. ``names``: only these Hugging Face
+    tensors (a shard that holds some experts of a stacked parameter converts only those)."""
     out: dict[str, torch.Tensor] = {}
     for name, value in state_dict.items():
         if cfg.tie_embeddings and name == "output.weight":
             continue
-        keys = hf_names(name, cfg)
-        out.update({key: value[e].T for e, key in enumerate(keys)} if is_stacked(name) else {keys[0]: value})
-    return {k: v.detach().to(dtype).contiguous().cpu() for k, v in out.items()}
+        for e, key in enumerate(hf_names(name, cfg)):
+            if names is None or key in names:
+                out[key] = (value[e].T if is_stacked(name) else value).detach().to(dtype).contiguous().cpu()
+    return out
 
 
 def _parameter_names(cfg: LlamaConfig) -> list[str]:

@@ -23,7 +23,7 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -195,18 +195,33 @@ def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replic
     return trainer_state
 
 
-def read_model_weights(path: str | Path, prefix: str = "model.") -> tuple[dict, dict[str, torch.Tensor]]:
-    """(the model config saved with an ``LLMModule``, the whole model's fp32 weights under the model's own names),
-    read from a universal checkpoint in one process, whatever layout wrote it."""
+def read_model_shapes(path: str | Path) -> tuple[dict, dict[str, torch.Size]]:
+    """(the model config saved with an ``LLMModule``, the shape of each of the model's parameters under its own name),
+    from a universal checkpoint's trainer state, before any tensor is read: what :func:`read_parameters` needs to read
+    a few parameters at a time. A tied head is left out (the model has one tensor, named as the embedding)."""
     from lightning_mgpu.models.llama import Llama, LlamaConfig
 
     trainer_state = read_trainer_state(path)
-    read_dcp_metadata(path)
+    read_dcp_metadata(path)  # refused here with its own message, not wrapped in DCP's
     config = (trainer_state.get("hyper_parameters") or {}).get("model")
     if not isinstance(config, dict):
         raise ValueError(f"{path} holds no model config (hyper_parameters['model']): it was not written by LLMModule")
     with torch.device("meta"):  # built on meta, not moved there: ``.to("meta")`` unties tied embeddings
-        shapes = {name: p.shape for name, p in Llama(LlamaConfig(**config)).named_parameters()}
+        return config, {name: p.shape for name, p in Llama(LlamaConfig(**config)).named_parameters()}
+
+
+def read_parameters(path: str | Path, shapes: Mapping[str, torch.Size], prefix: str = "model."
+                    ) -> dict[str, torch.Tensor]:
+    """The fp32 weights of only the parameters named in ``shapes`` (name -> shape, from :func:`read_model_shapes`),
+    read from a universal checkpoint in one process, whatever layout wrote it: DCP reads only the keys it is given,
+    so a caller can hold a part of a model too big for one process's memory."""
     targets = {f"param/{prefix}{name}": torch.zeros(shape) for name, shape in shapes.items()}
     dcp.load(targets, storage_reader=SafeFileSystemReader(path), no_dist=True)
-    return config, {k[len("param/") + len(prefix):]: v for k, v in targets.items()}
+    return {k[len("param/") + len(prefix):]: v for k, v in targets.items()}
+
+
+def read_model_weights(path: str | Path, prefix: str = "model.") -> tuple[dict, dict[str, torch.Tensor]]:
+    """(the model config saved with an ``LLMModule``, the whole model's fp32 weights under the model's own names),
+    read from a universal checkpoint in one process, whatever layout wrote it."""
+    config, shapes = read_model_shapes(path)
+    return config, read_parameters(path, shapes, prefix)

@@ -1,32 +1,50 @@
 """``mgpu-export CKPT --format hf OUT``: a checkpoint's weights as a Hugging Face directory: a Llama, or for a mixture
 of experts a Mixtral (or a Qwen3-MoE, with ``qk_norm``); a model none of them can hold is refused before writing.
 
-CKPT is a universal checkpoint written by any layout (read in this one process), or a checkpoint saved with
-consolidated weights. Its checksums are verified first, and nothing in it is unpickled beyond plain data."""
+CKPT is a universal checkpoint written by any layout (read in this one process, one shard's parameters at a time), or
+a checkpoint saved with consolidated weights. The weights are written as safetensors shards of at most
+``--max-shard-size`` with ``model.safetensors.index.json``, as ``transformers`` writes them (one shard: one
+``model.safetensors``). Its checksums are verified first, and nothing in it is unpickled beyond plain data."""
 
 from __future__ import annotations
 
 import argparse
+import re
+from decimal import Decimal
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 
 from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS, read_consolidated
 from lightning_mgpu.checkpoint.formats import format_of, is_consolidated
 from lightning_mgpu.checkpoint.hf import export_problems as hf_export_problems
-from lightning_mgpu.checkpoint.hf import save_hf
+from lightning_mgpu.checkpoint.hf import ParameterReader, save_hf
 from lightning_mgpu.checkpoint.store import verify
-from lightning_mgpu.checkpoint.universal import read_model_weights
+from lightning_mgpu.checkpoint.universal import read_model_shapes, read_parameters
 from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.models.llama import LlamaConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``--max-shard-size`` units: decimal as ``transformers`` reads "5GB", binary with an ``i``.
+SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
-def export_problems(checkpoint: Path, out: Path) -> list[str]:
-    """What is wrong with the two paths, before anything is read or written."""
+def parse_size(text: str | int) -> Optional[int]:
+    """Bytes of a size such as ``5GB``, ``500MB``, ``1.5GiB`` or ``200000`` (case-insensitive); None when ``text`` is
+    not one, or is under one byte."""
+    found = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", str(text))
+    if found is None or found.group(2).upper() not in SIZE_UNITS:
+        return None
+    size = int(Decimal(found.group(1)) * SIZE_UNITS[found.group(2).upper()])
+    return size if size >= 1 else None
+
+
+def export_problems(checkpoint: Path, out: Path, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+    """What is wrong with the two paths and the shard size, before anything is read or written."""
     from lightning_mgpu.callbacks import newest_checkpoint
 
     problems = []
@@ -41,6 +59,13 @@ def export_problems(checkpoint: Path, out: Path) -> list[str]:
                         f"with consolidated weights ({WEIGHTS}, {CONFIG}); {fix}")
     if out.exists() and not out.is_dir():
         problems.append(f"out {str(out)!r} exists and is not a directory; give a new or existing directory")
+    elif checkpoint.is_dir() and out.resolve() == checkpoint.resolve():
+        problems.append(f"out {str(out)!r} is the checkpoint itself, whose files the export would replace; give "
+                        "another directory")
+    if parse_size(max_shard_size) is None:
+        problems.append(f"--max-shard-size {max_shard_size!r} is not a size of at least one byte; give a number of "
+                        "bytes with an optional unit KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers "
+                        f"of 1024), e.g. --max-shard-size 5GB (the default) or 500MB")
     return problems
 
 
@@ -49,27 +74,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     skip_final_garbage_collection()
     parser = argparse.ArgumentParser(prog="mgpu-export", description=__doc__)
     parser.add_argument("checkpoint", help="a checkpoint directory (universal, or with consolidated weights)")
-    parser.add_argument("out", help="output directory (config.json + model.safetensors)")
+    parser.add_argument("out", help="output directory (config.json + safetensors shards + their index)")
     parser.add_argument("--format", choices=["hf"], default="hf")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                        help="largest safetensors file, e.g. 5GB (the default), 500MB or a number of bytes; a single "
+                             "tensor bigger than it gets a file of its own")
     args = parser.parse_args(argv)
-    exit_on_refusal(lambda: export(Path(args.checkpoint), Path(args.out), DTYPES[args.dtype]))
+    exit_on_refusal(lambda: export(Path(args.checkpoint), Path(args.out), DTYPES[args.dtype], args.max_shard_size))
 
 
-def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Write ``checkpoint``'s weights to ``out`` as a Hugging Face directory; return ``out``."""
-    problems = export_problems(checkpoint, out)
+def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32,
+           max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> list[Path]:
+    """Write ``checkpoint``'s weights to ``out`` as a Hugging Face directory, one shard at a time; return the files
+    written (``config.json`` first)."""
+    problems = export_problems(checkpoint, out, max_shard_size)
     if problems:
         raise ConfigError(problems, what="arguments")
     verify(checkpoint)
-    if format_of(checkpoint) == "universal":
-        config, state = read_model_weights(checkpoint)
-    else:
-        config, state = read_consolidated(checkpoint)
+    config, shapes, read = _weights(checkpoint)
     model = LlamaConfig(**config)
     problems = hf_export_problems(model)
     if problems:
         raise ConfigError(problems, what=f"model for a Hugging Face export of {checkpoint}")
-    written = save_hf(state, model, out, dtype)
-    print(f"wrote {written / 'config.json'} and {written / 'model.safetensors'}")
+    written = save_hf(read, shapes, model, out, dtype, parse_size(max_shard_size) or 0)  # a size: refused above if not
+    print(f"wrote {', '.join(path.name for path in written)} in {out}")
     return written
+
+
+def _weights(checkpoint: Path) -> tuple[dict, Mapping[str, torch.Size], ParameterReader]:
+    """(model config, every parameter's shape, a reader of some parameters) of a checkpoint: a universal one is read
+    only when the reader is called, a few parameters at a time; consolidated weights were written whole, and are
+    read whole now."""
+    if format_of(checkpoint) == "universal":
+        config, shapes = read_model_shapes(checkpoint)
+        return config, shapes, lambda names: read_parameters(checkpoint, {name: shapes[name] for name in names})
+    config, state = read_consolidated(checkpoint)
+    return config, {name: value.shape for name, value in state.items()}, lambda names: {n: state[n] for n in names}
