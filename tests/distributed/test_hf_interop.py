@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 from lightning_mgpu import LLMModule, MGPUStrategy
 from lightning_mgpu.checkpoint.hf import from_hf_config, load_hf, load_into, to_hf_name
 from lightning_mgpu.checkpoint.integrity import record_checksums
-from lightning_mgpu.checkpoint.universal import TRAINER_STATE, read_model_weights, read_trainer_state
+from lightning_mgpu.checkpoint.universal import (TRAINER_STATE, read_model_weights, read_parameters,
+                                                 read_trainer_state)
 from lightning_mgpu.cli.export import main as export_main
 from lightning_mgpu.models import Llama
 from lightning_mgpu.testing import run_distributed
@@ -73,21 +74,73 @@ def _token_file(directory):
     return make_token_file(directory, n_tokens=5000)
 
 
-@pytest.mark.parametrize("layout, tied", [(dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3), True),
-                                          (dict(pipeline_parallel_size=2, zero_stage=1), False),
-                                          (dict(tensor_parallel_size=2, zero_stage=1, save_consolidated_weights=False),
-                                           False)],
+#: The plan of the untied tiny model in fp32 under ``--max-shard-size 20KB`` (20000 bytes), worked by hand in our
+#: parameter order: embedding 8192 bytes, a norm 128, wq and wo 4096, wk and wv 2048, each MLP weight 8192, head 8192.
+#: 8192+128+4096+2048+2048 = 16512 (+4096 for wo > 20000) | wo 4096+128+8192 = 12416 (+8192 for w3 > 20000) |
+#: 8192+8192+128 = 16512 (+4096) | 4096+2048+2048+4096+128 = 12416 (+8192 for w1 > 20000) | 8192+8192 (+8192) |
+#: 8192+128+8192 = 16512: six shards.
+SHARDS_20KB = [["tok_embeddings", "layers.0.attention_norm", "layers.0.attention.wq", "layers.0.attention.wk",
+                "layers.0.attention.wv"],
+               ["layers.0.attention.wo", "layers.0.ffn_norm", "layers.0.feed_forward.w1"],
+               ["layers.0.feed_forward.w3", "layers.0.feed_forward.w2", "layers.1.attention_norm"],
+               ["layers.1.attention.wq", "layers.1.attention.wk", "layers.1.attention.wv", "layers.1.attention.wo",
+                "layers.1.ffn_norm"],
+               ["layers.1.feed_forward.w1", "layers.1.feed_forward.w3"],
+               ["layers.1.feed_forward.w2", "norm", "output"]]
+
+
+def recorded_reads(monkeypatch) -> list:
+    """The parameter names of every call the exporter makes to read a universal checkpoint, in order."""
+    from lightning_mgpu.cli import export
+
+    calls: list = []
+
+    def recording(path, shapes, *args):
+        calls.append(list(shapes))
+        return read_parameters(path, shapes, *args)
+
+    monkeypatch.setattr(export, "read_parameters", recording)
+    return calls
+
+
+def index_shards(directory) -> list[list[str]]:
+    """The tensor names of each shard of an export (sorted), in file order, from its ``model.safetensors.index.json``;
+    each file holds exactly the tensors the index gives it."""
+    weight_map = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(weight_map.values()))
+    assert sorted(p.name for p in directory.glob("*.safetensors")) == files
+    shards = [sorted(k for k, v in weight_map.items() if v == f) for f in files]
+    assert [sorted(load_file(str(directory / f))) for f in files] == shards
+    return shards
+
+
+@pytest.mark.parametrize("layout, tied, shard_size",
+                         [(dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=3), True, None),
+                          (dict(pipeline_parallel_size=2, zero_stage=1), False, "40KB"),
+                          (dict(tensor_parallel_size=2, zero_stage=1, save_consolidated_weights=False), False, "20KB")],
                          ids=["tp2_sp_zero3_tied", "pp2_zero1", "tp2_from_universal_checkpoint"])
-def test_import_train_zero_steps_export_round_trip(tmp_path, layout, tied):
+def test_import_train_zero_steps_export_round_trip(tmp_path, monkeypatch, layout, tied, shard_size):
     """Tied embeddings: one tensor in our model (split over the vocabulary under tp), ``embed_tokens`` alone in the
-    export, and transformers ties ``lm_head`` to it again on loading."""
+    export, and transformers ties ``lm_head`` to it again on loading. With ``--max-shard-size``, several shards and
+    their index, which transformers loads; from a universal checkpoint, each read asks for one shard's parameters."""
     reference = tiny_hf(tmp_path / "hf", tied=tied)
     run_distributed(_round_trip, 2, tmp_path / "hf", tmp_path / "ckpt", 2, layout)
-    export_main([str(tmp_path / "ckpt"), str(tmp_path / "exported"), "--format", "hf"])
+    reads = recorded_reads(monkeypatch)
+    export_main([str(tmp_path / "ckpt"), str(tmp_path / "exported"), "--format", "hf",
+                 *(["--max-shard-size", shard_size] if shard_size else [])])
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported").eval()
     assert exported.config.tie_word_embeddings is tied
     assert (exported.lm_head.weight is exported.model.embed_tokens.weight) is tied
     torch.testing.assert_close(hf_logits(exported, TOKENS), hf_logits(reference, TOKENS), atol=1e-5, rtol=0)
+    if shard_size is None:
+        assert sorted(p.name for p in (tmp_path / "exported").glob("model*")) == ["model.safetensors"]
+        return
+    shards = index_shards(tmp_path / "exported")
+    if shard_size == "40KB":  # 37120 | 37120 | 16512 bytes: each layer's w2 starts the next shard
+        assert [len(s) for s in shards] == [9, 9, 3]
+        return
+    assert shards == [sorted(to_hf_name(f"{name}.weight") for name in shard) for shard in SHARDS_20KB]
+    assert reads == [[f"{name}.weight" for name in shard] for shard in SHARDS_20KB]  # one read per shard, in order
 
 
 def test_mismatched_shapes_are_named(tmp_path):

@@ -8,12 +8,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import transformers
 from safetensors.torch import load_file
+from test_hf_interop import index_shards, recorded_reads
 
 from lightning_mgpu import LLMModule
 from lightning_mgpu.checkpoint.files import write_consolidated
-from lightning_mgpu.checkpoint.hf import HFWeights, from_hf_config, load_hf, load_into, to_hf_config
+from lightning_mgpu.checkpoint.formats import TRAINER_STATE
+from lightning_mgpu.checkpoint.hf import HFWeights, from_hf_config, hf_sources, load_hf, load_into, to_hf_config
 from lightning_mgpu.checkpoint.integrity import record_checksums
 from lightning_mgpu.cli.errors import ConfigError
 from lightning_mgpu.cli.export import export
@@ -66,14 +69,18 @@ def test_the_config_maps_onto_ours(family):
 
 def test_import_then_mgpu_export_is_bit_exact(family, tmp_path):
     """Every tensor transformers wrote comes back under its name with the same bits, and transformers loads the
-    export with nothing missing or left over (so it wrote the per-expert layout transformers reads)."""
+    export with nothing missing or left over (so it wrote the per-expert layout transformers reads), here from
+    several shards and their index."""
     config, state = load_hf(family["dir"])
     model = Llama(config)
     load_into(model, state)
     write_consolidated(tmp_path / "ckpt", model.state_dict(), config.to_dict())
     record_checksums(tmp_path / "ckpt")
-    export(tmp_path / "ckpt", tmp_path / "out")
-    original, exported = (load_file(str(d / "model.safetensors")) for d in (family["dir"], tmp_path / "out"))
+    export(tmp_path / "ckpt", tmp_path / "out", max_shard_size="50KB")
+    original = load_file(str(family["dir"] / "model.safetensors"))
+    shards = index_shards(tmp_path / "out")  # 116352 bytes of Mixtral, 160000 of Qwen3-MoE, under 50000 a file
+    assert len(shards) == (3 if family["name"] == "mixtral" else 4)
+    exported = {k: v for f in (tmp_path / "out").glob("model-*.safetensors") for k, v in load_file(str(f)).items()}
     assert sorted(exported) == sorted(original)
     assert [k for k in original if not torch.equal(exported[k], original[k])] == []
     assert from_hf_config(json.loads((tmp_path / "out" / "config.json").read_text())) == config
@@ -82,6 +89,57 @@ def test_import_then_mgpu_export_is_bit_exact(family, tmp_path):
     assert not (info["missing_keys"] or info["unexpected_keys"] or info["mismatched_keys"]), info
     with torch.no_grad():
         assert torch.equal(back.eval()(BATCH).logits, family["hf"](BATCH).logits)
+
+
+def write_universal(directory, config, state):
+    """A universal checkpoint of a whole model written in this process, as ``LLMModule`` checkpoints hold its weights
+    (DCP's ``param/model.NAME``) and its config (the trainer state's ``hyper_parameters``); without the Adam
+    moments, which an export never reads."""
+    dcp.save({f"param/model.{name}": value for name, value in state.items()}, checkpoint_id=str(directory),
+             no_dist=True)
+    torch.save({"hyper_parameters": {"model": config.to_dict()}}, directory / TRAINER_STATE)
+    record_checksums(directory)
+
+
+#: Mixtral in fp32 under ``--max-shard-size 20KB`` (20000 bytes), worked by hand: each expert's tensor is 32 x 24 x 4 =
+#: 3072 bytes (a stacked weight 12288), the embedding and head 8192, wq and wo 4096, wk and wv 2048, a router 512, a
+#: norm 128. Shards: 8192+128+4096+2048+2048 = 16512 | wo, norm, router, w1 = 17024 | w3, w2 experts 0-1 = 18432 |
+#: w2 experts 2-3, layer 1's attention, norm and router = 19200 | w1, w3 experts 0-1 = 18432 | w3 experts 2-3, w2,
+#: norm = 18560 | head 8192. A stacked weight split over two shards is read for each of them.
+MIXTRAL_READS_20KB = [
+    ["tok_embeddings.weight", "layers.0.attention_norm.weight", "layers.0.attention.wq.weight",
+     "layers.0.attention.wk.weight", "layers.0.attention.wv.weight"],
+    ["layers.0.attention.wo.weight", "layers.0.ffn_norm.weight", "layers.0.feed_forward.router.gate.weight",
+     "layers.0.feed_forward.experts.w1"],
+    ["layers.0.feed_forward.experts.w3", "layers.0.feed_forward.experts.w2"],
+    ["layers.0.feed_forward.experts.w2", "layers.1.attention_norm.weight", "layers.1.attention.wq.weight",
+     "layers.1.attention.wk.weight", "layers.1.attention.wv.weight", "layers.1.attention.wo.weight",
+     "layers.1.ffn_norm.weight", "layers.1.feed_forward.router.gate.weight"],
+    ["layers.1.feed_forward.experts.w1", "layers.1.feed_forward.experts.w3"],
+    ["layers.1.feed_forward.experts.w3", "layers.1.feed_forward.experts.w2", "norm.weight"],
+    ["output.weight"],
+]
+
+
+def test_a_universal_checkpoint_is_exported_one_shard_at_a_time(family, tmp_path, monkeypatch):
+    """Each read of the checkpoint asks for the parameters of one shard's tensors and nothing else, shard by shard
+    (a stacked weight whole, once for each shard holding some of its experts); transformers loads the shards and
+    gives the model's own logits."""
+    config, state = load_hf(family["dir"])
+    write_universal(tmp_path / "ckpt", config, state)
+    reads = recorded_reads(monkeypatch)
+    export(tmp_path / "ckpt", tmp_path / "out", max_shard_size="20KB")
+    shards = index_shards(tmp_path / "out")
+    sources = hf_sources({name: value.shape for name, value in state.items()}, config)
+    assert [sorted(names) for names in reads] == [sorted({sources[key][0] for key in shard}) for shard in shards]
+    if family["name"] == "mixtral":
+        assert reads == MIXTRAL_READS_20KB
+        assert [len(shard) for shard in shards] == [5, 7, 6, 9, 6, 7, 1]
+        assert [key.split(".experts.")[1] for key in shards[2] if ".w2." in key] == ["0.w2.weight", "1.w2.weight"]
+    _, model_cls, _ = FAMILIES[family["name"]]
+    exported = model_cls.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(exported(BATCH).logits, family["hf"](BATCH).logits, atol=1e-5, rtol=0)
 
 
 def test_first_loss_and_gradient_norm_are_transformers(family):
