@@ -21,9 +21,10 @@ from lightning_mgpu.checkpoint.formats import format_of, is_consolidated
 from lightning_mgpu.checkpoint.hf import export_problems as hf_export_problems
 from lightning_mgpu.checkpoint.hf import ParameterReader, save_hf
 from lightning_mgpu.checkpoint.store import verify
-from lightning_mgpu.checkpoint.universal import read_model_shapes, read_parameters
+from lightning_mgpu.checkpoint.universal import read_model_shapes, read_parameters, read_trainer_state
 from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
+from lightning_mgpu.hf.export import export_trained_model, trained_from
 from lightning_mgpu.models.llama import LlamaConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,6 +93,15 @@ def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32,
     if problems:
         raise ConfigError(problems, what="arguments")
     verify(checkpoint)
+    source = trained_from(read_trainer_state(checkpoint)) if format_of(checkpoint) == "universal" else None
+    if source is not None:  # a transformers model trained as it is (model=hf)
+        if not (source / "config.json").is_file():
+            raise ConfigError([f"{source} (the directory this run trained from, model.path) has no config.json; "
+                               "the export writes the model's own config.json: restore that directory"],
+                              what=f"model for a Hugging Face export of {checkpoint}")
+        written = export_trained_model(checkpoint, source, out, dtype, parse_size(max_shard_size) or 0)
+        print(f"wrote {', '.join(path.name for path in written)} in {out}")
+        return written
     config, shapes, read = _weights(checkpoint)
     model = LlamaConfig(**config)
     problems = hf_export_problems(model)

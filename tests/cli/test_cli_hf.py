@@ -52,7 +52,7 @@ def reference(directory, token_file) -> dict:
         schedule.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grad_norms": norms}
+    return {"losses": losses, "grad_norms": norms, "model": model}
 
 
 def data_and_trainer(token_file) -> list[str]:
@@ -82,6 +82,20 @@ def test_a_transformers_directory_trains_as_it_is_at_parity(qwen3_dir, token_fil
     assert max_abs_diff(read_metric(metrics, "train/grad_norm"), expected["grad_norms"]) < 1e-5
     assert read_metric(metrics, "val/loss"), "no validation ran"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    # mgpu-export of the last checkpoint (universal, written by tp2 x dp2): what from_pretrained loads, in shards of
+    # at most 20 KB (25 tensors: 11 per layer, the embedding, the norm and the head; 22,720 fp32 elements, 90,880 bytes),
+    # the trained model's logits
+    exported = run_cli([str(BIN / "mgpu-export"), str(run_dir / "checkpoints" / "step-00000004"), str(tmp_path / "out"),
+                        "--max-shard-size", "20KB"], cwd=tmp_path)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1 and len(index["weight_map"]) == 25, index
+    assert index["metadata"]["total_size"] == 22_720 * 4, index
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    probe = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert max_abs_diff(loaded(probe).logits.flatten().tolist(),
+                            expected["model"](probe).logits.flatten().tolist()) < 1e-5
 
 
 LLAMA_70B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8192,

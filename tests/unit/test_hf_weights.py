@@ -63,3 +63,22 @@ def test_a_directory_without_safetensors_builds_for_a_dry_run_and_refuses_a_read
     slices = PretrainedSlices(tmp_path, load_causal_lm(str(tmp_path), on_meta=True), prefix="llm.")
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         slices("llm.model.norm.weight", torch.Size([32]), (slice(None),))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "llama_tied"])
+def test_export_writes_the_tensors_save_pretrained_writes(tmp_path, family):
+    """The other way (``mgpu-export`` of a ``model=hf`` run): each written tensor, cut from the model's parameters as
+    ``written_tensors`` says, equals what ``save_pretrained`` writes under that name, and no name is missing."""
+    from lightning_mgpu.hf.export import written_tensors
+
+    config = {"llama_tied": lambda: tiny_config("llama", tied=True), "qwen3_moe": lambda: tiny_config("qwen3_moe"),
+              "mixtral": mixtral_config}[family]()
+    directory = saved(tmp_path, config)
+    theirs = load_file(str(directory / "model.safetensors"))
+    params = dict(transformers.AutoModelForCausalLM.from_pretrained(directory).named_parameters())
+    tensors = written_tensors({n: p.shape for n, p in params.items()}, config.to_dict())
+    assert sorted(tensors) == sorted(theirs)
+    for key, ((name, expert, rows), shape) in tensors.items():
+        value = params[name] if expert is None else params[name][expert]
+        value = value if rows is None else value[rows]
+        assert tuple(value.shape) == shape and torch.equal(value, theirs[key]), key
