@@ -38,11 +38,11 @@ def token_file(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def ref(token_file):
-    """The one single-process reference of the parity tests: the tiny model, 10 steps, clipping at 0.3, then one
+    """The one single-process reference of the parity tests: the tiny model, ``STEPS`` steps, clipping at 0.3, then one
     validation batch (``val_loss``); every layout of ZeRO, tensor and context parallelism is compared with it."""
-    from helpers import reference
+    from helpers import STEPS, reference
 
-    return reference(token_file, steps=10, clip=0.3, val_batches=1)
+    return reference(token_file, steps=STEPS, clip=0.3, val_batches=1)
 
 
 #: Every store the tests served: kept referenced for the whole session. A store that becomes garbage (logging

@@ -6,7 +6,7 @@ This file is also the worked example of docs/how-to/own-model.md.
 import lightning as L
 import torch
 import torch.nn.functional as F
-from helpers import GLOBAL_BATCH, SEQ_LEN, fit, global_batches, max_abs_diff
+from helpers import GLOBAL_BATCH, SEQ_LEN, STEPS, fit, global_batches, max_abs_diff
 from torch import nn
 
 from lightning_mgpu.parallel.cross_entropy import cross_entropy
@@ -107,12 +107,12 @@ def single_process(token_file, steps: int, clip: float) -> dict:
 
 
 def test_own_gpt_with_a_plan_trains_at_tp2_at_parity(token_file):
-    expected = single_process(token_file, steps=10, clip=0.3)
+    expected = single_process(token_file, steps=STEPS, clip=0.3)
     results = run_distributed(fit, 2, token_file, 2, module=GPTModule(), tensor_parallel_size=2)
     for r in results:
         assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5
         assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5
-    assert expected["losses"][-1] < expected["losses"][0] - 0.2
+    assert expected["losses"][-1] < expected["losses"][0] - 0.1
 
 
 def test_own_gpt_is_refused_context_parallelism_by_name(token_file):

