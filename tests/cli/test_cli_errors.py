@@ -104,7 +104,7 @@ def test_a_real_crash_is_not_a_refusal(tmp_path, monkeypatch, capfd):
     def crash(path):
         raise RuntimeError("the disk went away")
 
-    monkeypatch.setattr(export, "read_model_shapes", crash)
+    monkeypatch.setattr(export, "read_trainer_state", crash)  # the first read of a universal checkpoint
     with pytest.raises(Exception) as err:
         export.main([str(tmp_path / "torn"), str(tmp_path / "out")])
     assert not isinstance(err.value, SystemExit) and refusal_message(err.value) is None
