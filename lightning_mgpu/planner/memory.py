@@ -47,6 +47,8 @@ under expert parallelism.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 from typing import Callable, Optional, Sequence
@@ -214,6 +216,18 @@ def activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, 
 
     In flight: :func:`in_flight_chunks` stage chunks' activations, each ``1 / V`` of the rank's blocks;
     ``microbatches`` (per step and replica) caps them (default: enough to fill the pipeline)."""
+    return _activation_bytes(cfg, seq_len, micro_batch, tp, pp, virtual, sequence_parallel, recompute, context,
+                             precision, mode, pp_rank, schedule, None if boundaries is None else tuple(boundaries),
+                             microbatches, ep)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: int, virtual: int,
+                      sequence_parallel: bool, recompute: bool, context: int, precision: str, mode: str | None,
+                      pp_rank: Optional[int], schedule: str, boundaries: Optional[tuple[int, ...]],
+                      microbatches: Optional[int], ep: int) -> float:
+    """:func:`activation_bytes`, remembered: the planner's search asks it again for every layout that differs only in
+    the ZeRO stage or the data-parallel size (102,508 times for the 405B recipe's 7,489 layouts)."""
     mode = mode or ("full" if recompute else "none")
     w = 4 if precision == "32-true" else 2
     s, b = seq_len / context, micro_batch
