@@ -13,6 +13,7 @@ pool, so a parent should call ``torch.set_num_threads(1)`` before any tensor wor
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import pickle
 import socket
@@ -37,6 +38,9 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ti
     # A hung child prints where every thread is, then exits, instead of hanging silently.
     faulthandler.dump_traceback_later(max(1.0, timeout - 5.0), exit=True)
     torch.set_num_threads(1)
+    # What the parent made (a test session's heap) stays out of this rank's garbage collections: each full collection
+    # would walk all of it, and copy every page it touches out of the memory shared with the parent.
+    gc.freeze()
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                        "NODE_RANK": "0", "GROUP_RANK": "0", "GLOO_SOCKET_IFNAME": "lo"})
@@ -111,8 +115,6 @@ def live_tensor_bytes(*modules: "torch.nn.Module") -> int:
     Tensors are found through the garbage collector, plus the ``.grad`` of the given modules' parameters:
     a gradient that only autograd holds has no Python object for the collector to find.
     """
-    import gc
-
     gc.collect()
     tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
     tensors += [p.grad for m in modules for p in m.parameters() if p.grad is not None]

@@ -1,5 +1,6 @@
 """Test-suite set-up shared by every tier."""
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -18,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_mgpu.engine import preload  # noqa: E402
 
 preload()
+# What the imports made stays out of the session's garbage collections: a full collection would walk it every time.
+gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

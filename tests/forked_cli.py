@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import logging
+import gc
 import os
 import signal
 import subprocess
@@ -41,6 +42,7 @@ def _child(module: str, argv: list[str], cwd: Optional[str], env: Optional[dict]
         if preexec is not None:
             preexec()
         signal.alarm(0)  # the parent's pending alarms (pytest-timeout) are not this process's
+        gc.freeze()  # the test session's heap stays out of this process's (and its forked ranks') collections
         for sig in (signal.SIGALRM, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, signal.SIG_DFL)
         os.dup2(out, 1)
