@@ -10,8 +10,8 @@ from typing import Optional
 
 from lightning_mgpu.problems import Problem, format_problems
 from lightning_mgpu.rank_grid import RankGrid
-from lightning_mgpu.split_rules import (copies_inside, expert_problems, qk_norm_problems, replica_problems,
-                                       stage_count_problems, tied_embedding_problems)
+from lightning_mgpu.split_rules import (context_model_problems, copies_inside, expert_problems, qk_norm_problems,
+                                       replica_problems, stage_count_problems, tied_embedding_problems)
 
 
 #: Pipeline schedules by their public name (see ``torch.distributed.pipelining.schedules``).
@@ -38,13 +38,20 @@ class ModelShape:
     num_experts: int = 0
     expert_hidden: int = 0
     qk_norm: bool = False
+    #: Attention within a window of this many tokens (0: none); refuses context parallelism.
+    sliding_window: int = 0
+    #: Whether the model's pipeline stages can take context-parallel chunks (a ``transformers`` model's cannot).
+    context_with_pipeline: bool = True
 
     @classmethod
     def of(cls, config) -> "ModelShape":
-        """The shape of a model config with these fields (e.g. ``LlamaConfig``)."""
+        """The shape of a model config with these fields (e.g. ``LlamaConfig``). q/k norms that a model keeps whole
+        on every tensor-parallel rank (``qk_norm_whole``: a ``transformers`` model's) constrain no split."""
+        qk_norm = bool(getattr(config, "qk_norm", False)) and not getattr(config, "qk_norm_whole", False)
         return cls(config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_hidden, config.vocab_size,
                    bool(getattr(config, "tie_embeddings", False)), int(getattr(config, "num_experts", 0)),
-                   int(getattr(config, "expert_ffn_hidden", 0)), bool(getattr(config, "qk_norm", False)))
+                   int(getattr(config, "expert_ffn_hidden", 0)), qk_norm, int(getattr(config, "sliding_window", 0)),
+                   bool(getattr(config, "context_with_pipeline", True)))
 
 
 def divisors(n: int) -> list[int]:
@@ -230,6 +237,8 @@ class ParallelLayout(LayoutRequest, RankGrid):
         out += stage_count_problems(stages, m.n_layers)
         out += tied_embedding_problems(self.pipeline_parallel_size, m.tie_embeddings)
         out += qk_norm_problems(T, m.qk_norm)
+        out += context_model_problems(self.context_parallel_size, self.pipeline_parallel_size, m.sliding_window,
+                                      m.context_with_pipeline)
         return out
 
     # ------------------------------------------------------------------------------- coordinates

@@ -77,6 +77,23 @@ def qk_norm_problems(tensor_parallel_size: int, qk_norm: bool) -> list[Problem]:
     return []
 
 
+def context_model_problems(context_parallel_size: int, pipeline_parallel_size: int, sliding_window: int,
+                           context_with_pipeline: bool) -> list[Problem]:
+    """The rules a model's attention sets on context parallelism: a window (Mistral's ``sliding_window``) is not
+    masked by the context-parallel kernel, and a model whose stages do not cut the sequence into chunks
+    (``context_with_pipeline=False``: a ``transformers`` model's) cannot be both context- and pipeline-parallel."""
+    C, out = context_parallel_size, []
+    if C > 1 and sliding_window:
+        out.append(Problem("context_parallel_size", C, f"cannot split a model that attends within a sliding window "
+                           f"(sliding_window={sliding_window}): the context-parallel kernel does not mask one",
+                           "use context_parallel_size=1 for this model"))
+    if C > 1 and pipeline_parallel_size > 1 and not context_with_pipeline:
+        out.append(Problem("context_parallel_size", C, f"with pipeline_parallel_size={pipeline_parallel_size}: a "
+                           "transformers model's pipeline stages do not cut the sequence into chunks yet",
+                           "use one of them"))
+    return out
+
+
 def tied_embedding_problems(pipeline_parallel_size: int, tie_embeddings: bool) -> list[Problem]:
     """The rule: a model whose output head shares the embedding's weight cannot be split into pipeline stages (the
     embedding lives on the first stage, the head on the last)."""

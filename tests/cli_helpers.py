@@ -98,3 +98,15 @@ def run(args, cwd, timeout=240, env=None, fork=True):
         proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
+
+
+#: The ``config.json`` of each family a ``model=hf`` recipe is written for (no weights: the layout rules, the planner,
+#: the memory check and the dry run read only the shape).
+HF_FAMILIES = REPO / "tests" / "data" / "hf"
+
+
+def recipe_overrides(recipe: str) -> list[str]:
+    """``recipe=NAME``, and for a recipe that trains a Hugging Face directory (``NAME`` = ``FAMILY_hf_...``) the
+    ``model.path`` of its family's ``config.json``, as a user gives their download's."""
+    family = recipe.split("_hf_")[0] if "_hf_" in recipe else None
+    return [f"recipe={recipe}"] + ([f"model.path={HF_FAMILIES / family}"] if family else [])

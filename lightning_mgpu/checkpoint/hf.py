@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Collection, Mapping, Optional, Sequence
+from typing import Callable, ClassVar, Collection, Mapping, Optional, Sequence
 
 import torch
 
@@ -128,17 +129,38 @@ def _shape_fields(hf: Mapping) -> dict:
                 norm_eps=hf.get("rms_norm_eps", 1e-5), tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
 
 
+@dataclass(frozen=True)
+class TransformersShape(LlamaConfig):
+    """The sizes of a ``transformers`` model: its q/k norms (Qwen3's) count among its parameters, and constrain no
+    split, since it keeps them whole on every tensor-parallel rank and sums their gradients (``grad_sum``); its
+    attention window refuses context parallelism, and so do its pipeline stages (``lightning_mgpu.hf.context``)."""
+
+    sliding_window: int = 0
+    qk_norm_whole: ClassVar[bool] = True
+    context_with_pipeline: ClassVar[bool] = False
+
+
+def sliding_window(hf: Mapping) -> int:
+    """The attention window a ``config.json`` (or a ``transformers`` config's ``to_dict()``) sets, 0 for none."""
+    return int((hf.get("sliding_window") or 0) if hf.get("use_sliding_window", True) else 0)
+
+
+#: The families whose attention normalises each head's queries and keys (``q_norm``, ``k_norm``).
+_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+
+
 def planning_shape(hf: Mapping) -> LlamaConfig:
     """The sizes of any ``transformers`` decoder's ``config.json`` as a :class:`LlamaConfig`, for the layout rules, the
     planner, the memory check and the dry run of a model trained as it is (``model=hf``): what
     :func:`from_hf_config` refuses to import (biases, a sliding window, another family) does not change the sizes they
-    count. The q/k norms are left out (``qk_norm``: a ``transformers`` model splits them as it is)."""
+    count (the few bias elements aside)."""
     fields = _shape_fields(hf)
+    fields.update(qk_norm=hf.get("model_type") in _QK_NORM_FAMILIES, sliding_window=sliding_window(hf))
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
     if experts:
         fields.update(num_experts=experts, experts_per_token=int(hf.get("num_experts_per_tok", 2)),
                       expert_hidden=int(hf.get("moe_intermediate_size") or 0))
-    return LlamaConfig(**fields)
+    return TransformersShape(**fields)
 
 
 def from_hf_config(hf: Mapping) -> LlamaConfig:

@@ -7,7 +7,6 @@ them all; ``plan_problems`` does the same for ``mgpu-plan``."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import importlib.util
 import math
 from pathlib import Path
@@ -77,28 +76,7 @@ def _hf_model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaCo
     out += activation_checkpointing_problems(m.activation_checkpointing, "model.activation_checkpointing")
     out += [f"model.{key}={m[key]!r}: model=hf takes its shape from {m.path}/config.json; leave model.{key} unset"
             for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size") if m[key] is not None]
-    if not cfg.get("dry_run") and not any(Path(m.path).glob("*.safetensors")):
-        out.append(f"model.path={m.path!r} has no *.safetensors weights (pickled *.bin files are not read): save the "
-                   "model there with save_pretrained(DIR) (safetensors is its default), or add dry_run=true to lay "
-                   "out its config.json alone")
-    out += _hf_context_problems(cfg, json.loads((Path(m.path) / "config.json").read_text()))
     return (None, out) if out else (resolve_model(cfg, data), [])
-
-
-def _hf_context_problems(cfg: DictConfig, hf: dict) -> list[str]:
-    """What context parallelism cannot do for a transformers model (``lightning_mgpu.hf.context``), before launch."""
-    C = cfg.parallel.context_parallel_size
-    if C <= 1:
-        return []
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-    out = [f"parallel.context_parallel_size={C}: this model attends within a sliding window (sliding_window={window} "
-           "in its config.json), which the context-parallel kernel does not mask; use context_parallel_size=1"] \
-        if window else []
-    if cfg.parallel.pipeline_parallel_size > 1:
-        out.append(f"parallel.context_parallel_size={C} with parallel.pipeline_parallel_size="
-                   f"{cfg.parallel.pipeline_parallel_size}: a transformers model's stages do not cut the sequence into "
-                   "chunks yet; use one of them")
-    return out
 
 
 def trainer_problems(cfg: DictConfig) -> list[str]:

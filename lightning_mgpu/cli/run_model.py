@@ -29,7 +29,8 @@ def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:
     if m.name == "hf":  # a transformers model trained as it is: the sizes of its config.json
         from lightning_mgpu.checkpoint.hf import planning_shape
 
-        model = planning_shape(json.loads((Path(m.path) / "config.json").read_text()))
+        model = replace(planning_shape(json.loads((Path(m.path) / "config.json").read_text())),
+                        activation_checkpointing=m.activation_checkpointing)  # HFCausalLM applies it to the layers
     elif m.init_from:  # the checkpoint's shape, whatever model.name says
         from lightning_mgpu.checkpoint.hf import from_hf_config, hf_path
 

@@ -29,17 +29,6 @@ ATTENTION_NAME = "mgpu_context_parallel"
 IGNORE_INDEX = -100
 
 
-def context_problems(found: HFModel, size: int) -> list[str]:
-    """Why ``found`` cannot be split over ``size`` context ranks (empty when it can)."""
-    c = found.config
-    window = getattr(c, "sliding_window", None) if getattr(c, "use_sliding_window", True) else None
-    if window:
-        return [f"context_parallel_size={size}: {type(found.model).__name__} attends within a sliding window "
-                f"(sliding_window={window}), which the context-parallel kernel does not mask; use "
-                "context_parallel_size=1 for this model"]
-    return []
-
-
 def _attention(kernel: ContextParallelAttention):
     def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.contract import ADAPTER_ATTRIBUTE, parallel_context
-from lightning_mgpu.hf.context import apply_context_parallel, context_problems
+from lightning_mgpu.hf.context import apply_context_parallel
 from lightning_mgpu.hf.loss import causal_lm_loss
 from lightning_mgpu.hf.model import HFModel, find_hf_model
 from lightning_mgpu.hf.stages import HFStage, hf_stages
@@ -24,7 +24,6 @@ from lightning_mgpu.hf.tensor_plan import hf_tp_plan
 from lightning_mgpu.layout import ModelShape, ParallelLayout
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.plan_hooks import sequence_gather, sequence_scatter
-from lightning_mgpu.problems import raise_problems
 
 #: The keys a pipeline batch given as a mapping may hold.
 PIPELINE_BATCH_KEYS = ("input_ids", "labels")
@@ -50,11 +49,8 @@ class HFHooks:
         return plan
 
     def context_parallel_attention(self, group: Any, rank: int, size: int) -> int:
-        problems = context_problems(self.found, size)
-        if self.layout.size("pp") > 1:
-            problems.append(f"context_parallel_size={size} with pipeline_parallel_size={self.layout.size('pp')}: the "
-                            "stages of a transformers model do not cut the sequence into chunks yet; use one of them")
-        raise_problems("Invalid context parallelism", problems)
+        """Wires the model's attention for ``size`` context ranks; what its shape forbids (a window, pipeline stages)
+        was refused with the layout (``model_shape``)."""
         return apply_context_parallel(self.found, group, rank, size)
 
     def pipeline_stages(self, stage_ids: list[int], num_stages: int,

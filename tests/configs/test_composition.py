@@ -4,7 +4,7 @@ and its every rank built on the meta device by a launch's own ``parallelize()``)
 import json
 
 import pytest
-from cli_helpers import composed, group_options, resolved
+from cli_helpers import composed, group_options, recipe_overrides, resolved
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
@@ -33,9 +33,9 @@ def test_every_group_option_composes(group, tmp_path):
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
 def test_every_recipe_composes_and_validates(recipe):
-    cfg = composed(f"recipe={recipe}")
+    cfg = composed(*recipe_overrides(recipe))
     if cfg.cluster.launcher == "slurm":  # as inside the submitted job
-        cfg = composed(f"recipe={recipe}", "cluster=local")
+        cfg = composed(*recipe_overrides(recipe), "cluster=local")
     spec = run_spec(cfg)  # raises with every problem
     build_strategy(spec)
     build_datamodule(spec)
@@ -60,8 +60,8 @@ def test_dry_run_builds_every_rank_of_every_recipe_on_meta_as_planned(recipe):  
     """The recipe's real plan and stage split on the meta device, per pipeline rank: counts equal the planner's."""
     from lightning_mgpu.cli.dry_run import rank_shares
 
-    cfg = composed(f"recipe={recipe}", *(["cluster=local"] if composed(f"recipe={recipe}").cluster.launcher == "slurm"
-                                         else []))
+    cfg = composed(*recipe_overrides(recipe), *(["cluster=local"] if composed(f"recipe={recipe}").cluster.launcher
+                                                == "slurm" else []))
     layout, shares = rank_shares(run_spec(cfg, launching=False))
     assert sorted({s.pp_rank for s in shares}) == list(range(layout.size("pp")))
     assert all(s.as_planned for s in shares)  # routed experts and the rest alike

@@ -8,7 +8,7 @@ import resource
 import pytest
 import torch
 from forked_cli import run_cli
-from cli_helpers import BIN, composed, resolved
+from cli_helpers import BIN, composed, recipe_overrides, resolved
 
 from lightning_mgpu.cli import memory_check
 from lightning_mgpu.cli.paths import recipes_dir
@@ -112,7 +112,7 @@ def test_memory_is_estimated_only_for_a_run_without_other_problems(machine_of_25
 def test_the_default_run_and_every_recipe_fit(recipe, request):
     """``make train`` (the defaults: tiny, 2 CPU processes) and every shipped recipe, GPU recipes against the GPU
     preset they were planned for, pass."""
-    cfg = composed() if recipe is None else composed(f"recipe={recipe}", "cluster=local")  # as inside the job
+    cfg = composed() if recipe is None else composed(*recipe_overrides(recipe), "cluster=local")  # as inside the job
     if cfg.trainer.accelerator != "cpu":
         request.getfixturevalue("at_submission")
     assert memory_problems(resolved(cfg)) == []

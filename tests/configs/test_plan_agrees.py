@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 import yaml
-from cli_helpers import resolved
+from cli_helpers import recipe_overrides, resolved
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
@@ -29,7 +29,7 @@ MOE_MODELS = {m for m in MODELS if "num_experts" in (conf_dir() / "model" / f"{m
 MODEL_CASES = [[f"model={m}", f"trainer.num_nodes={n}", f"trainer.devices={g}"]
                + ([f"data.seq_len={s}", f"model.max_seq_len={s}"] if s else []) for m in MODELS
                for n, g, s in (CLUSTERS[:1] if m in MOE_MODELS else CLUSTERS)]
-RECIPE_CASES = [[f"recipe={r}"] for r in RECIPES]
+RECIPE_CASES = [recipe_overrides(r) for r in RECIPES]
 
 
 def composed(overrides):

@@ -6,7 +6,7 @@ import torch
 from hf_helpers import CausalLM, tiny_model
 
 from lightning_mgpu.hf import find_hf_model
-from lightning_mgpu.hf.context import context_problems
+from lightning_mgpu.layout import LayoutRequest
 from lightning_mgpu.hf.hooks import HFHooks
 from lightning_mgpu.hf.stages import hf_stages
 from lightning_mgpu.hf.tensor_plan import hf_tp_plan
@@ -63,9 +63,21 @@ def test_tied_embeddings_are_refused_pipeline_stages():
         hf_stages(found, [0], 2)
 
 
-def test_sliding_window_is_refused_context_parallelism():
-    assert "sliding_window=6" in context_problems(find_hf_model(CausalLM("mistral")), 2)[0]
-    assert context_problems(find_hf_model(CausalLM("qwen2")), 2) == []  # its window is switched off by default
+def refusals(family: str, **sizes) -> list[str]:
+    """What the layout rules say of ``sizes`` (4 ranks) for the shape of a tiny ``family`` model."""
+    return [str(p) for p in LayoutRequest(**sizes).problems_with(4, find_hf_model(CausalLM(family)).shape())]
+
+
+def test_context_parallelism_is_refused_a_sliding_window_and_pipeline_stages():
+    """Mistral's window (6 tokens) is not masked by the context-parallel kernel; a transformers model's stages do not
+    cut the sequence into chunks; Qwen2's window is switched off by default (use_sliding_window=False)."""
+    assert refusals("mistral", context_parallel_size=2) == [
+        "context_parallel_size=2 cannot split a model that attends within a sliding window (sliding_window=6): the "
+        "context-parallel kernel does not mask one; use context_parallel_size=1 for this model"]
+    assert refusals("qwen2", context_parallel_size=2) == []
+    assert refusals("llama", context_parallel_size=2, pipeline_parallel_size=2) == [
+        "context_parallel_size=2 with pipeline_parallel_size=2: a transformers model's pipeline stages do not cut the "
+        "sequence into chunks yet; use one of them"]
 
 
 def test_several_models_need_the_naming_hook():
