@@ -55,8 +55,10 @@ def test_cli_after_non_editable_install(tmp_path):
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = dict(os.environ, PYTHONPATH=str(site))
-    # One process: the package, its configs and its recipes all come from the installed copy.
-    probe = ("import lightning_mgpu\n"
+    # One interpreter: the package, its configs and its recipes all come from the installed copy, and then it trains
+    # there (mgpu-train's own module, as `python -m lightning_mgpu.train`).
+    probe = ("import runpy, sys\n"
+             "import lightning_mgpu\n"
              "from hydra import compose, initialize_config_dir\n"
              "from lightning_mgpu.cli.config import register_configs\n"
              "from lightning_mgpu.cli.paths import conf_dir\n"
@@ -65,16 +67,16 @@ def test_cli_after_non_editable_install(tmp_path):
              "with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):\n"
              "    for recipe in ('tiny_zero3', 'llama3_405b_64node'):\n"
              "        cfg = compose('config', overrides=[f'recipe={recipe}'])\n"
-             "        print(recipe, cfg.parallel.zero_stage, cfg.trainer.num_nodes)\n")
-    where = subprocess.run([sys.executable, "-c", probe], cwd=work, env=env, capture_output=True, text=True)
-    assert where.returncode == 0, where.stderr[-3000:]
-    package, configs = where.stdout.splitlines()[0].split()
-    assert package.startswith(str(site)) and configs.startswith(str(site)), where.stdout
-    assert "tiny_zero3 3 1" in where.stdout and "llama3_405b_64node 1 64" in where.stdout, where.stdout
-    run = subprocess.run([sys.executable, "-m", "lightning_mgpu.train", "trainer.devices=1", "trainer.max_steps=3",
-                          "data.seq_len=32", "sample.max_new_tokens=8", "trainer.enable_progress_bar=false",
-                          "hydra.run.dir=run"], cwd=work, env=env, capture_output=True, text=True, timeout=240)
+             "        print(recipe, cfg.parallel.zero_stage, cfg.trainer.num_nodes)\n"
+             "sys.argv = ['lightning_mgpu.train', *sys.argv[1:]]\n"
+             "runpy.run_module('lightning_mgpu.train', run_name='__main__')\n")
+    run = subprocess.run([sys.executable, "-c", probe, "trainer.devices=1", "trainer.max_steps=3", "data.seq_len=32",
+                          "sample.max_new_tokens=8", "trainer.enable_progress_bar=false", "hydra.run.dir=run"],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
+    package, configs = run.stdout.splitlines()[0].split()
+    assert package.startswith(str(site)) and configs.startswith(str(site)), run.stdout
+    assert "tiny_zero3 3 1" in run.stdout and "llama3_405b_64node 1 64" in run.stdout, run.stdout
     assert len(read_losses(work / "run" / "metrics.csv")) == 3
     assert "--- sample after 3 steps ---" in run.stdout
 

@@ -11,7 +11,7 @@ from packaging.requirements import Requirement
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 #: distribution of the ``test`` extra -> the module it installs (the names differ for several)
 MODULES = {
-    "pytest": "pytest", "pytest-timeout": "pytest_timeout", "matplotlib": "matplotlib", "transformers": "transformers",
+    "pytest": "pytest", "pytest-timeout": "pytest_timeout", "pytest-xdist": "xdist", "matplotlib": "matplotlib", "transformers": "transformers",
     "tensorboard": "tensorboard", "wandb": "wandb", "mlflow-skinny": "mlflow", "mkdocs": "mkdocs",
     "mkdocs-material": "material", "mkdocstrings": "mkdocstrings", "mkdocstrings-python": "mkdocstrings_handlers.python",
     "mkdocs-gen-files": "mkdocs_gen_files",
