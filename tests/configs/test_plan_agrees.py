@@ -59,11 +59,27 @@ def _value(text: str):
     return yaml.safe_load(text)
 
 
+@functools.lru_cache(maxsize=None)
+def _searched(*args) -> tuple:
+    return tuple(plan_layouts(*args))
+
+
+def _remembered_search(*args) -> list:
+    """``plan_layouts``, once per set of arguments: a case searches, then ``mgpu-plan``'s report searches the same."""
+    return list(_searched(*args))
+
+
+@pytest.fixture(autouse=True)
+def one_search_per_case(monkeypatch):
+    monkeypatch.setattr("lightning_mgpu.cli.plan.plan_layouts", _remembered_search)
+
+
 def _plan(overrides):
     cfg = composed(overrides)
     model = resolved(cfg).model
     cluster = ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices, GPUS[cfg.plan.gpu])
-    return cfg, plan_layouts(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, str(cfg.trainer.precision))
+    return cfg, _remembered_search(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size,
+                                   str(cfg.trainer.precision), cfg.plan.achievable)
 
 
 #: The settings that split a mixture-of-experts model (what its experts' rules depend on).
