@@ -91,17 +91,17 @@ def test_two_torchrun_nodes_train_tp2_sp_dp2_at_parity(token_file, tmp_path):
         [str(BIN / "torchrun"), "--nnodes=2", "--nproc-per-node=2", f"--node-rank={node}", "--master-addr=127.0.0.1",
          f"--master-port={port}", "-m", "lightning_mgpu.train", "cluster=torchrun",
          "parallel=tp2_sp", "parallel.zero_stage=2", "data=tokens", f"data.path={token_file}",
-         "trainer.max_steps=10", "trainer.gradient_clip_val=0.3", *TINY_ARGS, f"hydra.run.dir={run_dir}"],
+         "trainer.max_steps=4", "trainer.gradient_clip_val=0.3", *TINY_ARGS, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node in (0, 1)]
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
     assert "global batch 8 = 2 per micro-batch x 2 micro-batches x 2 data-parallel replicas" in outputs[0]
     assert ("tensor parallel over 2 ranks (16 split parameters, sequence parallel); ZeRO-2 over 2 data-parallel "
             "replicas") in outputs[0]
-    assert "--- sample after 10 steps ---" in outputs[0]
+    assert "--- sample after 4 steps ---" in outputs[0]
     assert (run_dir / "config.yaml").is_file()
     assert not list(tmp_path.glob("outputs"))  # every rank used the one run directory
-    assert_cli_parity(run_dir / "metrics.csv", cli_reference(token_file, 10))
+    assert_cli_parity(run_dir / "metrics.csv", cli_reference(token_file, 4))
     rows = [r for r in csv.DictReader((run_dir / "metrics.csv").open()) if r.get("train/loss")]
     for r in rows:  # the other per-step metrics belong to the same step as the loss
         assert float(r["train/ppl"]) == pytest.approx(math.exp(float(r["train/loss"])), rel=1e-5)
