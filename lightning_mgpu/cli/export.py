@@ -93,23 +93,32 @@ def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32,
     if problems:
         raise ConfigError(problems, what="arguments")
     verify(checkpoint)
+    shard_bytes = parse_size(max_shard_size) or 0  # a size: refused above if not
     source = trained_from(read_trainer_state(checkpoint)) if format_of(checkpoint) == "universal" else None
     if source is not None:  # a transformers model trained as it is (model=hf)
-        if not (source / "config.json").is_file():
-            raise ConfigError([f"{source} (the directory this run trained from, model.path) has no config.json; "
-                               "the export writes the model's own config.json: restore that directory"],
-                              what=f"model for a Hugging Face export of {checkpoint}")
-        written = export_trained_model(checkpoint, source, out, dtype, parse_size(max_shard_size) or 0)
-        print(f"wrote {', '.join(path.name for path in written)} in {out}")
-        return written
+        written = _export_transformers_run(checkpoint, source, out, dtype, shard_bytes)
+    else:
+        written = _export_package_model(checkpoint, out, dtype, shard_bytes)
+    print(f"wrote {', '.join(path.name for path in written)} in {out}")
+    return written
+
+
+def _export_transformers_run(checkpoint: Path, source: Path, out: Path, dtype: torch.dtype,
+                             shard_bytes: int) -> list[Path]:
+    if not (source / "config.json").is_file():
+        raise ConfigError([f"{source} (the directory this run trained from, model.path) has no config.json; the "
+                           "export writes the model's own config.json: restore that directory"],
+                          what=f"model for a Hugging Face export of {checkpoint}")
+    return export_trained_model(checkpoint, source, out, dtype, shard_bytes)
+
+
+def _export_package_model(checkpoint: Path, out: Path, dtype: torch.dtype, shard_bytes: int) -> list[Path]:
     config, shapes, read = _weights(checkpoint)
     model = LlamaConfig(**config)
     problems = hf_export_problems(model)
     if problems:
         raise ConfigError(problems, what=f"model for a Hugging Face export of {checkpoint}")
-    written = save_hf(read, shapes, model, out, dtype, parse_size(max_shard_size) or 0)  # a size: refused above if not
-    print(f"wrote {', '.join(path.name for path in written)} in {out}")
-    return written
+    return save_hf(read, shapes, model, out, dtype, shard_bytes)
 
 
 def _weights(checkpoint: Path) -> tuple[dict, Mapping[str, torch.Size], ParameterReader]:
