@@ -11,12 +11,17 @@ from lightning_mgpu.layout import ParallelLayout
 
 def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any], global_rank: int,
                    replica_sync: Optional[Any] = None) -> str:
-    """One line: the split parameters, the pipeline's schedule and stages, the ZeRO stage and replicas, and with
+    """One line: what the run splits (tensor-parallel parameters, context ranks, the pipeline's schedule and stages;
+    a size of 1 is left out), the ZeRO stage and replicas, and with
     ``replica_update="local"`` the replicas' outer step (a ``lightning_mgpu.parallel.replicas.ReplicaSync``)."""
     split = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
     sequence = any(getattr(m, "sequence_parallel", False) for m in engine.module.modules())
-    parts = [f"rank {global_rank}: tensor parallel over {layout.size('tp')} ranks "
-             f"({len(split)} split parameters{', sequence parallel' if sequence else ''})"]
+    parts = []
+    if layout.size("tp") > 1:
+        parts.append(f"tensor parallel over {layout.size('tp')} ranks "
+                     f"({len(split)} split parameters{', sequence parallel' if sequence else ''})")
+    if layout.size("cp") > 1:
+        parts.append(f"context parallel over {layout.size('cp')} ranks")
     if pipeline is not None:
         stages = [stage.stage_index for stage in pipeline.stages]
         parts.append(f"pipeline {type(pipeline.schedule).__name__} over {layout.size('pp')} ranks "
@@ -24,4 +29,4 @@ def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any],
     parts.append(f"ZeRO-{engines.zero_stage(engine)} over {engines.data_parallel_size(engine)} data-parallel replicas")
     if replica_sync is not None:
         parts.append(replica_sync.describe())
-    return "applied layout: " + "; ".join(parts)
+    return f"applied layout: rank {global_rank}: " + "; ".join(parts)

@@ -39,6 +39,7 @@ def test_cli_schedules_train_and_validate_at_parity(token_file, tmp_path, schedu
     applied = [line for line in (proc.stdout + proc.stderr).splitlines() if "applied layout: rank 0" in line]
     stages = "[0] of 2" if one_stage else "[0, 3] of 4" if schedule in ("zbv", "dualpipev") else "[0, 2] of 4"
     assert len(applied) == 1 and f"pipeline {SCHEDULE_CLASSES[schedule]} over 2 ranks (stages {stages})" in applied[0]
+    assert "tensor parallel" not in applied[0] and "context parallel" not in applied[0]  # sizes of 1 are left out
     metrics = run_dir / "metrics.csv"
     assert_cli_parity(metrics, ref)
     assert abs(read_metric(metrics, "val/loss")[-1] - ref["val_loss"]) < 1e-5
