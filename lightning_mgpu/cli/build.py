@@ -48,7 +48,7 @@ def build_module(spec: RunSpec) -> L.LightningModule:
     if cfg.model.name == "hf":
         from lightning_mgpu.hf.module import HFCausalLM
 
-        return HFCausalLM(cfg.model.path, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+        return HFCausalLM(str(Path(cfg.model.path).resolve()), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                           warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps, min_lr_ratio=o.min_lr_ratio,
                           activation_checkpointing=cfg.model.activation_checkpointing)
     return LLMModule(spec.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),

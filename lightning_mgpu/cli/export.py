@@ -105,10 +105,14 @@ def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32,
 
 def _export_transformers_run(checkpoint: Path, source: Path, out: Path, dtype: torch.dtype,
                              shard_bytes: int) -> list[Path]:
-    if not (source / "config.json").is_file():
-        raise ConfigError([f"{source} (the directory this run trained from, model.path) has no config.json; the "
-                           "export writes the model's own config.json: restore that directory"],
-                          what=f"model for a Hugging Face export of {checkpoint}")
+    problems = [f"{source} (the directory this run trained from, model.path) has no config.json; the export "
+                "writes the model's own config.json: restore that directory"] if not (source / "config.json").is_file() \
+        else []
+    if out.resolve() == source.resolve():
+        problems.append(f"out {str(out)!r} is the directory this run trained from, whose weights the export would "
+                        "replace; give another directory")
+    if problems:
+        raise ConfigError(problems, what=f"Hugging Face export of {checkpoint}")
     return export_trained_model(checkpoint, source, out, dtype, shard_bytes)
 
 

@@ -26,9 +26,11 @@ from lightning_mgpu.checkpoint.universal import read_parameters
 #: The LightningModule attribute ``HFCausalLM`` keeps the model at.
 PREFIX = "llm."
 _PACKED = re.compile(r"(?P<layer>.+)\.mlp\.experts\.(?P<kind>gate_up_proj|down_proj)")
-#: Files of the source directory that describe the model rather than hold weights; copied beside the shards.
-_DESCRIBING = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-               "special_tokens_map.json")
+#: Files of the source directory that hold weights (or say where they are): every other file (the tokenizer's,
+#: ``generation_config.json``, a chat template, ...) is copied beside the new shards.
+_WEIGHTS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
+#: The hyper-parameters that ``HFCausalLM`` saves and ``LLMModule`` does not (it saves ``model``).
+_HF_MODULE_KEYS = {"path", "activation_checkpointing"}
 
 #: One written tensor's origin: (the checkpoint's parameter, the expert or None, the rows of it or None).
 Origin = tuple[str, "int | None", "slice | None"]
@@ -37,7 +39,7 @@ Origin = tuple[str, "int | None", "slice | None"]
 def trained_from(trainer_state: Mapping) -> "Path | None":
     """The ``transformers`` directory a ``model=hf`` run trained (None: the checkpoint is not of such a run)."""
     hparams = trainer_state.get("hyper_parameters") or {}
-    return Path(hparams["path"]) if "path" in hparams and "model" not in hparams else None
+    return Path(hparams["path"]) if _HF_MODULE_KEYS <= hparams.keys() and "model" not in hparams else None
 
 
 def parameter_shapes(checkpoint: Path) -> dict[str, torch.Size]:
@@ -99,5 +101,6 @@ def export_trained_model(checkpoint: Path, source: Path, out: Path, dtype: torch
     written = write_shards(out, plan, lambda keys: _read_shard(checkpoint, list(keys), tensors, shapes, dtype))
     config["dtype"] = str(dtype).removeprefix("torch.")
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    copied = [shutil.copy(source / name, out / name) for name in _DESCRIBING[1:] if (source / name).is_file()]
-    return [out / "config.json", *map(Path, copied), *written]
+    copied = [Path(shutil.copy(f, out / f.name)) for f in sorted(source.iterdir()) if f.is_file()
+              and f.name != "config.json" and not any(f.match(pattern) for pattern in _WEIGHTS)]
+    return [out / "config.json", *copied, *written]

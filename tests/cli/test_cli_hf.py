@@ -29,6 +29,7 @@ def qwen3_dir(tmp_path_factory):
                                       max_position_embeddings=64, tie_word_embeddings=False)
     torch.manual_seed(5)
     transformers.Qwen3ForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    (directory / "chat_template.jinja").write_text("{{ messages }}")  # a tokenizer's file the export carries over
     return directory
 
 
@@ -91,6 +92,9 @@ def test_a_transformers_directory_trains_as_it_is_at_parity(qwen3_dir, token_fil
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and len(index["weight_map"]) == 25, index
     assert index["metadata"]["total_size"] == 22_720 * 4, index
+    assert (tmp_path / "out" / "chat_template.jinja").read_text() == "{{ messages }}"
+    assert "out '" in run_cli([str(BIN / "mgpu-export"), str(run_dir / "checkpoints" / "step-00000004"),
+                               str(qwen3_dir)], cwd=tmp_path).stderr  # never over the directory it trained from
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     probe = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -96,3 +96,14 @@ def test_a_pipeline_batch_is_token_ids_or_ids_and_labels():
     assert hooks.pipeline_batch({"input_ids": ids, "labels": labels})[1] is labels
     with pytest.raises(ValueError, match="attention_mask.*Padding masks cannot travel"):
         hooks.pipeline_batch({"input_ids": ids, "attention_mask": ids})
+
+
+def test_a_window_switched_off_in_config_json_does_not_refuse_context_parallelism():
+    """Qwen2.5's files carry ``"sliding_window": 32768`` with ``"use_sliding_window": false``: no window."""
+    from lightning_mgpu.checkpoint.hf import planning_shape
+
+    qwen25 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "sliding_window": 32768,
+              "use_sliding_window": False}
+    assert planning_shape(qwen25).sliding_window == 0
+    assert planning_shape({**qwen25, "use_sliding_window": True}).sliding_window == 32768
