@@ -302,6 +302,16 @@ def completeness_problems(keys, cfg: LlamaConfig) -> list[str]:
     return problems
 
 
+def read_slice(handle, key: str, name: str, shape: torch.Size, index: tuple[slice, ...], where: Path) -> torch.Tensor:
+    """Part ``index`` of tensor ``key`` of an open safetensors file (``handle``), read alone from the memory-mapped
+    file, once its shape is the model's ``name``'s ``shape``."""
+    piece = handle.get_slice(key)
+    if tuple(piece.get_shape()) != tuple(shape):
+        raise ValueError(f"{where}: {key} has shape {tuple(piece.get_shape())}, the model's {name} has {tuple(shape)}; "
+                         "give the directory whose config.json describes this model")
+    return piece[index]
+
+
 class HFWeights:
     """Reads slices of a Hugging Face Llama directory's tensors by our parameter names, without loading the rest: a
     rank reads only its shard (safetensors slices are read from the memory-mapped file)."""
@@ -330,11 +340,7 @@ class HFWeights:
             key = to_hf_name("tok_embeddings.weight")
         if key not in self._files:
             raise KeyError(f"{self.path} has no tensor {key!r} for parameter {name!r}")
-        piece = self._files[key].get_slice(key)
-        if tuple(piece.get_shape()) != tuple(shape):
-            raise ValueError(f"{self.path}: {key} has shape {tuple(piece.get_shape())}, the model's {name} has "
-                             f"{tuple(shape)}")
-        return piece[index]
+        return read_slice(self._files[key], key, name, shape, index, self.path)
 
     def _read_experts(self, name: str, keys: list[str], shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Experts ``index[0]`` of a stacked weight ``[E, a, b]``: of each expert's ``[b, a]`` tensor only the part

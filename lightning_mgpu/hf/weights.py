@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_mgpu.checkpoint.hf import read_slice
 from lightning_mgpu.problems import format_problems
 
 #: The names one expert's (gate, up, down) weights have in a checkpoint, by family: Qwen-MoE's, then Mixtral's.
@@ -77,11 +78,7 @@ class PretrainedSlices:
         source = self._source(key)
         if source is None:
             raise KeyError(f"{self.path} has no tensor {key!r}")
-        piece = self._files[source].get_slice(source)
-        if tuple(piece.get_shape()) != tuple(shape):
-            raise ValueError(f"{self.path}: {source} has shape {tuple(piece.get_shape())}, the model's {key} has "
-                             f"{tuple(shape)}; give the directory whose config.json built this model")
-        return piece[index]
+        return read_slice(self._files[source], source, key, shape, index, self.path)
 
     def _expert_keys(self, block: str, expert: int, kind: str) -> list[str]:
         """The checkpoint's names of expert ``expert``'s part of ``kind``, in the naming of the family whose gate
