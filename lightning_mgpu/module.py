@@ -313,7 +313,9 @@ class LLMModule(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
-        self.log("val/ppl", torch.exp(self.val_nll.compute()))
+        # the metric syncs itself, so every rank holds the global value; averaging equal values over the ranks
+        # (sync_dist) changes nothing, and Lightning warns about an epoch-level value logged without it
+        self.log("val/ppl", torch.exp(self.val_nll.compute()), sync_dist=True)
         self.val_nll.reset()
 
     def configure_optimizers(self):

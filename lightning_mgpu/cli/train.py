@@ -24,6 +24,7 @@ from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.dry_run import dry_run_report
 from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
+from lightning_mgpu.cli.quiet import quiet_known_warnings
 from lightning_mgpu.cli.memory_check import memory_problems
 from lightning_mgpu.cli.restarts import ATTEMPT_VARIABLE, RestartRecord, attempt, supervise
 from lightning_mgpu.cli.spec import RunSpec, run_spec
@@ -256,6 +257,7 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     """Console entry point of ``mgpu-train``: a refused configuration prints its problems and exits with status 2."""
     skip_final_garbage_collection()
+    quiet_known_warnings()
     register_configs()
     exit_on_refusal(_hydra_main)
 

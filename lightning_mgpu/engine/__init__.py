@@ -10,6 +10,16 @@ through the names below; another engine would provide the same names.
 * ``master_weights``: this rank's share of the fp32 master weights, for the replicas' outer step.
 """
 
+import os
+
+import torch
+
+# DeepSpeed guesses its accelerator at import and, finding no GPU, warns "Setting accelerator to CPU. If you have GPU
+# or other accelerator, we were unable to detect it." on every CPU run. The same test it makes (no CUDA device), made
+# here first, names the CPU instead; a DS_ACCELERATOR the user set is kept.
+if "DS_ACCELERATOR" not in os.environ and torch.cuda.device_count() == 0:
+    os.environ["DS_ACCELERATOR"] = "cpu"
+
 from lightning_mgpu.engine.checkpoint_dir import load_engine_checkpoint, save_engine_checkpoint
 from lightning_mgpu.engine.config import (
     bucket_elements,
