@@ -16,6 +16,7 @@ import faulthandler
 import gc
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -26,11 +27,36 @@ import torch
 import torch.multiprocessing as mp
 
 
+#: Ports :func:`free_port` draws from: below the kernel's ephemeral range (32768-60999 by default), from which it picks
+#: the source port of every outgoing connection. A port found free there can be taken by one of the many connections
+#: gloo opens between ranks before the server that asked for it binds it (EADDRINUSE, seen with two pytest workers).
+PORTS = range(20000, 32000)
+
+
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """An unused TCP port on 127.0.0.1 that no outgoing connection will take: drawn at random from :data:`PORTS`, from
+    this pytest-xdist worker's share of them (``PYTEST_XDIST_WORKER=gwN``), and checked free by binding it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = len(PORTS) // max(1, workers)
+    start = PORTS.start + (int(worker) if worker.isdigit() else 0) % max(1, workers) * share
+    for _ in range(100):
+        port = random.randrange(start, start + share)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free TCP port among 100 tried in [{start}, {start + share})")
+
+
+def use_free_port_for_lightning() -> None:
+    """Lightning picks ``MASTER_PORT`` (when it is not set) from the ephemeral range: make it pick by
+    :func:`free_port` in this process and the ones it forks."""
+    import lightning.fabric.plugins.environments.lightning as environment
+
+    environment.find_free_network_port = free_port
 
 
 def _child(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, timeout: float, args: tuple,

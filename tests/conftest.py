@@ -19,6 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_mgpu.engine import preload  # noqa: E402
 
 preload()
+# Ports out of the kernel's ephemeral range, a share per pytest-xdist worker, for Lightning's launches too
+from lightning_mgpu.testing import use_free_port_for_lightning  # noqa: E402
+
+use_free_port_for_lightning()
 # What the imports made stays out of the session's garbage collections: a full collection would walk it every time.
 gc.freeze()
 

@@ -10,6 +10,9 @@ import traceback
 from pathlib import Path
 
 if __name__ == "__main__":
+    from lightning_mgpu.testing import use_free_port_for_lightning
+
+    use_free_port_for_lightning()  # ports out of the kernel's ephemeral range, this pytest worker's share
     for path in sys.argv[1:]:
         print(f"=== start {Path(path).name}", flush=True)
         start = time.perf_counter()
