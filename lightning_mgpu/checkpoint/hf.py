@@ -302,6 +302,18 @@ def completeness_problems(keys, cfg: LlamaConfig) -> list[str]:
     return problems
 
 
+def opened_safetensors(path: Path) -> dict:
+    """Every tensor name of the directory's ``*.safetensors`` files, to the open (memory-mapped) file that holds it;
+    pickled ``*.bin`` files are never read."""
+    from safetensors import safe_open
+
+    handles = {}
+    for file in sorted(path.glob("*.safetensors")):
+        handle = safe_open(str(file), framework="pt")
+        handles.update({key: handle for key in handle.keys()})
+    return handles
+
+
 def read_slice(handle, key: str, name: str, shape: torch.Size, index: tuple[slice, ...], where: Path) -> torch.Tensor:
     """Part ``index`` of tensor ``key`` of an open safetensors file (``handle``), read alone from the memory-mapped
     file, once its shape is the model's ``name``'s ``shape``."""
@@ -317,14 +329,9 @@ class HFWeights:
     rank reads only its shard (safetensors slices are read from the memory-mapped file)."""
 
     def __init__(self, path: str | Path) -> None:
-        from safetensors import safe_open
-
         self.path = Path(path)
         self.config = from_hf_config(json.loads((self.path / "config.json").read_text()))
-        self._files = {}
-        for f in sorted(self.path.glob("*.safetensors")):
-            handle = safe_open(str(f), framework="pt")
-            self._files.update({key: handle for key in handle.keys()})
+        self._files = opened_safetensors(self.path)
         problems = completeness_problems(self._files, self.config)
         if problems:
             raise ValueError(format_problems(f"{self.path} does not fit the model its config.json describes", problems))

@@ -22,6 +22,7 @@ import torch
 from lightning_mgpu.checkpoint.hf_shards import plan_shards, write_shards
 from lightning_mgpu.checkpoint.safe_reader import read_dcp_metadata
 from lightning_mgpu.checkpoint.universal import read_parameters
+from lightning_mgpu.hf.weights import MIXTRAL_EXPERTS, QWEN_EXPERTS
 
 #: The LightningModule attribute ``HFCausalLM`` keeps the model at.
 PREFIX = "llm."
@@ -54,17 +55,17 @@ def written_tensors(shapes: Mapping[str, torch.Size], config: Mapping) -> dict[s
     block ``block_sparse_moe`` and an expert's weights ``w1`` (gate), ``w3`` (up), ``w2`` (down); the others keep the
     model's names. A tied head is not written (``tie_word_embeddings``: the embedding is)."""
     mixtral = config.get("model_type") == "mixtral"
-    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    block_name, (gate, up, down) = MIXTRAL_EXPERTS if mixtral else QWEN_EXPERTS
     out: dict[str, tuple[Origin, tuple[int, ...]]] = {}
     for name, shape in shapes.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         packed = _PACKED.fullmatch(name)
         if not packed:
-            key = name.replace(".mlp.gate.", ".block_sparse_moe.gate.") if mixtral else name
+            key = name.replace(".mlp.gate.", f".{block_name}.gate.")
             out[key] = ((name, None, None), tuple(shape))
             continue
-        block = f"{packed['layer']}.{'block_sparse_moe' if mixtral else 'mlp'}.experts"
+        block = f"{packed['layer']}.{block_name}.experts"
         for e in range(shape[0]):
             if packed["kind"] == "down_proj":
                 out[f"{block}.{e}.{down}.weight"] = ((name, e, None), tuple(shape[1:]))

@@ -17,28 +17,20 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
-from lightning_mgpu.checkpoint.hf import read_slice
+from lightning_mgpu.checkpoint.hf import opened_safetensors, read_slice
 from lightning_mgpu.problems import format_problems
 
-#: The names one expert's (gate, up, down) weights have in a checkpoint, by family: Qwen-MoE's, then Mixtral's.
-_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+#: Where a family's files keep a mixture of experts: the block's name and an expert's (gate, up, down) weights. The
+#: model itself names the block ``mlp`` and packs the experts (``experts.gate_up_proj``, ``experts.down_proj``).
+QWEN_EXPERTS = ("mlp", ("gate_proj", "up_proj", "down_proj"))
+MIXTRAL_EXPERTS = ("block_sparse_moe", ("w1", "w3", "w2"))
+_EXPERT_NAMES = (QWEN_EXPERTS[1], MIXTRAL_EXPERTS[1])
 _PACKED = re.compile(r"(?P<block>.+)\.experts\.(?P<kind>gate_up_proj|down_proj)")
-
-
-def _opened(path: Path) -> dict[str, Any]:
-    """Every tensor name of the directory's safetensors, to the open file that holds it (``*.bin`` is never read)."""
-    from safetensors import safe_open
-
-    handles: dict[str, Any] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        handle = safe_open(str(file), framework="pt")
-        handles.update({key: handle for key in handle.keys()})
-    return handles
 
 
 class PretrainedSlices:
@@ -47,7 +39,7 @@ class PretrainedSlices:
 
     def __init__(self, path: str | Path, model: nn.Module, prefix: str) -> None:
         self.path, self.prefix = Path(path), prefix
-        self._files = _opened(self.path)
+        self._files = opened_safetensors(self.path)
         self.total = sum(p.numel() for p in model.parameters())
         self.read = 0
         #: What the directory lacks, found before any slice is read and raised by the first read on every rank alike
@@ -69,7 +61,7 @@ class PretrainedSlices:
 
     def _source(self, key: str) -> Optional[str]:
         """The checkpoint's name of the model's tensor ``key``: the same, or Mixtral's ``block_sparse_moe``."""
-        for candidate in (key, key.replace(".mlp.", ".block_sparse_moe.")):
+        for candidate in (key, key.replace(f".{QWEN_EXPERTS[0]}.", f".{MIXTRAL_EXPERTS[0]}.")):
             if candidate in self._files:
                 return candidate
         return None
