@@ -1,10 +1,10 @@
-"""``mgpu-prepare --tokenizer PATH --out DIR INPUT...``: text and JSONL files (gzip too) -> a token directory that
-``mgpu-train data=tokens data.path=DIR`` reads.
+"""``mgpu-prepare --tokenizer PATH --out DIR INPUT...``: text and JSONL files (gzip too), Parquet files and
+Hugging Face datasets saved to disk (Arrow) -> a token directory that ``mgpu-train data=tokens data.path=DIR`` reads.
 
-Every document (a whole text file, or one JSONL line's text field) is tokenised in parallel processes and followed
-by the tokenizer's end-of-document token; DIR gets tokens.bin (uint16 when the vocabulary fits, else uint32) and
-manifest.json (tokenizer, counts, dtype, source files, checksum). Running it again on the same inputs checks DIR
-and does nothing more."""
+Every document (a whole text file, one JSONL line's text field, or one Parquet / Arrow row's text column) is
+tokenised in parallel processes and followed by the tokenizer's end-of-document token; DIR gets tokens.bin (uint16
+when the vocabulary fits, else uint32) and manifest.json (tokenizer, counts, dtype, source files, checksum). Running
+it again on the same inputs checks DIR and does nothing more."""
 
 from __future__ import annotations
 
@@ -32,15 +32,22 @@ def parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
                "  mgpu-prepare --tokenizer /models/llama-3.2-1b --out data/books 'books/**/*.txt'\n"
                "  mgpu-prepare --tokenizer tok.json --out data/web --text-key content web/*.jsonl.gz --workers 16\n"
+               "  mgpu-prepare --tokenizer tok.json --out data/fineweb 'fineweb/data/CC-MAIN-2024-10/*.parquet'\n"
+               "  mgpu-prepare --tokenizer tok.json --out data/stack --split train saved/the-stack-python\n"
                "  mgpu-train data=tokens data.path=data/books data.tokenizer=/models/llama-3.2-1b ...")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="text or JSONL files, or globs of them (quote them; ** recurses); .gz is read decompressed; "
-                        "a .jsonl/.ndjson line is one document, any other file is one document")
+                   help="text, JSONL, Parquet (.parquet) or Arrow (.arrow) files, or globs of them (quote them; ** "
+                        "recurses), or a directory written by datasets' save_to_disk; .gz is read decompressed; a "
+                        ".jsonl/.ndjson line is one document, so is a Parquet/Arrow row, any other file is one "
+                        "document; Parquet and Arrow need pyarrow: pip install 'lightning_mgpu[parquet]'")
     p.add_argument("--tokenizer", required=True, metavar="PATH",
                    help="a Hugging Face tokenizer directory (with tokenizer.json) or a tokenizers JSON file; nothing "
                         "is downloaded")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (tokens.bin + manifest.json)")
-    p.add_argument("--text-key", default="text", help="the JSONL field that holds the text (default: text)")
+    p.add_argument("--text-key", default="text", metavar="KEY",
+                   help="the JSONL field, or the Parquet/Arrow column, that holds the text (default: text)")
+    p.add_argument("--split", default=None, metavar="NAME",
+                   help="the split to read of a DatasetDict directory (one with dataset_dict.json), e.g. train")
     p.add_argument("--workers", type=int, default=default_workers(), metavar="N",
                    help=f"tokenizing processes (default: the CPUs available, here {default_workers()})")
     p.add_argument("--eod-token", default=None, metavar="TOKEN",
@@ -73,7 +80,8 @@ def run(args: argparse.Namespace) -> PrepareResult:
     """Prepare as ``args`` say and print the report; bad inputs raise :class:`ConfigError` (exit status 2)."""
     try:
         result = prepare(args.inputs, args.tokenizer, args.out, text_key=args.text_key, workers=args.workers,
-                         eod_token=args.eod_token, overwrite=args.overwrite, progress=not args.no_progress)
+                         eod_token=args.eod_token, overwrite=args.overwrite, progress=not args.no_progress,
+                         split=args.split)
     except PrepareError as err:
         raise ConfigError(err.problems, what="input") from None
     except TokenizerError as err:

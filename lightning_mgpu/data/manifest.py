@@ -30,7 +30,8 @@ def dtype_for(vocab_size: int) -> str:
 
 @dataclass(frozen=True)
 class Source:
-    """One input file as it was when it was tokenised (a changed size or time means other inputs)."""
+    """One input file as it was when it was tokenised (a changed size or time means other inputs); a saved
+    ``datasets`` directory is recorded as its Arrow files."""
 
     path: str
     bytes: int
@@ -48,7 +49,7 @@ class Manifest:
     token_count: int
     document_count: int
     text_bytes: int  #: UTF-8 bytes of text tokenised
-    text_key: str  #: the JSONL field read
+    text_key: str  #: the JSONL field, or the Parquet / Arrow column, read
     sources: tuple[Source, ...] = field(default_factory=tuple)
     tokens_sha256: str = ""  #: SHA-256 of tokens.bin
     tokens_sample_sha256: str = ""  #: :func:`sampled_sha256` of tokens.bin, checked whenever training opens it

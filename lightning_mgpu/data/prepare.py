@@ -1,10 +1,12 @@
-"""Text / JSONL files (gzip too) -> a prepared token directory, tokenised in parallel processes.
+"""Text / JSONL files (gzip too), Parquet files and saved ``datasets`` (Arrow) -> a prepared token directory,
+tokenised in parallel processes.
 
-Every document (a whole text file, or one JSONL line's ``text_key`` field) is encoded with the tokenizer's own
-special tokens and followed by the end-of-document token. Work goes to the processes in units of about
-:data:`UNIT_BYTES` of text and comes back in input order, so the token file does not depend on the number of
-processes. The token file is written under a temporary name and renamed, then the manifest is written: a
-directory with a manifest is complete, and running again on the same inputs only checks it.
+Every document (a whole text file, one JSONL line's ``text_key`` field, or one Parquet / Arrow row's ``text_key``
+column: :mod:`lightning_mgpu.data.columnar`) is encoded with the tokenizer's own special tokens and followed by the
+end-of-document token. Work goes to the processes in units of about :data:`UNIT_BYTES` of text and comes back in
+input order, so the token file does not depend on the number of processes. The token file is written under a
+temporary name and renamed, then the manifest is written: a directory with a manifest is complete, and running again
+on the same inputs only checks it.
 
 Why not litdata (Lightning's own preparation and streaming library): its optimised format stores serialised samples in
 chunks that a streaming loader reads in shuffled chunk order. Training here draws each global batch's windows at
@@ -30,6 +32,16 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 
+from lightning_mgpu.data.columnar import (
+    ColumnarError,
+    TextColumn,
+    dataset_files,
+    dataset_splits,
+    is_columnar,
+    is_saved_dataset,
+    read_columnar,
+    schema_problems,
+)
 from lightning_mgpu.data.manifest import (
     MANIFEST_FILE,
     TOKEN_DTYPES,
@@ -77,32 +89,62 @@ class PrepareResult:
         return self.manifest.text_bytes / 1e6 / max(self.cpu_seconds, 1e-9)
 
 
-def expand_inputs(patterns: Sequence[str | Path]) -> list[Path]:
+def expand_inputs(patterns: Sequence[str | Path], split: Optional[str] = None) -> list[Path]:
     """Files named by ``patterns`` (paths, or globs given as strings, ``**`` included), in the order given, each
-    once."""
+    once; a directory written by ``datasets``' ``save_to_disk`` stands for its Arrow files (of the split ``split``
+    for a ``DatasetDict``)."""
+    files, problems = _expand(patterns, split)
+    if problems:
+        raise PrepareError(problems)
+    return files
+
+
+def _expand(patterns: Sequence[str | Path], split: Optional[str]) -> tuple[list[Path], list[str]]:
+    """(the files :func:`expand_inputs` finds, what is wrong with the patterns)."""
     files: dict[Path, None] = {}  # insertion-ordered, each once
     problems = []
+    dataset_dicts = 0
+
+    def dataset(directory: Path) -> list[Path]:
+        nonlocal dataset_dicts
+        try:
+            dataset_dicts += dataset_splits(directory) is not None
+            return dataset_files(directory, split)
+        except ColumnarError as err:
+            problems.extend(err.problems)
+            return []
+
     for pattern in patterns:
         if isinstance(pattern, Path):  # a path as it is, whatever characters it holds
+            if is_saved_dataset(pattern):
+                files.update(dict.fromkeys(dataset(pattern)))
+                continue
             if not pattern.is_file():
                 problems.append(f"input {str(pattern)!r} is not a file")
             files.setdefault(pattern)
             continue
         matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True)) if glob.has_magic(pattern) \
             else [os.path.expanduser(pattern)]
-        found = [Path(m) for m in matches if Path(m).is_file()]
+        found = []
+        for m in map(Path, matches):
+            if m.is_file():
+                found.append(m)
+            elif is_saved_dataset(m):
+                found += dataset(m) or [m]  # a bad one is named, not reported as matching nothing (and dropped)
         if not found:
             if len(matches) == 1 and Path(matches[0]).is_dir():
-                problems.append(f"input {pattern!r} is a directory; give its files or a glob, e.g. "
-                                f"'{pattern.rstrip('/')}/**/*.txt'")
+                problems.append(f"input {pattern!r} is a directory, but not a dataset written by save_to_disk (no "
+                                f"state.json or dataset_dict.json); give its files or a glob, e.g. "
+                                f"'{pattern.rstrip('/')}/**/*.txt' or '{pattern.rstrip('/')}/*.parquet'")
             elif not glob.has_magic(pattern) and not Path(pattern).exists():
                 problems.append(f"input {pattern!r} does not exist")
             else:
                 problems.append(f"input {pattern!r} matches no file")
         files.update(dict.fromkeys(found))
-    if problems:
-        raise PrepareError(problems)
-    return list(files)
+    if split is not None and not dataset_dicts and not problems:
+        problems.append(f"--split {split}: no input is a DatasetDict directory (one with dataset_dict.json); leave "
+                        "--split out, or give the directory of the DatasetDict")
+    return [f for f in files if f.is_file()], problems
 
 
 def is_jsonl(path: Path) -> bool:
@@ -119,16 +161,21 @@ def describe_sources(files: Sequence[Path]) -> tuple[Source, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ reading units
-# A unit is (file index, [(line number or 0, raw bytes), ...], read errors); raw bytes are a JSONL line or a whole
-# text file. A read error travels with the unit, so that problems are reported in input order.
-Unit = tuple[int, list[tuple[int, bytes]], list[str]]
+# A unit is (file index, documents, read errors); the documents are [(line number or 0, raw bytes), ...], raw bytes
+# being a JSONL line or a whole text file, or a TextColumn: rows of a Parquet / Arrow file's text column. A read
+# error travels with the unit, so that problems are reported in input order.
+Unit = tuple[int, "list[tuple[int, bytes]] | TextColumn", list[str]]
 
 
-def read_units(files: Sequence[Path], unit_bytes: Optional[int] = None) -> Iterator[Unit]:
+def read_units(files: Sequence[Path], unit_bytes: Optional[int] = None, text_key: str = "text") -> Iterator[Unit]:
     """Raw documents of ``files`` in order, grouped into units of about ``unit_bytes`` (default
     :data:`UNIT_BYTES`; never across files). The rest of a file that cannot be read is skipped."""
     unit_bytes = unit_bytes or UNIT_BYTES
     for index, path in enumerate(files):
+        if is_columnar(path):
+            for column, errors in read_columnar(path, text_key, unit_bytes):
+                yield index, column if column is not None else [], errors
+            continue
         batch: list[tuple[int, bytes]] = []
         size = 0
         line = 0
@@ -163,9 +210,11 @@ def _init_worker(tokenizer_path: str, eod_id: int, dtype: str, text_key: str, fi
                    text_key=text_key, files=files)
 
 
-def _texts(index: int, docs: list[tuple[int, bytes]]) -> tuple[list[str], list[str]]:
+def _texts(index: int, docs: "list[tuple[int, bytes]] | TextColumn") -> tuple[list[str], list[str]]:
     """(the documents' texts, what is wrong with the others)."""
     path, key = _worker["files"][index], _worker["text_key"]
+    if isinstance(docs, TextColumn):
+        return docs.texts(path)
     out, problems = [], []
     for line, raw in docs:
         where = f"{path}:{line}" if line else path
@@ -206,7 +255,8 @@ def _encode_unit(unit: Unit) -> tuple[bytes, int, int, list[str], float]:
         if not doc or doc[-1] != eod:  # a post-processor may already end each document with it
             ids.append(eod)
     data = np.asarray(ids, dtype=_worker["dtype"]).tobytes()
-    return data, len(texts), sum(len(r) for _, r in docs), problems + read_errors, time.process_time() - cpu
+    size = docs.text_bytes if isinstance(docs, TextColumn) else sum(len(r) for _, r in docs)
+    return data, len(texts), size, problems + read_errors, time.process_time() - cpu
 
 
 @contextlib.contextmanager
@@ -234,16 +284,20 @@ def _encoder(workers: int, init_args: tuple) -> Iterator[Callable[[Iterable[Unit
 # ---------------------------------------------------------------------------------------------------- prepare
 def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path, text_key: str = "text",
             workers: int = 1, eod_token: Optional[str] = None, overwrite: bool = False,
-            progress: bool = True) -> PrepareResult:
-    """Tokenise ``inputs`` (paths or globs) into the directory ``out``; return its manifest and timing.
+            progress: bool = True, split: Optional[str] = None) -> PrepareResult:
+    """Tokenise ``inputs`` (paths or globs of files, or saved ``datasets`` directories) into the directory ``out``;
+    return its manifest and timing. ``text_key`` is the JSONL field and the Parquet / Arrow column of the text;
+    ``split`` chooses the split of a ``DatasetDict`` directory.
 
-    Raises :class:`PrepareError` naming every bad input (and :class:`TokenizerError` for a bad tokenizer); bad
-    lines and unreadable files are all found in one pass, and then nothing is published in ``out``.
+    Raises :class:`PrepareError` naming every bad input (and :class:`TokenizerError` for a bad tokenizer): the
+    Parquet / Arrow files' schemas are all checked before anything is tokenised, and bad lines, rows and unreadable
+    files are all found in one pass, and then nothing is published in ``out``.
     """
     if workers < 1:
         raise PrepareError([f"--workers={workers} must be >= 1"])
     out = Path(out)
-    files = expand_inputs(inputs)
+    files, problems = _expand(inputs, split)
+    _refuse(problems + schema_problems(files, text_key))  # every bad input named before anything is tokenised
     tok = Tokenizer(tokenizer)
     eod_name, eod_id = tok.eod_token(eod_token)
     sources = describe_sources(files)
@@ -256,7 +310,7 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
     start = time.perf_counter()
     init = (str(tok.path), eod_id, dtype, text_key, [str(f) for f in files])
     try:
-        digest, tokens, documents, text_bytes, cpu = _tokenise(files, init, workers, tmp, dtype, progress)
+        digest, tokens, documents, text_bytes, cpu = _tokenise(files, init, workers, tmp, dtype, progress, text_key)
         # Only now, with every input tokenised, is an earlier preparation replaced (--overwrite): the directory has no
         # manifest from here until the new one is written, so it never describes the wrong token file.
         (out / MANIFEST_FILE).unlink(missing_ok=True)
@@ -272,8 +326,8 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
     return PrepareResult(manifest, False, seconds, workers, cpu)
 
 
-def _tokenise(files: list, init: tuple, workers: int, tmp: Path, dtype: str,
-              progress: bool) -> tuple[Any, int, int, int, float]:
+def _tokenise(files: list, init: tuple, workers: int, tmp: Path, dtype: str, progress: bool,
+              text_key: str = "text") -> tuple[Any, int, int, int, float]:
     """Write every input's tokens to ``tmp`` in order; (sha256 of the tokens, tokens, documents, text bytes, CPU
     seconds of the encoders). Every bad line of every input is found before :class:`PrepareError` is raised."""
     digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
@@ -281,7 +335,7 @@ def _tokenise(files: list, init: tuple, workers: int, tmp: Path, dtype: str,
     try:
         with _encoder(workers, init) as encode, open(tmp, "wb") as f:
             bar = _progress_bar(files, progress)  # after the fork: no thread of it in the workers
-            for data, docs, size, bad, unit_cpu in encode(read_units(files)):
+            for data, docs, size, bad, unit_cpu in encode(read_units(files, text_key=text_key)):
                 problems += bad
                 cpu += unit_cpu
                 if problems:  # the run fails: only look for more problems
@@ -334,7 +388,7 @@ def _existing(out: Path, tok: Tokenizer, eod_id: int, text_key: str, sources: tu
     changes = []
     if old.eod_id != eod_id:
         changes.append(f"end-of-document id {old.eod_id} -> {eod_id}")
-    if old.text_key != text_key and any(is_jsonl(Path(s.path)) for s in sources):
+    if old.text_key != text_key and any(is_jsonl(Path(s.path)) or is_columnar(Path(s.path)) for s in sources):
         changes.append(f"--text-key {old.text_key!r} -> {text_key!r}")
     if old.sources != sources:
         before, now = {s.path: s for s in old.sources}, {s.path: s for s in sources}
@@ -359,7 +413,8 @@ def _progress_bar(files: Sequence[Path], enabled: bool):
         return None
     from tqdm import tqdm
 
-    compressed = any(f.name.endswith(".gz") for f in files)  # text bytes of a .gz are unknown until it is read
+    # text bytes of a .gz, a Parquet or an Arrow file are unknown until it is read
+    compressed = any(f.name.endswith(".gz") or is_columnar(f) for f in files)
     total = None if compressed else sum(f.stat().st_size for f in files)
     return tqdm(total=total, unit="B", unit_scale=True, desc="tokenizing", file=sys.stderr, mininterval=0.5,
                 dynamic_ncols=True)

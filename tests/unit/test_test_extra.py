@@ -14,7 +14,7 @@ MODULES = {
     "pytest": "pytest", "pytest-timeout": "pytest_timeout", "pytest-xdist": "xdist", "matplotlib": "matplotlib", "transformers": "transformers",
     "tensorboard": "tensorboard", "wandb": "wandb", "mlflow-skinny": "mlflow", "mkdocs": "mkdocs",
     "mkdocs-material": "material", "mkdocstrings": "mkdocstrings", "mkdocstrings-python": "mkdocstrings_handlers.python",
-    "mkdocs-gen-files": "mkdocs_gen_files",
+    "mkdocs-gen-files": "mkdocs_gen_files", "pyarrow": "pyarrow",
 }
 
 

@@ -175,7 +175,7 @@ def test_bad_inputs_name_file_and_line_all_at_once(tmp_path, tokenizer_dir, monk
     (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
     for inputs, fragment in (([str(tmp_path / "*.none")], "matches no file"),
                              ([str(tmp_path / "missing.txt")], "does not exist"),
-                             ([str(tmp_path)], "is a directory; give its files or a glob"),
+                             ([str(tmp_path)], "is a directory, but not a dataset written by save_to_disk"),
                              ([str(corrupt)], f"{corrupt}:1: cannot be read (Not a gzipped file"),
                              ([str(tmp_path / "latin1.txt")], "latin1.txt: not UTF-8 text (byte 3 is 0xe9)")):
         with pytest.raises(PrepareError) as err:
