@@ -27,7 +27,8 @@ from lightning_mgpu.contract import ParallelContext, builds_on_meta
 from lightning_mgpu.hf import adopt as adopt_hf_model
 from lightning_mgpu.launcher import choose_launcher
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
-from lightning_mgpu.parallel.applied import applied_layout
+from lightning_mgpu.callbacks.console import use_layout_console
+from lightning_mgpu.parallel.applied import applied_layout, parameter_counts
 from lightning_mgpu.parallel.collectives import WorldCollectives
 from lightning_mgpu.parallel.evaluation import EvaluationSteps
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
@@ -246,6 +247,8 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         module.parallel_context = self.context = ParallelContext(self.layout, micro_batches, self.engine_step,
                                                                  self.pipeline)
         rank_zero_info(applied_layout(self.model, self.layout, self.pipeline, self.global_rank, self._replica_sync))
+        self.parameter_counts = parameter_counts(self.model.module, self.layout, self.root_device)
+        use_layout_console(trainer, trainer.state.stage.value if trainer.state.stage else "fit")
 
     def _partitioner(self, engine_config: Callable[[torch.nn.Module], dict]) -> Optional[Callable]:
         """Under ZeRO-3, each module's parameters are partitioned as they are filled."""

@@ -180,6 +180,8 @@ def assert_layout_applied(trainer: L.Trainer, devices: int, strategy_kwargs: dic
                                    stage_ids=ids, boundaries=strategy_kwargs.get("pipeline_boundaries"))
         local = sum(getattr(q, "ds_numel", q.numel()) for q in engine.module.parameters())
         assert local == expected, f"rank {rank} holds {local} parameters; the planner counts {expected}"
+        # the summary's figures: the whole model, counted over the ranks, and this rank's part
+        assert (strategy.parameter_counts.total, strategy.parameter_counts.on_rank) == (config.num_parameters(), local)
         # Built on the meta device: this rank gave storage to its own share and nothing else.
         assert strategy.materialized_elements == expected, (strategy.materialized_elements, expected)
 

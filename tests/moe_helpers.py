@@ -89,7 +89,8 @@ class RouteRecorder(L.Callback):
         held = {name[name.index("layers."):]: tuple(getattr(p, "ds_shape", p.shape))
                 for name, p in trainer.strategy.model.module.named_parameters() if ".experts." in name}
         first = {layer.wiring.first_expert for layer in self.layers}
-        return {"routes": self.routes, "groups": groups, "held": held, "first_expert": first}
+        return {"routes": self.routes, "groups": groups, "held": held, "first_expert": first,
+                "whole_parameters": trainer.strategy.parameter_counts.total}
 
 
 def _layer_name(name: str) -> str:

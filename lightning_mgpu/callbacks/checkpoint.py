@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Optional
 
 import lightning as L
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mgpu.parallel.agreement import agree, at_boundary
 from lightning_mgpu.checkpoint.background import FAILED, WRITING, BackgroundSave, InBackground
-from lightning_mgpu.checkpoint.formats import LOADED_FROM, complete_checkpoints
+from lightning_mgpu.checkpoint.formats import complete_checkpoints
 from lightning_mgpu.parallel.collectives import gather_objects
 from lightning_mgpu.parallel.watchdog import paused
 from lightning_mgpu.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
@@ -58,13 +57,9 @@ class PeriodicCheckpoint(L.Callback):
             raise ValueError(f"every_n_steps={every_n_steps} and keep_last={keep_last} must be >= 1")
         self.directory, self.every_n_steps, self.keep_last = Path(directory), every_n_steps, keep_last
         self.async_save, self.in_flight = async_save, None
-        self.loaded_from: Optional[str] = None
         self.blocked_s: list[float] = []
         self._background = InBackground() if async_save else None
         self._step_seen = -1
-
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        self.loaded_from = checkpoint.get(LOADED_FROM, trainer.ckpt_path)
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning_mgpu.checkpoint.hooks import EngineCheckpointHooks
@@ -75,8 +70,6 @@ class PeriodicCheckpoint(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, *args) -> None:
         self._step_seen = trainer.global_step
-        if self.loaded_from is not None:
-            rank_zero_info(f"Resumed at step {trainer.global_step} from {self.loaded_from}")
         if self._background is not None:  # the background groups wait as long as the strategy's
             self._background.timeout = getattr(trainer.strategy, "_timeout", None)
 

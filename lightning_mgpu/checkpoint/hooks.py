@@ -13,11 +13,13 @@ import functools
 from typing import Any, Mapping, Optional
 
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_mgpu.checkpoint import store as checkpoints
 from lightning_mgpu.checkpoint.background import InBackground
-from lightning_mgpu.checkpoint.formats import expert_checkpoint_problems, replica_checkpoint_problems
+from lightning_mgpu.checkpoint.formats import LOADED_FROM, expert_checkpoint_problems, replica_checkpoint_problems
+from lightning_mgpu.checkpoint.loader_state import take_own_loader_state, with_every_loader_state
 from lightning_mgpu.parallel.liveness import name_lost_ranks
 from lightning_mgpu.parallel.watchdog import paused
 from lightning_mgpu.problems import raise_problems
@@ -25,6 +27,9 @@ from lightning_mgpu.problems import raise_problems
 
 class EngineCheckpointHooks:
     """The checkpoint half of ``MGPUStrategy``'s Lightning hooks."""
+
+    #: the checkpoint this fit resumed from (one of a directory's), for the line at the start of training
+    _resumed_from: Optional[str] = None
 
     @property
     @override
@@ -56,7 +61,8 @@ class EngineCheckpointHooks:
             self.layout.replica_update, self.checkpoints.format) + expert_checkpoint_problems(
             self.layout.expert_parallel_size, self.checkpoints.format))
         filepath = self.broadcast(str(filepath))
-        client_state = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        client_state = with_every_loader_state(
+            {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}, self.layout)
         with name_lost_ranks(self._heartbeat), paused(self._heartbeat):  # a save is not a step
             extra = functools.partial(checkpoints.write_consolidated_weights, self.model, self.layout,
                                       self.lightning_module) if self.save_consolidated_weights else None
@@ -77,8 +83,18 @@ class EngineCheckpointHooks:
             raise_problems("Cannot resume", replica_checkpoint_problems(self.layout.replica_update,
                                                                         self.checkpoints.format)
                            + expert_checkpoint_problems(self.layout.expert_parallel_size, self.checkpoints.format))
-        return checkpoints.load(self.model, self.layout, checkpoint_path, self.checkpoints, fitting,
-                                strict=self.lightning_module.strict_loading, replica_sync=self._replica_sync)
+        state = checkpoints.load(self.model, self.layout, checkpoint_path, self.checkpoints, fitting,
+                                 strict=self.lightning_module.strict_loading, replica_sync=self._replica_sync)
+        self._resumed_from = state.get(LOADED_FROM, str(checkpoint_path)) if fitting else None
+        return take_own_loader_state(state, self.layout)
+
+    @override
+    def on_train_start(self) -> None:
+        """Say which checkpoint a resumed run continues from, and at which step, on every resume (a directory of
+        periodic checkpoints resolves to one of them only here, so Lightning's own line names the directory)."""
+        super().on_train_start()
+        if self._resumed_from is not None:
+            rank_zero_info(f"Resumed at step {self.lightning_module.trainer.global_step} from {self._resumed_from}")
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import sys
 
+from lightning_mgpu.cli.quiet import quiet_known_warnings
 from lightning_mgpu.cli.train import train_worker
 
 if __name__ == "__main__":
+    quiet_known_warnings()
     train_worker(sys.argv[1])

@@ -1,9 +1,13 @@
 """What a rank runs, read from the objects ``setup`` built (not from the arguments asked for): printed at the start
-of every run, so a layout that silently fell back would show."""
+of every run, so a layout that silently fell back would show; and the parameters of the whole model, which no rank
+holds alone."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
+
+import torch
 
 from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import ParallelLayout
@@ -30,3 +34,35 @@ def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any],
     if replica_sync is not None:
         parts.append(replica_sync.describe())
     return f"applied layout: rank {global_rank}: " + "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """Parameters of the whole model (each tensor-parallel shard, pipeline stage and expert once) and of this rank."""
+
+    total: int
+    trainable: int
+    on_rank: int  #: what this rank's modules hold (its shards and stages, before ZeRO partitions them)
+
+
+def parameter_counts(module: torch.nn.Module, layout: ParallelLayout, device: torch.device) -> ParameterCounts:
+    """Count ``module``'s parameters on every rank and sum the distinct ones over the tensor x pipeline ranks (one
+    small all-reduce): the first tensor-parallel rank counts a split parameter by its whole size (without the padding
+    of an uneven split) and the others count it not; experts kept by expert parallelism count once per
+    expert-parallel rank; ZeRO-3's partitioned parameters count by their size before partitioning."""
+    first_tp_rank, experts_ranks = layout.rank("tp") == 0, layout.size("ep")
+    whole, trainable, on_rank = 0, 0, 0
+    for p in module.parameters():
+        numel, shape = int(getattr(p, "ds_numel", p.numel())), tuple(getattr(p, "ds_shape", p.shape))
+        on_rank += numel
+        if not first_tp_rank:
+            continue
+        if getattr(p, "tensor_model_parallel", False):
+            numel = numel // shape[p.partition_dim] * p.full_size
+        distinct = numel * (experts_ranks if getattr(p, "expert_partition", None) else 1)
+        whole += distinct
+        trainable += distinct if p.requires_grad else 0
+    counts = torch.tensor([whole, trainable], dtype=torch.int64, device=device)
+    if layout.size("mp") > 1:
+        torch.distributed.all_reduce(counts, group=layout.group("mp"))
+    return ParameterCounts(int(counts[0]), int(counts[1]), on_rank)

@@ -53,9 +53,11 @@ def fit_moe(rank, token_file, devices, model=TINY_MOE, **strategy):
     return {**result, **summary.out}
 
 
-def assert_experts_split(results, Ep, T=1, E=4, hidden=64):
-    """Each rank holds E / Ep experts of every MoE layer (hidden / T of each), the ones at its place in its group."""
+def assert_experts_split(results, Ep, T=1, E=4, hidden=64, model=TINY_MOE):
+    """Each rank holds E / Ep experts of every MoE layer (hidden / T of each), the ones at its place in its group;
+    each counts the whole model's parameters (the model summary's total) as the config's formula does."""
     for r in results:
+        assert r["whole_parameters"] == model.num_parameters(), (r["whole_parameters"], model.num_parameters())
         for name, shape in r["held"].items():
             assert shape[0] == E // Ep and shape[2 if name.endswith(("w1", "w3")) else 1] == hidden // T, (name, shape)
         if Ep > 1:
@@ -109,7 +111,7 @@ def test_expert_parallel_under_every_pipeline_schedule(token_file, deep_ref, dee
     results = run_distributed(fit_moe, 4, token_file, 4, model=DEEP_MOE, expert_parallel_size=2,
                               pipeline_parallel_size=2, zero_stage=1, pipeline_schedule=schedule,
                               data=dict(micro_batch_size=1) if single else None, **SCHEDULES[schedule])
-    assert_experts_split(results, Ep=2)
+    assert_experts_split(results, Ep=2, model=DEEP_MOE)
     ref = deep_ref_single if single else deep_ref
     assert_routes_equal(results, ref)
     assert_parity(results, ref)
@@ -129,7 +131,7 @@ def test_global_batch_balancing_statistics_span_the_data_parallel_ranks(token_fi
 def test_eight_processes_tensor_pipeline_data_and_expert_parallel(token_file, deep_ref):
     results = run_distributed(fit_moe, 8, token_file, 8, model=DEEP_MOE, expert_parallel_size=2,
                               tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=2, timeout=400)
-    assert_experts_split(results, Ep=2, T=2)
+    assert_experts_split(results, Ep=2, T=2, model=DEEP_MOE)
     assert results[0]["groups"] == {"ep": [0, 4], "edp": [0]}  # tp2 x pp2: the data-parallel peers of rank 0
     assert_routes_equal(results, deep_ref)
     assert_parity(results, deep_ref)
@@ -189,7 +191,7 @@ DEEPSEEK_STYLE = replace(TINY_MOE, n_layers=3, dense_layers=1, router_score="sig
 def test_deepseek_style_routing_matches_single_process(token_file):
     ref = moe_reference(token_file, STEPS, model=DEEPSEEK_STYLE)
     results = run_distributed(fit_moe, 4, token_file, 4, model=DEEPSEEK_STYLE, expert_parallel_size=4, zero_stage=1)
-    assert_experts_split(results, Ep=4)
+    assert_experts_split(results, Ep=4, model=DEEPSEEK_STYLE)
     assert_routes_equal(results, ref)
     assert_parity(results, ref)
 

@@ -6,6 +6,7 @@ docs/how-to/own-model.md quotes."""
 from __future__ import annotations
 
 import csv
+import logging
 import math
 from pathlib import Path
 from typing import Any, Optional
@@ -254,15 +255,39 @@ def test_epoch_scheduler_lr_monitor_early_stopping_and_own_sampler(tmp_path):
     assert len(got[0]["lr-logged"]) == len(got[0]["steps"]) and got[0]["lr-logged"] == ddp[0]["lr-logged"]
 
 
+class LogLines(logging.Handler):
+    """The messages Lightning's loggers (``rank_zero_info`` among them) emit while it is attached."""
+
+    NAMES = ("lightning.pytorch", "lightning.fabric")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> "LogLines":
+        for name in self.NAMES:
+            logging.getLogger(name).addHandler(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name in self.NAMES:
+            logging.getLogger(name).removeHandler(self)
+
+
 def test_model_checkpoint_top_k_last_and_resume(tmp_path):
     def run(rank, name, max_epochs, resume=None, after=None):
         # mode="max": the best checkpoint is the earliest (highest loss), never the weights fit ends with
         ckpt = ModelCheckpoint(dirpath=str(tmp_path / name), monitor="val_loss", mode="max", save_top_k=1,
                                save_last=True, every_n_train_steps=4)
-        out = train(rank, dict(zero_stage=3), max_epochs=max_epochs, callbacks=[ckpt], root=str(tmp_path),
-                    after=after, fit_kw=dict(ckpt_path=resume) if resume else None,
-                    trainer_kw=dict(enable_checkpointing=True, val_check_interval=4))
+        with LogLines() as log:
+            out = train(rank, dict(zero_stage=3), max_epochs=max_epochs, callbacks=[ckpt], root=str(tmp_path),
+                        after=after, fit_kw=dict(ckpt_path=resume) if resume else None,
+                        trainer_kw=dict(enable_checkpointing=True, val_check_interval=4))
         out["best_score"] = float(ckpt.best_model_score)
+        out["resumed_lines"] = [line for line in log.lines if line.startswith("Resumed at step")]
         return out
 
     whole = run_distributed(run, 2, "whole", 3)
@@ -274,6 +299,9 @@ def test_model_checkpoint_top_k_last_and_resume(tmp_path):
     assert first[0]["after"] == pytest.approx(first[0]["best_score"], abs=1e-6)
     assert abs(first[0]["after"] - first[0]["metrics"]["val_loss"]) > 1e-3
     resumed = run_distributed(run, 2, "first", 3, resume="last", after="test")
+    # one line on rank 0 (none elsewhere) names the step and the file, without a PeriodicCheckpoint in the run
+    assert resumed[0]["resumed_lines"] == [f"Resumed at step 8 from {tmp_path / 'first' / 'last.ckpt'}"]
+    assert resumed[1]["resumed_lines"] == [] and whole[0]["resumed_lines"] == []
     for r, w in zip(resumed, whole):  # epochs 2 and 3 continue exactly as the uninterrupted run
         assert r["losses"] == pytest.approx(w["losses"][8:], abs=1e-6)
         assert r["steps"] == w["steps"][8:]
