@@ -3,7 +3,8 @@
 Both train the same model on the same batches with AdamW, gradient clipping and a LR schedule. Each
 is timed per optimizer step after a warm-up; the two alternate in rounds so that machine noise hits
 both. Prints the median step-time ratio (goal: <= 1.03). ``--return-freed-memory``: the strategy with its memory-lean
-CPU setting (``MGPUStrategy(return_freed_memory=True)``), to see what it costs.
+CPU setting (``MGPUStrategy(return_freed_memory=True)``), to see what it costs. Also the step guard's cost
+(``skip_bad_steps``, on by default: a finiteness check of the gradients; its all-gather is skipped in one process).
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ class SilentLLMModule(LLMModule):
         pass
 
 
-def trainer_run(rank: int, token_file: Path, module_cls: type = LLMModule) -> list[float]:
+def trainer_run(rank: int, token_file: Path, module_cls: type = LLMModule, guard: bool = True) -> list[float]:
     timer = StepTimer()
-    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MGPUStrategy(return_freed_memory=LEAN),
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=MGPUStrategy(return_freed_memory=LEAN,
+                                                                            skip_bad_steps=guard),
                         max_steps=STEPS + 1, gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
     dm = TokenFileDataModule(token_file, seq_len=SEQ, global_batch_size=BATCH, micro_batch_size=BATCH, seed=0,
@@ -96,13 +98,17 @@ def main() -> None:
     import tempfile
 
     token_file = make_token_file(Path(tempfile.mkdtemp()), n_tokens=200_000, vocab=256)
-    plain, ours, silent = [], [], []
+    plain, ours, silent, unguarded = [], [], [], []
     for _ in range(ROUNDS):
-        # the hand loop also runs in a forked child, so all three see the same process state
+        # the hand loop also runs in a forked child, so all four see the same process state
         plain += run_distributed(lambda rank: hand_loop(token_file), 1)[0]
         ours += run_distributed(trainer_run, 1, token_file)[0]
         silent += run_distributed(trainer_run, 1, token_file, SilentLLMModule)[0]
+        unguarded += run_distributed(trainer_run, 1, token_file, SilentLLMModule, False)[0]
     p, o, q = statistics.median(plain), statistics.median(ours), statistics.median(silent)
+    u = statistics.median(unguarded)
+    print(f"step guard (skip_bad_steps): {q * 1e3:.1f} ms a step with it, {u * 1e3:.1f} ms without: "
+          f"ratio {q / u:.3f}")
     print(f"median step: hand-written loop {p * 1e3:.1f} ms; Trainer(strategy=MGPUStrategy()) with LLMModule "
           f"{o * 1e3:.1f} ms; the same without the module's self.log calls {q * 1e3:.1f} ms")
     print(f"strategy-only overhead ratio (no logging / hand-written): {q / p:.3f}")

@@ -20,6 +20,7 @@ from lightning_mgpu.parallel.experts import balance_experts
 from lightning_mgpu.parallel.liveness import name_lost_ranks
 from lightning_mgpu.parallel.watchdog import StepWatchdog
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
+from lightning_mgpu.resilience.step_guard import SkippedStep, describe
 
 
 class EngineHooks:
@@ -58,11 +59,16 @@ class EngineHooks:
         return closure_loss
 
     def engine_step(self) -> None:
-        """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads)."""
+        """One optimizer step of the engine (reduce, clip by the global norm, update, zero grads); the step guard
+        (``skip_bad_steps``) checks this rank's own losses of the step's batches with the gradients."""
+        losses, self._step.local_losses[:] = list(self._step.local_losses), []
         with name_lost_ranks(self._heartbeat):
             self._clock.before_step()
+            if self._guard is not None:
+                self._guard.arm(torch.stack(losses) if losses else None)
             self.context.last_grad_norm = step(self.model)
-            balance_experts(self.model.module, self.layout)
+            if self._guard is None or not self._settle_guard():
+                balance_experts(self.model.module, self.layout)
             if self._replica_sync is not None:  # replicas that step apart: every sync_every steps, the outer step
                 trainer = self.lightning_module.trainer
                 if self._replica_sync.after_inner_step(last=0 < trainer.max_steps <= trainer.global_step + 1):
@@ -70,6 +76,21 @@ class EngineHooks:
             self._clock.after_step()
         if self._heartbeat is not None and self._heartbeat.watchdog is not None:
             self._heartbeat.watchdog.beat()
+
+    def _settle_guard(self) -> bool:
+        """Whether the step just taken was skipped (the guard's verdict); a skipped step is reported and holds back
+        the LR schedules stepped once per optimizer step."""
+        trainer = self.lightning_module.trainer
+        schedulers = [c.scheduler for c in self.lr_scheduler_configs if c.interval == "step" and c.frequency == 1]
+        verdict = self._guard.settle(trainer.global_step, schedulers)
+        if verdict.skip:
+            rank_zero_info(describe(self._guard.skipped[-1]))
+        return verdict.skip
+
+    @property
+    def skipped_steps(self) -> list[SkippedStep]:
+        """The optimizer steps skipped so far (``skip_bad_steps``)."""
+        return list(self._guard.skipped) if self._guard is not None else []
 
     def on_train_start(self) -> None:
         if self._heartbeat is not None:  # a hang report writes this rank's collective trace and stacks there

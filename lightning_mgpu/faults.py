@@ -7,6 +7,7 @@ continues after the job is killed while a checkpoint is written).
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -20,15 +21,24 @@ from lightning_mgpu.problems import format_problems
 
 #: Fault injection, read by ``mgpu-train`` (see :func:`fault_callbacks`). ``<rank>:<step>``: that rank, as
 #: optimizer step ``step`` begins, SIGKILLs itself (``kill``: its sockets close at once), SIGSTOPs itself (``stop``: it
-#: hangs with its sockets open), or raises :class:`InjectedFault` inside that step's backward pass (``raise``); the
-#: last two first print ``MGPU fault: ... at time <unix time>`` on stderr. ``MGPU_SIGNAL_RANK_AT``: that rank sends
+#: hangs with its sockets open), or raises :class:`InjectedFault` inside that step's backward pass (``raise``); each
+#: first prints ``MGPU fault: ... at time <unix time>`` on stderr. ``MGPU_SIGNAL_RANK_AT``: that rank sends
 #: itself the signal ``MGPU_SIGNAL`` names (default ``SIGUSR2``, as SLURM before a time limit) inside that step's
 #: backward pass (a preemption). ``MGPU_SPIN_RANK_AT``: that rank spins in Python forever as the step begins (alive,
 #: its heartbeat going on, never entering a collective again). ``MGPU_SKIP_RANK_AT``: after that step, every other
 #: rank enters one all-reduce on the default group that this rank skips. The last four print their time first.
+#: ``MGPU_NAN_RANK_AT`` / ``MGPU_SPIKE_RANK_AT``: that rank's loss of that step (every micro-batch's, through the
+#: module's ``training_step``; not under pipeline parallelism, whose schedule computes the loss) is NaN / 1000 times
+#: larger, its backward with it: a step the step guard (``bad_steps.*``) skips.
 RANK_FAULTS = {"MGPU_KILL_RANK_AT": "kill", "MGPU_STOP_RANK_AT": "stop", "MGPU_RAISE_RANK_AT": "raise",
-               "MGPU_SIGNAL_RANK_AT": "signal", "MGPU_SPIN_RANK_AT": "spin", "MGPU_SKIP_RANK_AT": "skip"}
+               "MGPU_SIGNAL_RANK_AT": "signal", "MGPU_SPIN_RANK_AT": "spin", "MGPU_SKIP_RANK_AT": "skip",
+               "MGPU_NAN_RANK_AT": "nan", "MGPU_SPIKE_RANK_AT": "spike"}
+#: what the loss faults multiply a loss by
+LOSS_FACTORS = {"nan": math.nan, "spike": 1000.0}
 SIGNAL_VARIABLE = "MGPU_SIGNAL"
+#: ``MGPU_FAULT_ATTEMPTS=every``: the faults act in every attempt of a restarted job, not only in the first (``first``,
+#: the default): a failure that repeats where it is, as a crash loop does.
+ATTEMPTS_VARIABLE = "MGPU_FAULT_ATTEMPTS"
 #: ``MGPU_KILL_AT=<point>:<step>``: rank 0 SIGKILLs the whole job (its process group) at that point of that step.
 KILL_JOB_VARIABLE = "MGPU_KILL_AT"
 #: The points of ``MGPU_KILL_AT``, each with the step it counts (``trainer.global_step`` there).
@@ -106,6 +116,25 @@ def _tear_next_file(where: str) -> None:
     torch.save = torn_save
 
 
+def _spoil_loss(module: Any, factor: float) -> Callable[[], None]:
+    """Multiply every loss ``module.training_step`` returns by ``factor`` until the returned function is called."""
+    had_own = "training_step" in vars(module)
+    original = module.training_step
+
+    def spoiled(*args: Any, **kwargs: Any) -> Any:
+        out = original(*args, **kwargs)
+        return {**out, "loss": out["loss"] * factor} if isinstance(out, Mapping) else out * factor
+
+    module.training_step = spoiled
+
+    def restore() -> None:
+        if had_own:
+            module.training_step = original
+        else:
+            del module.training_step
+    return restore
+
+
 def _spin_forever() -> None:
     """Busy in Python, forever: the interpreter still switches to other threads (the heartbeat goes on)."""
     count = 0
@@ -115,11 +144,15 @@ def _spin_forever() -> None:
 
 def fault_callbacks(environ: Optional[Mapping[str, str]] = None, attempt: int = 0) -> list:
     """The Lightning callbacks that inject the faults the environment asks for (none when no variable is set, and
-    none in a restarted ``attempt`` > 0: a fault rehearses one failure, which the restart recovers from)."""
+    none in a restarted ``attempt`` > 0 unless ``MGPU_FAULT_ATTEMPTS=every``: a fault rehearses one failure, which the
+    restart recovers from)."""
     environ = os.environ if environ is None else environ
-    if attempt > 0:
-        return []
     problems: list[str] = []
+    attempts = environ.get(ATTEMPTS_VARIABLE, "first")
+    if attempts not in ("first", "every"):
+        problems.append(f"{ATTEMPTS_VARIABLE}={attempts!r} must be first or every")
+    elif attempt > 0 and attempts == "first":
+        return []
     rank_faults = {}
     for name, action in RANK_FAULTS.items():
         if name in environ and (spec := _spec(name, environ[name], "rank", "1:3", problems)):
@@ -140,7 +173,7 @@ def fault_callbacks(environ: Optional[Mapping[str, str]] = None, attempt: int = 
 def _act(action: Optional[str], trainer: Any, rank: int, step: int) -> None:
     """What ``action`` does to this rank as step ``step`` begins (``skip`` acts after the step: see the callback)."""
     if action == "kill":
-        _say(f"rank {rank} kills itself (SIGKILL) at step {step}")
+        _say(f"rank {rank} kills itself (SIGKILL) at step {step} at time {time.time():.3f}")
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stop":
         _say(f"rank {rank} stops (SIGSTOP) at step {step} at time {time.time():.3f}")
@@ -169,13 +202,23 @@ def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional
     import lightning as L
 
     class FaultInjection(L.Callback):
+        restore: Optional[Callable[[], None]] = None
+
         def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
             rank, step = trainer.global_rank, trainer.global_step
-            _act(rank_faults.get((rank, step)), trainer, rank, step)
+            action = rank_faults.get((rank, step))
+            if action in LOSS_FACTORS:
+                _say(f"rank {rank} multiplies its loss of step {step} by {LOSS_FACTORS[action]}")
+                self.restore = _spoil_loss(trainer.lightning_module, LOSS_FACTORS[action])
+            else:
+                _act(action, trainer, rank, step)
             if kill_job == ("backward", step) and rank == 0:
                 _in_backward(trainer.strategy.model, lambda: _kill_job(f"backward:{step} (inside the backward pass)"))
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            if self.restore is not None:
+                self.restore()
+                self.restore = None
             step = trainer.global_step - 1  # the step that just ended
             skipper = next((r for (r, s), a in rank_faults.items() if a == "skip" and s == step), None)
             if skipper is None:

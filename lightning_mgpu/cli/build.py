@@ -32,7 +32,7 @@ def build_datamodule(spec: RunSpec) -> TokenFileDataModule:
     d = cfg.data
     common = dict(seq_len=d.seq_len, global_batch_size=d.global_batch_size, micro_batch_size=d.micro_batch_size,
                   seed=cfg.seed, val_fraction=d.val_fraction, val_batches=d.val_batches,
-                  tokenizer=spec.data.tokenizer_path)
+                  tokenizer=spec.data.tokenizer_path, skip_batches=list(d.skip_batches))
     if d.source == "corpus":
         return StdlibCorpusDataModule(cache=d.cache, **common)
     if d.source == "text":
@@ -93,14 +93,16 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
 
 
 def build_strategy(spec: RunSpec) -> MGPUStrategy:
-    """``MGPUStrategy`` of the run: its layout request, the other ``parallel.*`` keys (each named as its argument) and
-    the checkpoint settings."""
+    """``MGPUStrategy`` of the run: its layout request, the other ``parallel.*`` keys (each named as its argument), the
+    checkpoint settings and ``bad_steps.*``."""
     layout = {name: getattr(spec.layout, name) for name in LayoutRequest.__dataclass_fields__}
     rest = {k: v for k, v in OmegaConf.to_container(spec.config.parallel, resolve=True).items() if k not in layout}
     if rest["timeout"] is None:
         del rest["timeout"]  # torch's default
-    c = spec.config.checkpoint
+    c, bad = spec.config.checkpoint, spec.config.bad_steps
+    spike = OmegaConf.to_container(bad.loss_spike) if bad.loss_spike is not None else None
     # checkpoint.<key> is MGPUStrategy's checkpoint_<key> where the argument needs the prefix to be clear
     return MGPUStrategy(**layout, **rest, checkpoint_format=spec.checkpoint.format,
                         save_consolidated_weights=c.save_consolidated_weights,
-                        trust_deepspeed_checkpoints=spec.checkpoint.trust_deepspeed_checkpoints)
+                        trust_deepspeed_checkpoints=spec.checkpoint.trust_deepspeed_checkpoints,
+                        skip_bad_steps=bad.skip, loss_spike=spike)

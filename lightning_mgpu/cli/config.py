@@ -82,6 +82,8 @@ class DataConfig:
     #: attention within each document of a packed sample, positions restarting per document, no loss on the token
     #: after an end-of-document token; needs tokens with one (mgpu-prepare's, or a tokenizer's): not bytes
     document_mask: bool = False
+    #: global batches never drawn, counted from 0 as the steps that would draw them: the run takes the next instead
+    skip_batches: List[int] = field(default_factory=list)
 
 
 @dataclass
@@ -243,6 +245,9 @@ class ClusterConfig:
     #: cluster=local: start a failed or preempted job again, at most this many times, from its newest checkpoint
     #: (needs checkpoint.resume=auto and checkpoint.every_n_steps; torchrun: --max-restarts; SLURM: requeue)
     max_restarts: int = 0
+    #: cluster.max_restarts: stop with exit status 76 after this many attempts in a row that failed without a new
+    #: optimizer step (a crash loop, which restarts or a requeue would repeat); 0: never
+    crash_loop_attempts: int = 3
 
 
 @dataclass
@@ -251,6 +256,41 @@ class ThroughputConfig:
 
     enabled: bool = True  #: add the callback
     peak_flops: Optional[float] = None  #: bf16 peak FLOP/s of one device for MFU; null = from the CUDA device name
+
+
+@dataclass
+class ProfileConfig:
+    """:class:`lightning_mgpu.callbacks.profile.ProfileSteps`: each rank's ``torch.profiler`` trace and memory snapshot
+    of chosen steps (docs: how-to, "Profile a step"). Off (no callback) while ``steps`` is empty."""
+
+    #: global steps to profile, counted from 0 as metrics.csv counts them, e.g. [5,7]; each below trainer.max_steps
+    steps: List[int] = field(default_factory=list)
+    dir: Optional[str] = None  #: null = <run dir>/profile; files go to <dir>/step{N}/rank{R}.*
+    record_shapes: bool = True  #: record each operator's input shapes in the trace
+    with_stack: bool = False  #: record each operator's Python stack (larger traces, slower profiled steps)
+    largest_tensors: int = 20  #: how many of the largest live tensors each rank's memory file lists
+
+
+@dataclass
+class SpikeRuleConfig:
+    """:class:`lightning_mgpu.resilience.SpikeRule`: a step's loss spikes when it is more than ``sigmas`` standard
+    deviations AND ``min_rise`` above the mean of the last ``window`` accepted steps (once ``min_history`` are
+    there)."""
+
+    window: int = 128
+    sigmas: float = 6.0
+    min_history: int = 16
+    min_rise: float = 0.5  #: a fraction of the mean loss
+
+
+@dataclass
+class BadStepsConfig:
+    """``MGPUStrategy(skip_bad_steps=skip, loss_spike=loss_spike)``: a step whose loss or gradients are not finite on
+    some rank, or whose loss spikes, is skipped on every rank (docs: concepts, "When things fail")."""
+
+    skip: bool = True  #: the ranks agree on every optimizer step (one small all-gather); false: never skip
+    #: the spike rule; null: skip only non-finite steps
+    loss_spike: Optional[SpikeRuleConfig] = field(default_factory=SpikeRuleConfig)
 
 
 @dataclass
@@ -320,6 +360,8 @@ class TrainConfig:
     dry_run: bool = False  #: build every rank's share on the meta device, print it beside the planner's, start nothing
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    bad_steps: BadStepsConfig = field(default_factory=BadStepsConfig)
 
 
 def _env_int(name: str) -> int:

@@ -29,6 +29,7 @@ from lightning_mgpu.models.llama_config import activation_checkpointing_problems
 from lightning_mgpu.module import lr_scaling_problems
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.precision import SUPPORTED_PRECISIONS
+from lightning_mgpu.resilience.step_guard import SpikeRule
 from lightning_mgpu.split_rules import steps_apart
 
 
@@ -162,6 +163,28 @@ def checkpoint_problems(cfg: DictConfig) -> list[str]:
     return out
 
 
+def profile_problems(cfg: DictConfig) -> list[str]:
+    """``profile.steps``: steps this run trains, 0 to ``trainer.max_steps - 1``; ``profile.largest_tensors``."""
+    p, max_steps = cfg.profile, cfg.trainer.max_steps
+    steps = list(p.steps)
+    known = isinstance(max_steps, int) and not isinstance(max_steps, bool) and max_steps >= 1  # else its own rule
+    outside = [s for s in steps if s < 0 or (known and s >= max_steps)]
+    out = []
+    if outside:
+        trains = f"steps 0 to {max_steps - 1} (trainer.max_steps={max_steps})" if known else "steps from 0"
+        out.append(f"profile.steps={steps}: {', '.join(map(str, outside))} "
+                   f"{'is not a step' if len(outside) == 1 else 'are not steps'} of this run, which trains {trains}, "
+                   "counted from 0 as metrics.csv counts them; choose steps in that range"
+                   + (", or raise trainer.max_steps" if known else ""))
+    return out + _positive("profile.largest_tensors", p.largest_tensors, allow_zero=True)
+
+
+def bad_steps_problems(cfg: DictConfig) -> list[str]:
+    """``bad_steps.loss_spike.*``: the rule :class:`lightning_mgpu.resilience.SpikeRule` states."""
+    spike = cfg.bad_steps.loss_spike
+    return [] if spike is None else SpikeRule(**spike).problems("bad_steps.loss_spike.")
+
+
 def key_problems(cfg: DictConfig) -> list[str]:
     """Keys left ``???`` and keys added with ``+`` that no schema has (they would be ignored)."""
     return _key_problems(cfg, "")
@@ -193,7 +216,8 @@ def group_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig])
     """The rules of every group but ``model`` (:func:`model_problems`), for a config whose keys are all known and
     set (:func:`key_problems`); ``lightning_mgpu.cli.spec.resolve_run`` asks them all."""
     return (data_problems(cfg, data, model) + trainer_problems(cfg) + logger_problems(cfg) + optim_problems(cfg)
-            + parallel_problems(cfg, model) + checkpoint_problems(cfg))
+            + parallel_problems(cfg, model) + checkpoint_problems(cfg) + profile_problems(cfg)
+            + bad_steps_problems(cfg))
 
 
 def plan_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:

@@ -37,23 +37,35 @@ class _WindowBatches(IterableDataset):
     of one token stream or a :class:`Blend`."""
 
     def __init__(self, tokens: Union[np.ndarray, Blend], seq_len: int, seed: int, plan: BatchPlan, dp_rank: int,
-                 first_step: Callable[[], int], num_steps: Optional[int]) -> None:
+                 first_step: Callable[[], int], num_steps: Optional[int], skip: frozenset[int] = frozenset()) -> None:
         self.blend = tokens if isinstance(tokens, Blend) else Blend.of([tokens])
         self.seq_len, self.seed, self.plan = seq_len, seed, plan
-        self.dp_rank, self.first_step, self.num_steps = dp_rank, first_step, num_steps
+        self.dp_rank, self.first_step, self.num_steps, self.skip = dp_rank, first_step, num_steps, skip
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        first = step = self.first_step()  # read per iterator: each epoch continues where the last one stopped
+        drawn = self.first_step()  # read per iterator: each epoch continues where the last one stopped
+        step, stop = global_batch_index(drawn, self.skip), None if self.num_steps is None else drawn + self.num_steps
         lo, hi = self.dp_rank * self.plan.per_rank, (self.dp_rank + 1) * self.plan.per_rank
-        while self.num_steps is None or step < first + self.num_steps:
-            yield torch.from_numpy(self.blend.windows(self.seed, step, self.plan.global_batch_size, self.seq_len,
-                                                      lo, hi))
+        while stop is None or drawn < stop:
+            if step not in self.skip:
+                yield torch.from_numpy(self.blend.windows(self.seed, step, self.plan.global_batch_size, self.seq_len,
+                                                          lo, hi))
+                drawn += 1
             step += 1
 
     def __len__(self) -> int:
         if self.num_steps is None:
             raise TypeError("the training stream is endless; stop it with Trainer(max_steps=...)")
         return self.num_steps
+
+
+def global_batch_index(drawn: int, skip: frozenset[int]) -> int:
+    """The global batch drawn after ``drawn`` others when the batches in ``skip`` are never drawn."""
+    index = drawn
+    for skipped in sorted(skip):
+        if skipped <= index:
+            index += 1
+    return index
 
 
 #: A weighted token source: (a directory written by mgpu-prepare or a flat token file, weight).
@@ -74,7 +86,7 @@ class TokenFileDataModule(L.LightningDataModule):
     def __init__(self, path: Optional[str | Path] = None, seq_len: int = 128, global_batch_size: int = 16,
                  micro_batch_size: int = 4, seed: int = 1234, dtype: str = "uint16", val_fraction: float = 0.01,
                  val_batches: int = 4, sources: Optional[Sequence[WeightedSource]] = None,
-                 tokenizer: Optional[str | Path] = None) -> None:
+                 tokenizer: Optional[str | Path] = None, skip_batches: Sequence[int] = ()) -> None:
         super().__init__()
         problems = []
         if dtype not in TOKEN_DTYPES:
@@ -85,6 +97,9 @@ class TokenFileDataModule(L.LightningDataModule):
             problems.append(f"data.seq_len={seq_len} must be positive")
         if path is not None and sources:
             problems.append("give data.path (one source) or data.sources (a blend), not both")
+        if any(not isinstance(b, int) or b < 0 for b in skip_batches):
+            problems.append(f"data.skip_batches={list(skip_batches)} must hold global batch numbers >= 0 (counted from "
+                            "0, as the steps that would draw them)")
         if problems:
             raise ValueError(format_problems("Invalid data settings", problems))
         self.path = Path(path) if path is not None else None
@@ -93,6 +108,7 @@ class TokenFileDataModule(L.LightningDataModule):
         self.seq_len, self.seed, self.dtype = seq_len, seed, dtype
         self.global_batch_size, self.micro_batch_size = global_batch_size, micro_batch_size
         self.val_fraction, self.val_batches = val_fraction, val_batches
+        self.skip_batches = frozenset(skip_batches)
         self.batch_plan: Optional[BatchPlan] = None
         self._dp_rank = 0
         self._start_step = 0
@@ -146,7 +162,7 @@ class TokenFileDataModule(L.LightningDataModule):
     # -------------------------------------------------------------------------------- dataloaders
     def train_dataloader(self) -> DataLoader:
         ds = _WindowBatches(self._train, self.seq_len, self.seed, self.batch_plan, self._dp_rank, self._next_batch,
-                            None)
+                            None, self.skip_batches)
         return DataLoader(ds, batch_size=None)
 
     def val_dataloader(self) -> DataLoader:
@@ -188,9 +204,9 @@ class StdlibCorpusDataModule(TokenFileDataModule):
 
     def __init__(self, seq_len: int = 128, global_batch_size: int = 16, micro_batch_size: int = 4, seed: int = 1234,
                  val_fraction: float = 0.01, val_batches: int = 4, cache: Optional[str] = None,
-                 tokenizer: Optional[str | Path] = None) -> None:
+                 tokenizer: Optional[str | Path] = None, skip_batches: Sequence[int] = ()) -> None:
         super().__init__(None, seq_len, global_batch_size, micro_batch_size, seed, "uint16", val_fraction, val_batches,
-                         tokenizer=tokenizer)
+                         tokenizer=tokenizer, skip_batches=skip_batches)
         self.cache = Path(cache) if cache else None
 
     def token_file(self) -> Path:
@@ -211,9 +227,10 @@ class TextFilesDataModule(TokenFileDataModule):
 
     def __init__(self, files: list[str] | str, seq_len: int = 128, global_batch_size: int = 16,
                  micro_batch_size: int = 4, seed: int = 1234, val_fraction: float = 0.01, val_batches: int = 4,
-                 text_key: str = "text", cache: Optional[str] = None, tokenizer: Optional[str | Path] = None) -> None:
+                 text_key: str = "text", cache: Optional[str] = None, tokenizer: Optional[str | Path] = None,
+                 skip_batches: Sequence[int] = ()) -> None:
         super().__init__(None, seq_len, global_batch_size, micro_batch_size, seed, "uint16", val_fraction, val_batches,
-                         tokenizer=tokenizer)
+                         tokenizer=tokenizer, skip_batches=skip_batches)
         self.patterns = [files] if isinstance(files, str) else list(files)
         self.text_key = text_key
         self.cache = Path(cache) if cache else cache_dir()

@@ -24,6 +24,10 @@ from lightning_mgpu.parallel.timeline import PipelineTimeline
 
 
 class TrainStep(Protocol):
+    #: this rank's own mean loss of each batch since the last optimizer step, before the mean over replicas (the step
+    #: guard tells from it which rank's loss was not finite); the strategy empties it at every optimizer step
+    local_losses: list[torch.Tensor]
+
     def __call__(self, batch: Any, *rest: Any, **kwargs: Any) -> Any:
         """Forward and backward of every micro-batch of ``batch``; the global batch's mean loss (detached)."""
 
@@ -43,6 +47,7 @@ class DataParallelStep:
                  step_context: Callable[[], Any], forward: Callable[..., Any]) -> None:
         self.engine, self.module, self.layout = engine, module, layout
         self.num_microbatches, self.step_context, self.forward = num_microbatches, step_context, forward
+        self.local_losses: list[torch.Tensor] = []
 
     def __call__(self, batch: Any, *rest: Any, **kwargs: Any) -> Any:
         if not self.module.automatic_optimization:  # the module calls manual_backward and opt.step() itself
@@ -56,7 +61,9 @@ class DataParallelStep:
             loss = out["loss"] if isinstance(out, Mapping) else out
             engines.backward(self.engine, loss)  # scaled by 1 / (micro-batches x accumulate_grad_batches) in the engine
             losses.append(loss.detach().float())
-        mean = mean_over_replicas(torch.stack(losses).mean(), self.layout)
+        own = torch.stack(losses).mean()
+        self.local_losses.append(own.clone())
+        mean = mean_over_replicas(own, self.layout)
         # The module's other outputs (of the last micro-batch) reach on_train_batch_end as under DDP.
         return {**out, "loss": mean} if isinstance(out, Mapping) else mean
 
@@ -66,12 +73,15 @@ class PipelineStep:
 
     def __init__(self, pipeline: Pipeline, module: Any, layout: ParallelLayout) -> None:
         self.pipeline, self.module, self.layout = pipeline, module, layout
+        self.local_losses: list[torch.Tensor] = []
 
     def __call__(self, batch: Any, *rest: Any, **kwargs: Any) -> torch.Tensor:
         # The schedule divides each micro-batch's loss by their number and scales no gradient after.
         engine = self.pipeline.engine
         set_loss_scale(engine.module, engines.loss_scale(engine) / self.pipeline.n_microbatches)
-        return mean_over_replicas(self.pipeline.train_step(*hook(self.module, "pipeline_batch")(batch)), self.layout)
+        own = self.pipeline.train_step(*hook(self.module, "pipeline_batch")(batch))
+        self.local_losses.append(own.detach().float().clone())
+        return mean_over_replicas(own, self.layout)
 
 
 def layout_step(engine: Any, module: Any, layout: ParallelLayout, device: Any, micro_batches: int,

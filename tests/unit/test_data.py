@@ -33,6 +33,17 @@ def test_stream_restarts_at_saved_position():
     assert torch.equal(full[2], resumed[0]) and torch.equal(full[3], resumed[1])
 
 
+def test_skipped_global_batches_are_never_drawn_and_the_position_counts_drawn_ones():
+    tokens = np.arange(5000, dtype=np.uint16)
+    plan = BatchPlan(8, 2, 1)
+    full = list(_WindowBatches(tokens, 16, 3, plan, 0, lambda: 0, 7))
+    skipping = list(_WindowBatches(tokens, 16, 3, plan, 0, lambda: 0, 5, frozenset({1, 4})))
+    assert [b.tolist() for b in skipping] == [full[i].tolist() for i in (0, 2, 3, 5, 6)]
+    # resumed after 2 drawn batches (0 and 2): batches 3, 5, 6 follow
+    resumed = list(_WindowBatches(tokens, 16, 3, plan, 0, lambda: 2, 3, frozenset({1, 4})))
+    assert [b.tolist() for b in resumed] == [full[i].tolist() for i in (3, 5, 6)]
+
+
 def test_batch_plan_arithmetic_and_description():
     plan = BatchPlan(32, 4, 2, seq_len=128)
     assert (plan.per_rank, plan.num_microbatches) == (16, 4)

@@ -1,0 +1,109 @@
+"""A step whose loss is NaN, or a thousand times too large, on one rank is skipped on every rank: a plain
+LightningModule's final weights equal, bit for bit, those of a run that never saw that batch (Adam's step count, its
+moments and a per-step LR schedule included), at ZeRO 0, 1 and 3; the warning names the step and the rank."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from test_lightning_conformance import LogLines
+
+from lightning_mgpu import MGPUStrategy
+from lightning_mgpu.engine.runtime import gathered
+from lightning_mgpu.resilience import SpikeRule
+from lightning_mgpu.testing import run_distributed
+
+STEPS, BAD_STEP, BAD_RANK = 8, 5, 1  # step 5 counted from 0 (as metrics.csv): 5 steps of history before it
+RULE = dict(window=8, sigmas=6.0, min_history=3, min_rise=0.5)
+
+
+class StepBatches(Dataset):
+    """Item i: this rank's batch of step i (16 points of 4 Gaussian classes), seeded by rank and step."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return STEPS
+
+    def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * self.rank + step)
+        y = torch.randint(0, 4, (16,), generator=g)
+        return torch.randn(16, 8, generator=g) + y[:, None].float(), y
+
+
+class Classifier(L.LightningModule):
+    """Two linear layers under Adam and a per-step decaying LR; ``fault`` = (step, rank, "nan" | "x1000") spoils that
+    rank's loss at that step."""
+
+    def __init__(self, steps: list[int], fault: Optional[tuple[int, int, str]] = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.steps, self.fault = steps, fault
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        step, rank, kind = self.fault or (None, None, None)
+        if self.trainer.global_step == step and self.global_rank == rank:
+            loss = loss * math.nan if kind == "nan" else loss * 1000
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(StepBatches(self.global_rank), batch_size=None, sampler=self.steps)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        decay = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "step"}}
+
+
+def weights_after(stage: int, steps: list[int], fault: Optional[tuple[int, int, str]] = None) -> dict:
+    module = Classifier(steps, fault)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=len(steps), logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, gradient_clip_val=1.0,
+                        use_distributed_sampler=False, limit_val_batches=0,
+                        strategy=MGPUStrategy(zero_stage=stage, loss_spike=SpikeRule(**RULE)))
+    with LogLines() as log:
+        trainer.fit(module)
+    with gathered(list(module.parameters())):
+        weights = {name: p.detach().clone() for name, p in module.named_parameters()}
+    return {"weights": weights, "skipped": [(s.step, s.ranks) for s in trainer.strategy.skipped_steps],
+            "warned": [line for line in log.lines if "skipped on every rank" in line]}
+
+
+def three_runs(rank: int, stage: int) -> dict:
+    """The run that never sees the bad step's batch, then the runs where one rank's loss is NaN, or x1000, there."""
+    never_seen = [s for s in range(STEPS) if s != BAD_STEP]
+    return {"reference": weights_after(stage, never_seen),
+            "nan": weights_after(stage, list(range(STEPS)), (BAD_STEP, BAD_RANK, "nan")),
+            "x1000": weights_after(stage, list(range(STEPS)), (BAD_STEP, BAD_RANK, "x1000"))}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_bad_step_is_skipped_as_if_its_batch_was_never_seen(stage):
+    results = run_distributed(three_runs, 2, stage)
+    for rank, runs in enumerate(results):
+        reference = runs["reference"]
+        assert reference["skipped"] == []
+        for kind in ("nan", "x1000"):
+            run = runs[kind]
+            for name, expected in reference["weights"].items():
+                assert torch.equal(run["weights"][name], expected), (stage, kind, rank, name)
+                assert torch.isfinite(run["weights"][name]).all()
+        assert runs["nan"]["skipped"] == [(BAD_STEP, (BAD_RANK,))]  # named: the rank whose loss was not finite
+        assert runs["x1000"]["skipped"] == [(BAD_STEP, ())]  # a spike of the mean loss: no rank to blame alone
+    warned = results[0]["nan"]["warned"]
+    assert len(warned) == 1 and warned[0].startswith(f"step {BAD_STEP} skipped on every rank: the loss was not finite "
+                                                     f"on rank(s) [{BAD_RANK}]"), warned
+    assert "standard deviations above the mean" in results[0]["x1000"]["warned"][0]
+    assert results[1]["nan"]["warned"] == []  # rank 0 says it
