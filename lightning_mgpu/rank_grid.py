@@ -106,7 +106,8 @@ class RankGrid:
         folded = FOLDED if self.expert_parallel_size > 1 else ()
         for axis in (*GROUPS, *folded):
             for ranks in self.group_ranks(axis):
-                group = dist.new_group(ranks, timeout=timeout)
+                # named by its kind: a trace's distributedInfo and NCCL's collective records and errors say "tp"
+                group = dist.new_group(ranks, timeout=timeout, group_desc=axis)
                 if global_rank in ranks:
                     self._groups[axis] = group
         if not folded:  # no expert parallelism: every rank holds every expert

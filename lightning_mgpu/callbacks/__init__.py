@@ -1,7 +1,9 @@
-"""Lightning callbacks: throughput and MFU counted per data-parallel replica; atomic periodic checkpoints."""
+"""Lightning callbacks: throughput and MFU counted per data-parallel replica; atomic periodic checkpoints; profiles of
+chosen steps."""
 
 from lightning_mgpu.callbacks.checkpoint import PeriodicCheckpoint, newest_checkpoint
 from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT, Preemption
+from lightning_mgpu.callbacks.profile import ProfileSteps
 from lightning_mgpu.callbacks.throughput import Throughput, ThroughputCallback, throughput
 
-__all__ = ["PeriodicCheckpoint", "Preemption", "REQUEUE_EXIT", "Throughput", "ThroughputCallback", "newest_checkpoint", "throughput"]
+__all__ = ["PeriodicCheckpoint", "Preemption", "ProfileSteps", "REQUEUE_EXIT", "Throughput", "ThroughputCallback", "newest_checkpoint", "throughput"]

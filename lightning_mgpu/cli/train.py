@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.callbacks import PeriodicCheckpoint, ThroughputCallback, newest_checkpoint
 from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT, Preemption, slurm_requeue_command
+from lightning_mgpu.callbacks.profile import ProfileSteps
 from lightning_mgpu.checkpoint.formats import replica_checkpoint_problems
 from lightning_mgpu.cli.build import build_datamodule, build_loggers, build_module, build_strategy, build_tokenizer
 from lightning_mgpu.cli.config import TrainConfig, register_configs
@@ -118,6 +119,10 @@ def checkpoint_dir(cfg: DictConfig, run_dir: Path) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
 
 
+def profile_dir(cfg: DictConfig, run_dir: Path) -> Path:
+    return Path(cfg.profile.dir) if cfg.profile.dir else run_dir / "profile"
+
+
 def resume_path(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     """``checkpoint.resume``: ``auto`` -> the checkpoint directory when it holds a complete checkpoint (the strategy
     loads the newest one this run may read and that is intact, and says which it skipped), else a fresh start, so a
@@ -144,6 +149,10 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     requeue = slurm_requeue_command(dict(os.environ)) if cfg.cluster.launcher == "slurm" else None
     out.append(Preemption(saver if can_save else None, requeue=requeue))
 
+    if cfg.profile.steps:  # none without chosen steps: an unprofiled run has no profiler and no check per batch
+        p = cfg.profile
+        out.append(ProfileSteps(p.steps, profile_dir(cfg, run_dir), record_shapes=p.record_shapes,
+                                with_stack=p.with_stack, largest_tensors=p.largest_tensors))
     out.extend(fault_callbacks(attempt=attempt()))  # fault injection (MGPU_*_AT variables); none without them
     return out
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+import torch.autograd.profiler as autograd_profiler
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import record_function
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -30,13 +32,14 @@ from torch.distributed.pipelining.schedules import (
     _Action,
     _add_send_recv,
     _ComputationType,
+    _get_profiler_function_name,
     _PipelineScheduleRuntime,
 )
 
 from lightning_mgpu.engine import deferred_grad_reduction
 from lightning_mgpu.models.moe import moe_layers, shapes_only
 from lightning_mgpu.layout import ParallelLayout
-from lightning_mgpu.parallel.timeline import PipelineTimeline
+from lightning_mgpu.parallel.timeline import ACTION_METHODS, PipelineTimeline
 
 SCHEDULE_CLASSES = {
     "gpipe": ScheduleGPipe,
@@ -103,11 +106,14 @@ class Pipeline:
         self.stages = [PipelineStage(engine.module[str(i)], i, total, device, group=self.group) for i in ids]
         for stage in self.stages:
             _without_routing_while_inferring_shapes(stage)
+        name = layout.pipeline_schedule
+        if name in SINGLE_STAGE_SCHEDULES:
+            for stage in self.stages:
+                name_actions(stage)
         self.timeline = timeline
         if timeline is not None:
             for stage in self.stages:
                 timeline.instrument(stage)
-        name = layout.pipeline_schedule
         stages: Any = self.stages[0] if name in SINGLE_STAGE_SCHEDULES else self.stages
         self.schedule = SCHEDULE_CLASSES[name](stages, n_microbatches, loss_fn=self._microbatch_loss,
                                                scale_grads=False)
@@ -143,6 +149,24 @@ class Pipeline:
         if self.timeline is not None:
             self.timeline.pause()
         return self._run(self.eval_schedule.eval, inputs, targets)
+
+
+def name_actions(stage: PipelineStage) -> None:
+    """Label ``stage``'s forward, backward and weight-gradient calls in a profiler's trace as torch's schedules that run
+    a list of actions (``_PipelineScheduleRuntime``: interleaved 1F1B, looped BFS, the zero-bubble ones, DualPipeV)
+    label theirs, ``PP:<stage><F|B|W><micro-batch>`` (``PP:0F1``), by torch's own function; GPipe and 1F1B label
+    none (GPipe only ``Forward i``). While no profiler runs, a call costs one flag read more (no ``record_function``)."""
+    for method, kind in ACTION_METHODS:
+        original = getattr(stage, method)
+
+        def named(chunk_id: int, *args: Any, _original=original, _kind=_ComputationType.from_str(kind),
+                  **kwargs: Any) -> Any:
+            if not autograd_profiler._is_profiler_enabled:
+                return _original(chunk_id, *args, **kwargs)
+            with record_function(_get_profiler_function_name(_Action(stage.stage_index, _kind, chunk_id))):
+                return _original(chunk_id, *args, **kwargs)
+
+        setattr(stage, method, named)
 
 
 def stage_container(stages: dict[int, nn.Module]) -> nn.ModuleDict:

@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 
-_ACTIONS = (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W"))
+#: A ``PipelineStage``'s per-micro-batch methods and the letter of their action (torch's ``_Action`` names).
+ACTION_METHODS = (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W"))
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class PipelineTimeline:
 
     def instrument(self, stage: Any) -> None:
         """Time ``stage``'s forward, backward and weight-gradient calls."""
-        for method, kind in _ACTIONS:
+        for method, kind in ACTION_METHODS:
             original = getattr(stage, method)
 
             def timed(chunk_id: int, *args: Any, _original=original, _kind=kind, **kwargs: Any) -> Any:

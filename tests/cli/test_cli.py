@@ -1,6 +1,7 @@
 """The ``mgpu-train`` CLI run for real in subprocesses: pipeline schedules at parity with validation, an installed
 wheel, and the 405B dry run."""
 
+import json
 import os
 import re
 import subprocess
@@ -27,8 +28,8 @@ def test_cli_schedules_train_and_validate_at_parity(token_file, tmp_path, schedu
     asked for."""
     run_dir = tmp_path / "run"
     one_stage = schedule in ("gpipe", "1f1b")
-    extra = ["parallel.virtual_pipeline_size=1", "parallel.pipeline_timeline=true"] if one_stage else \
-        ["parallel.virtual_pipeline_size=2"]
+    extra = ["parallel.virtual_pipeline_size=1", "parallel.pipeline_timeline=true", "profile.steps=[3]"] if one_stage \
+        else ["parallel.virtual_pipeline_size=2"]
     args = [str(BIN / "mgpu-train"), f"parallel.pipeline_schedule={schedule}", *extra,
             *cli_args(token_file, 5, n_layers=4), "parallel.pipeline_parallel_size=2", "parallel.zero_stage=1",
             "data.val_batches=2", f"hydra.run.dir={run_dir}"]
@@ -47,6 +48,24 @@ def test_cli_schedules_train_and_validate_at_parity(token_file, tmp_path, schedu
     if one_stage:
         assert "pipeline timeline of step 4" in proc.stdout and "theoretical" in proc.stdout
         assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+        assert_profiled(run_dir / "profile", step=3, ranks=2)
+
+
+def assert_profiled(directory, step: int, ranks: int) -> None:
+    """``profile.steps=[step]`` of a pp2 run: each rank's trace and memory file of that step and of no other; each
+    trace holds the step, its stage's named pipeline actions (1F1B's, labelled by the package) and gloo's named
+    collectives; each memory file its peak and largest tensors."""
+    assert sorted(p.relative_to(directory).as_posix() for p in directory.rglob("*")) == [
+        f"step{step}", *sorted(f"step{step}/rank{r}.{kind}.json" for r in range(ranks) for kind in ("memory", "trace"))]
+    for rank in range(ranks):
+        names = {e["name"] for e in json.loads((directory / f"step{step}" / f"rank{rank}.trace.json").read_text())
+                 ["traceEvents"]}
+        assert f"ProfilerStep#{step}" in names
+        assert {f"PP:{rank}F0", f"PP:{rank}B0"} <= names, sorted(n for n in names if n.startswith("PP:"))
+        assert {"gloo:all_reduce", "gloo:send", "gloo:recv"} <= names, sorted(n for n in names if "gloo" in n)
+        memory = json.loads((directory / f"step{step}" / f"rank{rank}.memory.json").read_text())
+        assert memory["step"] == step and memory["rank"] == rank and memory["peak_resident_bytes"] > 0
+        assert memory["largest_tensors"] and all(t["bytes"] > 0 for t in memory["largest_tensors"])
 
 
 def test_cli_after_non_editable_install(tmp_path):

@@ -116,6 +116,10 @@ BAD_INPUTS = [
      "replica_update='local' saves each replica's round in universal checkpoints only"),
     (["parallel.replica_update=local", "parallel.outer_optimizer.name=adam"],
      "parallel.outer_optimizer='adam' is unknown; choose nesterov or sgd"),
+    (["trainer.max_steps=10", "profile.steps=[5,10,-1]"],
+     "profile.steps=[5, 10, -1]: 10, -1 are not steps of this run, which trains steps 0 to 9 (trainer.max_steps=10), "
+     "counted from 0 as metrics.csv counts them; choose steps in that range, or raise trainer.max_steps"),
+    (["profile.largest_tensors=-1"], "profile.largest_tensors=-1 must be an integer >= 0"),
 ]
 
 

@@ -47,3 +47,27 @@ def test_context_parallel_attention_of_a_late_chunk_matches_whole_causal_attenti
     late.sum().backward()
     for got, want in zip(inputs, (leaves[0].grad[:, :, 192:], leaves[1].grad, leaves[2].grad)):
         torch.testing.assert_close(got.grad.float().cpu(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.gpu
+def test_a_profiled_step_on_one_gpu_writes_its_kernels_and_the_allocator_snapshot(token_file, tmp_path):
+    """profile.steps on CUDA: the trace holds the step's CUDA kernels, the memory file the allocator's peaks, and the
+    snapshot (what pytorch.org/memory_viz opens) the step's allocations."""
+    import json
+    import pickle
+
+    from lightning_mgpu.callbacks.profile import ProfileSteps
+
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=MGPUStrategy(zero_stage=2), precision="bf16-mixed",
+                        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        limit_val_batches=0, callbacks=[ProfileSteps([1], tmp_path)])
+    trainer.fit(LLMModule(TINY, **OPTIM), datamodule(token_file))
+    step = tmp_path / "step1"
+    assert sorted(p.name for p in step.iterdir()) == ["rank0.memory.json", "rank0.memory.pickle", "rank0.trace.json"]
+    trace = json.loads((step / "rank0.trace.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in trace)  # CUDA activity, not only the CPU's
+    memory = json.loads((step / "rank0.memory.json").read_text())
+    assert memory["cuda"]["max_allocated_bytes"] > 0 and memory["cuda"]["snapshot"] == "rank0.memory.pickle"
+    assert any(t["device"].startswith("cuda") for t in memory["largest_tensors"])
+    snapshot = pickle.loads((step / "rank0.memory.pickle").read_bytes())
+    assert snapshot["segments"] and any(trace for trace in snapshot["device_traces"])  # the step's allocations
