@@ -2,6 +2,7 @@
 another, and ends with the weights, bit for bit, of a run that never drew those two global batches
 (``data.skip_batches``); the log names each step and the rank whose loss was not finite."""
 
+import json
 import os
 from pathlib import Path
 
@@ -41,3 +42,26 @@ def test_nan_and_spike_steps_are_skipped_as_if_never_drawn(token_file, tmp_path)
     for name, expected in never_drawn.items():
         assert torch.equal(faulty[name], expected), name
         assert torch.isfinite(faulty[name]).all(), name
+
+
+def test_repeated_bad_steps_roll_back_and_leave_their_batches_out(token_file, tmp_path):
+    """Two skipped steps (NaN on rank 1 at steps 3 and 4) with bad_steps.rollback_after=2: the checkpoints after step 3
+    are set aside, batches 3 and 4 go to the skip file, the run exits with 75; the restart resumes at step 3 and ends
+    with the weights, bit for bit, of a run that never drew batches 3 and 4 (with the run's own LR schedule: the same
+    steps)."""
+    rolling = ["bad_steps.rollback_after=2", "bad_steps.rollback_window=4", "checkpoint.every_n_steps=1",
+               "checkpoint.keep_last=4", "checkpoint.resume=auto", "optim.warmup_steps=2"]
+    run_dir = tmp_path / "run"
+    proc = run_cli([str(BIN / "mgpu-train"), *cli_args(token_file, STEPS), *COMMON, *rolling,
+                    f"hydra.run.dir={run_dir}"], cwd=tmp_path, env=dict(os.environ, MGPU_NAN_RANK_AT="1:3,1:4"))
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 75, output[-3000:]
+    assert ("rolling back: steps [3, 4] were skipped within the window; global batches [3, 4] will be left out; "
+            "checkpoints set aside: step-00000005.rolledback, step-00000004.rolledback") in output, output[-3000:]
+    assert json.loads((run_dir / "checkpoints" / "skip_batches.json").read_text()) == [3, 4]
+    resumed, output = final_weights(token_file, run_dir, STEPS, rolling, {})  # the restart
+    assert "Resumed at step 3 from" in output, output[-3000:]
+    never_drawn, _ = final_weights(token_file, tmp_path / "never_drawn", STEPS,
+                                   ["data.skip_batches=[3,4]", "optim.warmup_steps=2"], {})
+    for name, expected in never_drawn.items():
+        assert torch.equal(resumed[name], expected), name

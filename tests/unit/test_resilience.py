@@ -1,0 +1,52 @@
+"""The arithmetic of failure handling: any single flipped bit changes a parameter's fingerprint, the ranks outside a
+parameter's majority are the ones named (all holders when there is none), the batches a step drew, and the spike
+rule."""
+
+from collections import deque
+
+import torch
+
+from lightning_mgpu.resilience.fingerprint import fingerprints, odd_ranks
+from lightning_mgpu.resilience.rollback import batches_of_step
+from lightning_mgpu.resilience.step_guard import SpikeRule
+
+
+def test_every_single_bit_flip_changes_the_fingerprint():
+    for dtype, width in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        weight = torch.randn(3, 5, generator=torch.Generator().manual_seed(0)).to(dtype)
+        clean = fingerprints([weight])
+        bits = 8 * weight.element_size()
+        for element in (0, 7, 14):
+            for bit in range(bits):
+                flipped = weight.clone()
+                view = flipped.view(width).view(-1)
+                view[element] ^= (1 << bit) if bit < bits - 1 else -(1 << bit)  # the sign bit, as a signed int
+                assert not torch.equal(fingerprints([flipped]), clean), (dtype, element, bit)
+
+
+def test_the_ranks_outside_the_majority_are_named():
+    # ranks 4, 5, 6 hold three parameters; rank 5's second differs
+    assert odd_ranks([[1, 2, 3], [1, 9, 3], [1, 2, 3]], [4, 5, 6]) == ([5], [1])
+    assert odd_ranks([[1, 2], [1, 2]], [0, 1]) == ([], [])
+    # two copies: no majority, both named
+    assert odd_ranks([[1, 2], [1, 7]], [0, 1]) == ([0, 1], [1])
+    # three different copies of one parameter: no majority
+    assert odd_ranks([[1], [2], [3]], [0, 1, 2]) == ([0, 1, 2], [0])
+
+
+def test_the_batches_a_step_drew():
+    # the batches not skipped are 0, 2, 3, 4, 5, 6, ...; two a step: step 0 drew 0 and 2, step 2 the 5th and 6th
+    assert batches_of_step(0, 2, frozenset({1})) == [0, 2]
+    assert batches_of_step(2, 2, frozenset({1})) == [5, 6]
+    assert batches_of_step(3, 1, frozenset()) == [3]
+    assert batches_of_step(3, 1, frozenset({0, 3})) == [5]
+
+
+def test_the_spike_rule_needs_both_sigmas_and_the_rise():
+    rule = SpikeRule(window=4, sigmas=6.0, min_history=3, min_rise=0.5)
+    flat = deque([2.0, 2.0, 2.0, 2.0])  # std 0: any rise is infinitely many sigmas, but 2.9 is less than 50 % more
+    assert rule.spikes(2.9, flat) is None and rule.spikes(3.1, flat) is not None
+    noisy = deque([1.0, 3.0, 1.0, 3.0])  # mean 2, std 1: 8.1 is 6.1 sigmas and 305 % above
+    assert rule.spikes(7.9, noisy) is None and rule.spikes(8.1, noisy) is not None
+    assert rule.spikes(100.0, deque([2.0, 2.0])) is None  # fewer than min_history steps
+    assert SpikeRule(window=4, min_history=8).problems() and SpikeRule(sigmas=0).problems()
