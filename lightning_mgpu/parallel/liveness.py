@@ -173,6 +173,17 @@ def _stalled(heartbeat: Heartbeat, behind: list[int], wait: bool) -> str:
                    f"{': ' + ', '.join(s['files']) if s['files'] else ''}." for r, s in sorted((said or {}).items()))
 
 
+def _native_stacks(heartbeat: Heartbeat, stale: list[int]) -> str:
+    """The stacks that faulthandler wrote for the ranks that stopped responding (a rank holding the GIL in C code can
+    say nothing else), where the run directory shows them."""
+    if heartbeat.report_dir is None:
+        return ""
+    written = [watchdog.native_stacks_file(heartbeat.report_dir, r) for r in stale]
+    written = [p for p in written if _safely(lambda p=p: p.stat().st_size)]
+    return f" Their stacks, written without the GIL when their steps stopped: {', '.join(map(str, written))}." \
+        if written else ""
+
+
 def _ranks(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -211,6 +222,7 @@ def name_lost_ranks(heartbeat: Optional[Heartbeat]) -> Iterator[None]:
              if found.stale or found.store_gone else [])
         who = describe(found, heartbeat) if found else "every rank is alive (fresh heartbeats)"
         stalled = _stalled(heartbeat, behind, wait=not found) if behind and not found.store_gone else ""
+        stalled += _native_stacks(heartbeat, found.stale)
         error = LostRankError(f"{who}, while rank {heartbeat.rank} waited: the job cannot continue"
                               f"{'; ' + '; '.join(advice) if advice else ''}.{f' Where: {where}.' if where else ''}"
                               f"{stalled}{_report_files(heartbeat)} The collective on rank {heartbeat.rank} failed "

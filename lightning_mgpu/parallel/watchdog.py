@@ -7,11 +7,18 @@ timing out in the collective it never enters, can only name it from outside. Thi
 the time since the last optimizer step (validation and checkpoint saves pause it). When that passes ``stall_s`` (the
 collective timeout: by then the others' collective has failed too), it writes the report files once and records
 ``mgpu/stalled/<rank>`` (how long, and the files), which the others' error quotes.
+
+A rank whose training thread holds the GIL in C code (a C extension's call that never returns) stops this thread and
+the heartbeat's too: it looks dead from outside and can say nothing. For it, Python's ``faulthandler`` is armed at
+every step for half of ``stall_s``: its timer runs in a native thread that needs no GIL, and writes every thread's
+Python stack to ``stall-rank<r>-native-stacks.txt`` in the run directory, which the others' error points to (an
+empty file is removed at the end of training).
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import logging
 import threading
@@ -24,6 +31,12 @@ from lightning_mgpu.parallel import collective_trace
 log = logging.getLogger(__name__)
 #: How often the watchdog looks at the time since the last step.
 CHECK_S = 0.5
+#: Where ``faulthandler`` writes a rank's stacks when its steps stop for half the stall time, whatever holds the GIL.
+NATIVE_STACKS = "stall-rank{rank}-native-stacks.txt"
+
+
+def native_stacks_file(report_dir: Path, rank: int) -> Path:
+    return Path(report_dir) / NATIVE_STACKS.format(rank=rank)
 
 
 class StepWatchdog:
@@ -35,11 +48,20 @@ class StepWatchdog:
         self._last, self._armed, self._reported = time.monotonic(), True, False
         self._beats, self._lock = 0, threading.Lock()  # a step during a report withdraws it (see _report)
         self._stop = threading.Event()
+        self._native = native_stacks_file(report_dir, rank).open("w") if report_dir is not None else None
+        self._arm_native()
         self._thread = threading.Thread(target=self._run, name="mgpu-step-watchdog", daemon=True)
         self._thread.start()
 
+    def _arm_native(self) -> None:
+        """(Re)start faulthandler's timer: half ``stall_s`` without a step writes every thread's stack."""
+        if self._native is not None:
+            faulthandler.dump_traceback_later(self.stall_s / 2, file=self._native)
+
     def beat(self) -> None:
         self._last = time.monotonic()
+        if self._armed:
+            self._arm_native()
         if self._reported:  # it moved again: what it said no longer holds
             with self._lock:
                 self._beats += 1
@@ -49,22 +71,32 @@ class StepWatchdog:
 
     def pause(self) -> None:
         self._armed = False
+        faulthandler.cancel_dump_traceback_later()
 
     def resume(self) -> None:
-        self.beat()
         self._armed = True
+        self.beat()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         armed, self._armed = self._armed, False
+        faulthandler.cancel_dump_traceback_later()
         try:
             yield
         finally:
-            self.beat()
             self._armed = armed
+            self.beat()
 
     def stop(self) -> None:
-        """Stop watching, and wait for the thread (it holds the store, which must not outlive its server)."""
+        """Stop watching, and wait for the thread (it holds the store, which must not outlive its server); remove the
+        native stacks file if nothing was written to it."""
+        faulthandler.cancel_dump_traceback_later()
+        if self._native is not None:
+            self._native.close()
+            path = Path(self._native.name)
+            if path.exists() and path.stat().st_size == 0:
+                path.unlink()
+            self._native = None
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=4 * CHECK_S)

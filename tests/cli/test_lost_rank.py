@@ -159,3 +159,19 @@ def test_only_a_ranks_own_failure_is_recorded_and_a_stopped_stamp_goes_stale(tcp
     finally:
         survivor.stop()
         peer.stop()
+
+
+def test_a_rank_holding_the_gil_is_named_with_the_stacks_it_wrote_without_it(token_file, tmp_path):
+    """Rank 1 sleeps in C code holding the GIL from step 2: its heartbeat and watchdog threads stop with it, so it
+    looks dead; faulthandler's timer (a native thread) writes its stacks at half the timeout, and rank 0's error names
+    rank 1 and points to them, which show the call that holds the GIL."""
+    returncode, lines = launch(token_file, tmp_path, "gil", {"MGPU_GIL_RANK_AT": "1:2"}, TIMEOUT_S)
+    assert returncode is not None and returncode != 0, "".join(line for _, line in lines)[-3000:]
+    held = fault_time(lines, "holds the GIL")
+    reported, line = report(lines, "LostRankError: rank 1 of 2 stopped responding")
+    stacks = tmp_path / "gil" / "stall-rank1-native-stacks.txt"
+    assert f"Their stacks, written without the GIL when their steps stopped: {stacks}" in line, line
+    assert "_hold_the_gil" in stacks.read_text()
+    # rank 0's steps stopped too (it waited in the collective for the whole timeout): its stacks show the wait
+    assert "_hold_the_gil" not in (tmp_path / "gil" / "stall-rank0-native-stacks.txt").read_text()
+    print(f"held at {held:.3f}, reported {reported - held:.2f} s later (timeout {TIMEOUT_S} s)")
