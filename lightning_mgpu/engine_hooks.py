@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Generator, Optional
+from typing import Any, Callable, Generator, Optional
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_mgpu.engine import zero3_partitioner
 from lightning_mgpu.engine.runtime import backward, step
 from lightning_mgpu.parallel.replicas import keep_sigterm_check_inside_replicas
 from lightning_mgpu.parallel.stragglers import log_round, report_stragglers
@@ -20,13 +21,38 @@ from lightning_mgpu.parallel.experts import balance_experts
 from lightning_mgpu.parallel.liveness import name_lost_ranks
 from lightning_mgpu.parallel.watchdog import StepWatchdog
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
-from lightning_mgpu.resilience.step_guard import SkippedStep, describe
+from lightning_mgpu.resilience.step_guard import SkippedStep, StepGuard, describe
+from lightning_mgpu.callbacks.console import use_layout_console
+from lightning_mgpu.parallel.applied import applied_layout, parameter_counts
 
 
 class EngineHooks:
     """For a strategy whose ``model`` is the engine after ``setup``, with ``context`` (the module's parallel context),
-    ``_heartbeat`` (which names a lost rank), ``_replica_sync`` (the outer step of replicas that step apart) and
-    ``_clock`` (this rank's time per step, ``lightning_mgpu.parallel.stragglers``)."""
+    ``_heartbeat`` (which names a lost rank), ``_replica_sync`` (the outer step of replicas that step apart),
+    ``_clock`` (this rank's time per step, ``lightning_mgpu.parallel.stragglers``) and ``skip_bad_steps`` /
+    ``loss_spike`` (the step guard's settings)."""
+
+    _guard: Optional[StepGuard] = None
+
+    def _partitioner(self, engine_config: Callable[[torch.nn.Module], dict]) -> Optional[Callable]:
+        """Under ZeRO-3, each module's parameters are partitioned as they are filled."""
+        if self.layout.zero_stage != 3:
+            return None
+        return lambda kept: zero3_partitioner(engine_config(kept), self.layout)
+
+    def _guard_steps(self, module: Any, optimizer: torch.optim.Optimizer) -> None:
+        """With ``skip_bad_steps``: the guard that skips bad steps on every rank of a replica (they step together),
+        holding back the module's LR schedules on a skipped step."""
+        if self.skip_bad_steps:
+            self._guard = StepGuard(optimizer, self.layout.group("replica"), self.root_device, self.loss_spike)
+            self._guard.hold_schedules_of(module)
+
+    def _announce_setup(self, trainer: Any) -> None:
+        """What ``setup`` built, said on rank 0: the applied layout; the whole model's parameters, counted over the
+        ranks (one all-reduce), for the model summary, which with the progress bar becomes the package's own."""
+        rank_zero_info(applied_layout(self.model, self.layout, self.pipeline, self.global_rank, self._replica_sync))
+        self.parameter_counts = parameter_counts(self.model.module, self.layout, self.root_device)
+        use_layout_console(trainer, trainer.state.stage.value if trainer.state.stage else "fit")
 
     @property
     def engine(self):

@@ -27,8 +27,6 @@ from lightning_mgpu.contract import ParallelContext, builds_on_meta
 from lightning_mgpu.hf import adopt as adopt_hf_model
 from lightning_mgpu.launcher import choose_launcher
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
-from lightning_mgpu.callbacks.console import use_layout_console
-from lightning_mgpu.parallel.applied import applied_layout, parameter_counts
 from lightning_mgpu.parallel.collectives import WorldCollectives
 from lightning_mgpu.parallel.evaluation import EvaluationSteps
 from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
@@ -43,7 +41,7 @@ from lightning_mgpu.parallel.step import layout_step
 from lightning_mgpu.parallel.timeline import PipelineTimeline
 from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.refusals import check_module, check_optimizers, check_trainer
-from lightning_mgpu.resilience.step_guard import SpikeRule, StepGuard
+from lightning_mgpu.resilience.step_guard import SpikeRule
 
 
 #: The names registered in Lightning's ``StrategyRegistry`` on import, with the ``MGPUStrategy`` arguments of each.
@@ -101,11 +99,9 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         sync_every: inner steps between outer steps. outer_optimizer: ``OuterOptimizer`` or a dict of its fields;
             default Nesterov SGD, lr 0.7, momentum 0.9.
         slow_ranks: chaos, ``{global rank: factor}``: ranks made that much slower (``parallel.stragglers``).
-        skip_bad_steps: the ranks agree every optimizer step whether a rank's loss or gradients are not finite, or
-            the loss spikes (``loss_spike``), and then skip the step on every rank: weights, optimizer state, LR
-            schedule (``lightning_mgpu.resilience.step_guard``); the skipped steps are in ``strategy.skipped_steps``.
-        loss_spike: the spike rule (``SpikeRule`` or a dict of its fields; default: 6 standard deviations and 50 %
-            above the mean of the last 128 accepted steps, once 16 are there); ``None``: non-finite steps only.
+        skip_bad_steps: skip, on every rank, a step whose loss or gradients are not finite on a rank or whose loss
+            spikes (``lightning_mgpu.resilience.step_guard``; ``strategy.skipped_steps`` lists them).
+        loss_spike: the spike rule (``SpikeRule`` or a dict of its fields); ``None``: non-finite steps only.
     """
 
     strategy_name = "mgpu"
@@ -129,9 +125,8 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         super().__init__(**kwargs)
         self.layout_request = LayoutRequest(**{name: arguments[name] for name in LayoutRequest.__dataclass_fields__})
         self.outer_optimizer, self.slow_ranks = OuterOptimizer.of(outer_optimizer), dict(slow_ranks or {})
+        self.skip_bad_steps, self.loss_spike = skip_bad_steps, SpikeRule.of(loss_spike)
         # Everything that does not depend on the world size is checked now, before any process exists.
-        self.skip_bad_steps = skip_bad_steps
-        self.loss_spike = SpikeRule(**loss_spike) if isinstance(loss_spike, dict) else loss_spike
         raise_problems("Invalid parallel layout", self.layout_request.problems_with() + self.outer_optimizer.problems()
                        + slow_rank_problems(self.slow_ranks) + (self.loss_spike.problems() if self.loss_spike else []))
         self.pipeline_boundaries = None if pipeline_boundaries is None else list(pipeline_boundaries)
@@ -157,7 +152,6 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         #: Parameter elements this rank gave storage to after building on the meta device (0: built for real).
         self.materialized_elements = 0
         self._replica_sync, self._clock = None, StepClock()
-        self._guard: Optional[StepGuard] = None
 
     # ------------------------------------------------------------------------------ registration
     @classmethod
@@ -251,28 +245,13 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         self._clock = StepClock(self.slow_ranks.get(self.global_rank, 1.0))
         if optimizer is not None:
             self.optimizers = [engines.EngineOwnedOptimizer(engine_optimizer, optimizer)]
-            self._guard = self._step_guard(module, optimizer) if self.skip_bad_steps else None
+            self._guard_steps(module, optimizer)
         self._step, self.pipeline = layout_step(self.model, module, self.layout, self.root_device, micro_batches,
                                                 PipelineTimeline() if self.pipeline_timeline else None,
                                                 self.precision_plugin.train_step_context, self._forward_redirection)
         module.parallel_context = self.context = ParallelContext(self.layout, micro_batches, self.engine_step,
                                                                  self.pipeline)
-        rank_zero_info(applied_layout(self.model, self.layout, self.pipeline, self.global_rank, self._replica_sync))
-        self.parameter_counts = parameter_counts(self.model.module, self.layout, self.root_device)
-        use_layout_console(trainer, trainer.state.stage.value if trainer.state.stage else "fit")
-
-    def _step_guard(self, module: "pl.LightningModule", optimizer: torch.optim.Optimizer) -> StepGuard:
-        """The guard that skips bad steps on every rank of a replica (they step together), holding back the module's
-        LR schedules on a skipped step."""
-        guard = StepGuard(optimizer, self.layout.group("replica"), self.root_device, self.loss_spike)
-        guard.hold_schedules_of(module)
-        return guard
-
-    def _partitioner(self, engine_config: Callable[[torch.nn.Module], dict]) -> Optional[Callable]:
-        """Under ZeRO-3, each module's parameters are partitioned as they are filled."""
-        if self.layout.zero_stage != 3:
-            return None
-        return lambda kept: engines.zero3_partitioner(engine_config(kept), self.layout)
+        self._announce_setup(trainer)
 
     @override
     @contextlib.contextmanager

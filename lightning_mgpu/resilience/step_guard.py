@@ -37,6 +37,11 @@ class SpikeRule:
     min_history: int = 16
     min_rise: float = 0.5
 
+    @classmethod
+    def of(cls, rule: "Optional[SpikeRule | dict]") -> "Optional[SpikeRule]":
+        """``rule`` as a SpikeRule (from a dict of its fields), or None."""
+        return cls(**rule) if isinstance(rule, dict) else rule
+
     def problems(self, prefix: str = "loss_spike.") -> list[str]:
         """What makes the rule unusable, each with its fix (``prefix``: how the settings are named where they come
         from)."""
