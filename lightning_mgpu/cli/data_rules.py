@@ -5,8 +5,9 @@ loaded) and the file system for data paths."""
 from __future__ import annotations
 
 import glob
+import shlex
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from omegaconf import DictConfig
 
@@ -28,11 +29,7 @@ def data_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig]) 
     elif d.source == "tokens":
         out += token_source_problems(cfg, data)
     elif d.source == "text":
-        if not d.files:
-            out.append("data.files is empty; give glob patterns of .txt/.jsonl files, e.g. 'data.files=[books/*.txt]'")
-        for pattern in d.files:
-            if not glob.glob(pattern, recursive=True):
-                out.append(f"data.files pattern {pattern!r} matches no file")
+        out += text_file_problems(list(d.files), has_tokenizer=data.tokenizer is not None)
     if d.get("sources") and d.source != "tokens":
         out.append(f"data.sources is set but data.source={d.source}: blends are of token sources; use data=tokens")
     if not 0.0 < d.val_fraction < 1.0:
@@ -52,6 +49,38 @@ def seq_len_problems(seq_len: object, model: LlamaConfig) -> list[str]:
         return [f"data.seq_len={seq_len} exceeds the model's max_seq_len={model.max_seq_len}; lower data.seq_len or "
                 f"set model.max_seq_len>={seq_len}"]
     return []
+
+
+def text_file_problems(patterns: Sequence[str], has_tokenizer: bool) -> list[str]:
+    """``data=text``: every pattern matches something, and nothing that ``data=text`` would read wrongly. Without a
+    tokenizer it reads each file's bytes as text, so a Parquet or Arrow file would be trained on as its encoded bytes;
+    and it reads files only, so a dataset saved by ``datasets``' ``save_to_disk`` (a directory) would be left out.
+    ``mgpu-prepare`` reads both."""
+    from lightning_mgpu.data.columnar import is_columnar, is_saved_dataset
+
+    out = [] if patterns else ["data.files is empty; give glob patterns of .txt/.jsonl files, e.g. "
+                               "'data.files=[books/*.txt]'"]
+    for pattern in patterns:
+        matches = [Path(m) for m in sorted(glob.glob(pattern, recursive=True))]
+        if not matches:
+            out.append(f"data.files pattern {pattern!r} matches no file")
+        columnar = [] if has_tokenizer else [m for m in matches if is_columnar(m) and m.is_file()]
+        if columnar:
+            out.append(f"data.files pattern {pattern!r} matches the Parquet/Arrow file(s) {_listed(columnar)}, which "
+                       "data=text without a tokenizer would read as raw bytes, not as rows of text; tokenise them "
+                       f"with `mgpu-prepare --tokenizer PATH --out DIR {shlex.quote(pattern)}` and train with "
+                       "data=tokens data.path=DIR (or give data.tokenizer=PATH)")
+        for directory in (m for m in matches if is_saved_dataset(m)):
+            out.append(f"data.files pattern {pattern!r} matches {str(directory)!r}, a dataset written by "
+                       "save_to_disk, which data=text does not read (it reads files); tokenise it with "
+                       f"`mgpu-prepare --tokenizer PATH --out DIR {shlex.quote(str(directory))}` (with --split NAME "
+                       "for a DatasetDict) and train with data=tokens data.path=DIR")
+    return out
+
+
+def _listed(paths: Sequence[Path]) -> str:
+    """The first three of ``paths``, then how many more."""
+    return ", ".join(repr(str(p)) for p in paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
 
 
 def token_source_problems(cfg: DictConfig, data: RunData) -> list[str]:

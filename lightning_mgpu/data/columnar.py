@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
@@ -197,10 +197,16 @@ class TextColumn:
         return out, problems
 
 
+def _offsets(array) -> np.ndarray:
+    """The ``len(array) + 1`` byte offsets of a ``large_string`` array's rows in its data buffer: the array's own
+    slice of the offsets buffer, which a sliced array shares with the whole."""
+    return np.frombuffer(array.buffers()[1], dtype=np.int64)[array.offset:array.offset + len(array) + 1]
+
+
 def _text_column(array, first_row: int) -> TextColumn:
     """A :class:`TextColumn` of a non-null ``large_string`` array (its own slice of the buffers, not all of them)."""
-    _, offsets_buffer, data_buffer = array.buffers()
-    offsets = np.frombuffer(offsets_buffer, dtype=np.int64)[array.offset:array.offset + len(array) + 1]
+    data_buffer = array.buffers()[2]
+    offsets = _offsets(array)
     start, stop = int(offsets[0]), int(offsets[-1])
     data = data_buffer.slice(start, stop - start).to_pybytes() if data_buffer is not None and stop > start else b""
     return TextColumn(first_row, offsets - start, data)
@@ -216,13 +222,27 @@ def _batches(pa, path: Path, text_key: str):
     return (b.column(text_key) for b in batches), source
 
 
+def _large_text(pa, column, first_row: int) -> tuple[Any, int, Optional[int]]:
+    """(``column`` as a non-null ``large_string`` array, its null rows, the file row of its first null or None).
+
+    A null row becomes empty text, so that the rows around it are still read and every null of a file is counted
+    (the file is then refused once, naming the first); ``large_string``'s int64 offsets cut units of any size."""
+    import pyarrow.compute as pc
+
+    if isinstance(column, pa.ChunkedArray):
+        column = column.combine_chunks()
+    nulls, first_null = column.null_count, None
+    if nulls:
+        first_null = first_row + pc.index(pc.is_null(column), True).as_py()
+        column = pc.fill_null(column, "")
+    return column.cast(pa.large_string()), nulls, first_null
+
+
 def read_columnar(path: Path, text_key: str, unit_bytes: int) -> Iterator[tuple[Optional[TextColumn], list[str]]]:
     """(:class:`TextColumn` of about ``unit_bytes`` of text, read errors) of ``path``'s ``text_key`` column, in
     order (a unit never spans files). Null rows are counted and named once at the end of the file; a file that
     cannot be read further ends with its error."""
     pa = _pyarrow()
-    import pyarrow.compute as pc
-
     pending, pending_bytes, pending_first, row = [], 0, 0, 0
     nulls, first_null = 0, None
 
@@ -234,16 +254,10 @@ def read_columnar(path: Path, text_key: str, unit_bytes: int) -> Iterator[tuple[
         batches, closing = _batches(pa, path, text_key)
         with closing:
             for column in batches:
-                if isinstance(column, pa.ChunkedArray):
-                    column = column.combine_chunks()
-                if column.null_count:
-                    if first_null is None:
-                        first_null = row + pc.index(pc.is_null(column), True).as_py()
-                    nulls += column.null_count
-                    column = pc.fill_null(column, "")
-                column = column.cast(pa.large_string())
-                offsets = np.frombuffer(column.buffers()[1], dtype=np.int64)[column.offset:column.offset + len(column)
-                                                                             + 1]
+                column, column_nulls, column_first_null = _large_text(pa, column, row)
+                nulls += column_nulls
+                first_null = column_first_null if first_null is None else first_null
+                offsets = _offsets(column)
                 start = 0
                 while start < len(column):
                     # the first row at which the pending text reaches unit_bytes ends the unit

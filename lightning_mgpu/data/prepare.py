@@ -1,5 +1,5 @@
 """Text / JSONL files (gzip too), Parquet files and saved ``datasets`` (Arrow) -> a prepared token directory,
-tokenised in parallel processes.
+tokenised in parallel processes (:mod:`lightning_mgpu.data.encoding`).
 
 Every document (a whole text file, one JSONL line's ``text_key`` field, or one Parquet / Arrow row's ``text_key``
 column: :mod:`lightning_mgpu.data.columnar`) is encoded with the tokenizer's own special tokens and followed by the
@@ -16,25 +16,20 @@ access to the whole stream; a flat memory-mapped array gives that with no format
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import gzip
 import hashlib
-import json
-import multiprocessing
 import os
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
 
 from lightning_mgpu.data.columnar import (
     ColumnarError,
-    TextColumn,
     dataset_files,
     dataset_splits,
     is_columnar,
@@ -42,6 +37,7 @@ from lightning_mgpu.data.columnar import (
     read_columnar,
     schema_problems,
 )
+from lightning_mgpu.data.encoding import EncoderSettings, Unit, unit_encoder
 from lightning_mgpu.data.manifest import (
     MANIFEST_FILE,
     TOKEN_DTYPES,
@@ -161,12 +157,6 @@ def describe_sources(files: Sequence[Path]) -> tuple[Source, ...]:
 
 
 # ------------------------------------------------------------------------------------------------ reading units
-# A unit is (file index, documents, read errors); the documents are [(line number or 0, raw bytes), ...], raw bytes
-# being a JSONL line or a whole text file, or a TextColumn: rows of a Parquet / Arrow file's text column. A read
-# error travels with the unit, so that problems are reported in input order.
-Unit = tuple[int, "list[tuple[int, bytes]] | TextColumn", list[str]]
-
-
 def read_units(files: Sequence[Path], unit_bytes: Optional[int] = None, text_key: str = "text") -> Iterator[Unit]:
     """Raw documents of ``files`` in order, grouped into units of about ``unit_bytes`` (default
     :data:`UNIT_BYTES`; never across files). The rest of a file that cannot be read is skipped."""
@@ -199,88 +189,6 @@ def read_units(files: Sequence[Path], unit_bytes: Optional[int] = None, text_key
             yield index, batch, []
 
 
-# ------------------------------------------------------------------------------------------- encoding (workers)
-_worker: dict = {}
-
-
-def _init_worker(tokenizer_path: str, eod_id: int, dtype: str, text_key: str, files: list[str]) -> None:
-    # One thread per process: the processes are the parallelism, and the MB/s per process is then honest.
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    _worker.update(tokenizer=Tokenizer(tokenizer_path), eod_id=eod_id, dtype=TOKEN_DTYPES[dtype],
-                   text_key=text_key, files=files)
-
-
-def _texts(index: int, docs: "list[tuple[int, bytes]] | TextColumn") -> tuple[list[str], list[str]]:
-    """(the documents' texts, what is wrong with the others)."""
-    path, key = _worker["files"][index], _worker["text_key"]
-    if isinstance(docs, TextColumn):
-        return docs.texts(path)
-    out, problems = [], []
-    for line, raw in docs:
-        where = f"{path}:{line}" if line else path
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            problems.append(f"{where}: not UTF-8 text (byte {err.start} is {raw[err.start]:#04x}); convert it to "
-                            "UTF-8")
-            continue
-        if not line:
-            out.append(text)
-            continue
-        try:
-            record = json.loads(text)
-        except ValueError as err:
-            problems.append(f"{where}: not a JSON line ({err}); fix the line or remove it")
-            continue
-        if not isinstance(record, dict) or key not in record:
-            have = f"its fields: {', '.join(list(record)[:8])}" if isinstance(record, dict) else "it is not an object"
-            problems.append(f"{where}: no {key!r} field ({have}); set --text-key to the field with the text")
-        elif not isinstance(record[key], str):
-            problems.append(f"{where}: field {key!r} is a {type(record[key]).__name__}, not a string")
-        else:
-            out.append(record[key])
-    return out, problems
-
-
-def _encode_unit(unit: Unit) -> tuple[bytes, int, int, list[str], float]:
-    """(token bytes, documents, UTF-8 text bytes, problems, CPU seconds) of one unit: each document's ids, then the
-    end-of-document id."""
-    cpu = time.process_time()
-    index, docs, read_errors = unit
-    texts, problems = _texts(index, docs)
-    eod = _worker["eod_id"]
-    ids: list[int] = []
-    for doc in _worker["tokenizer"].encode_batch(texts):
-        ids += doc
-        if not doc or doc[-1] != eod:  # a post-processor may already end each document with it
-            ids.append(eod)
-    data = np.asarray(ids, dtype=_worker["dtype"]).tobytes()
-    size = docs.text_bytes if isinstance(docs, TextColumn) else sum(len(r) for _, r in docs)
-    return data, len(texts), size, problems + read_errors, time.process_time() - cpu
-
-
-@contextlib.contextmanager
-def _encoder(workers: int, init_args: tuple) -> Iterator[Callable[[Iterable[Unit]], Iterator[tuple]]]:
-    """A function from units to their encodings, in input order; with several workers at most ``4 x workers`` units
-    are read ahead, so memory stays bounded."""
-    if workers == 1:
-        _init_worker(*init_args)
-        yield lambda units: map(_encode_unit, units)
-        return
-    # fork: the children inherit the imported modules (spawn would import torch and Lightning again in each one)
-    with multiprocessing.get_context("fork").Pool(workers, _init_worker, init_args) as pool:
-        def encoded(units: Iterable[Unit]) -> Iterator[tuple]:
-            pending: deque = deque()
-            for unit in units:
-                pending.append(pool.apply_async(_encode_unit, (unit,)))
-                if len(pending) >= 4 * workers:
-                    yield pending.popleft().get()
-            while pending:
-                yield pending.popleft().get()
-
-        yield encoded
-
-
 # ---------------------------------------------------------------------------------------------------- prepare
 def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path, text_key: str = "text",
             workers: int = 1, eod_token: Optional[str] = None, overwrite: bool = False,
@@ -308,9 +216,9 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"{TOKENS_FILE}.{os.getpid()}.tmp"
     start = time.perf_counter()
-    init = (str(tok.path), eod_id, dtype, text_key, [str(f) for f in files])
+    settings: EncoderSettings = (str(tok.path), eod_id, dtype, text_key, [str(f) for f in files])
     try:
-        digest, tokens, documents, text_bytes, cpu = _tokenise(files, init, workers, tmp, dtype, progress, text_key)
+        digest, tokens, documents, text_bytes, cpu = _tokenise(files, settings, workers, tmp, dtype, progress, text_key)
         # Only now, with every input tokenised, is an earlier preparation replaced (--overwrite): the directory has no
         # manifest from here until the new one is written, so it never describes the wrong token file.
         (out / MANIFEST_FILE).unlink(missing_ok=True)
@@ -326,14 +234,14 @@ def prepare(inputs: Sequence[str | Path], tokenizer: str | Path, out: str | Path
     return PrepareResult(manifest, False, seconds, workers, cpu)
 
 
-def _tokenise(files: list, init: tuple, workers: int, tmp: Path, dtype: str, progress: bool,
+def _tokenise(files: list, settings: EncoderSettings, workers: int, tmp: Path, dtype: str, progress: bool,
               text_key: str = "text") -> tuple[Any, int, int, int, float]:
     """Write every input's tokens to ``tmp`` in order; (sha256 of the tokens, tokens, documents, text bytes, CPU
     seconds of the encoders). Every bad line of every input is found before :class:`PrepareError` is raised."""
     digest, tokens, documents, text_bytes = hashlib.sha256(), 0, 0, 0
     bar, problems, cpu = None, [], 0.0
     try:
-        with _encoder(workers, init) as encode, open(tmp, "wb") as f:
+        with unit_encoder(workers, settings) as encode, open(tmp, "wb") as f:
             bar = _progress_bar(files, progress)  # after the fork: no thread of it in the workers
             for data, docs, size, bad, unit_cpu in encode(read_units(files, text_key=text_key)):
                 problems += bad

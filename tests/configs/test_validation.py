@@ -129,6 +129,36 @@ def test_each_bad_input_is_named_with_its_fix(overrides, fragment):
     assert any(fragment in p for p in problems), problems
 
 
+def test_data_text_refuses_parquet_arrow_and_saved_datasets_by_name(tmp_path):
+    """Without a tokenizer data=text reads a file's bytes as text: a Parquet or Arrow file would train on its encoding,
+    and a saved dataset (a directory) is not read at all. Each is named, every one at once, with mgpu-prepare as the
+    fix; a tokenizer reads Parquet and Arrow rows (as mgpu-prepare does), so only the directory is refused then."""
+    from helpers import make_tokenizer
+
+    for name in ("a.parquet", "b.pq", "c.arrow", "d.txt"):
+        (tmp_path / name).write_bytes(b"PAR1")  # the rule goes by the name: nothing is read before launch
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "state.json").write_text("{}")
+    files = f"data.files=['{tmp_path}/*.p*q*','{tmp_path}/c.arrow','{tmp_path}/saved','{tmp_path}/d.txt']"
+    problems = [str(p) for p in config_problems(composed("data=text", files))]
+    fix = "and train with data=tokens data.path=DIR"
+    assert [p for p in problems if "data.files" in p] == [
+        f"data.files pattern '{tmp_path}/*.p*q*' matches the Parquet/Arrow file(s) '{tmp_path}/a.parquet', "
+        f"'{tmp_path}/b.pq', which data=text without a tokenizer would read as raw bytes, not as rows of text; "
+        f"tokenise them with `mgpu-prepare --tokenizer PATH --out DIR '{tmp_path}/*.p*q*'` {fix} (or give "
+        "data.tokenizer=PATH)",
+        f"data.files pattern '{tmp_path}/c.arrow' matches the Parquet/Arrow file(s) '{tmp_path}/c.arrow', which "
+        "data=text without a tokenizer would read as raw bytes, not as rows of text; tokenise them with `mgpu-prepare "
+        f"--tokenizer PATH --out DIR {tmp_path}/c.arrow` {fix} (or give data.tokenizer=PATH)",
+        f"data.files pattern '{tmp_path}/saved' matches '{tmp_path}/saved', a dataset written by save_to_disk, which "
+        f"data=text does not read (it reads files); tokenise it with `mgpu-prepare --tokenizer PATH --out DIR "
+        f"{tmp_path}/saved` (with --split NAME for a DatasetDict) {fix}",
+    ]
+    tokenizer = make_tokenizer(tmp_path / "tok", vocab_size=300, n_bytes=20_000)
+    with_tokenizer = [str(p) for p in config_problems(composed("data=text", files, f"data.tokenizer={tokenizer}"))]
+    assert [p for p in with_tokenizer if "data.files" in p] == [problems[-1]]
+
+
 def test_the_table_covers_many_distinct_rules():
     assert len({fragment for _, fragment in BAD_INPUTS}) >= 25
 
