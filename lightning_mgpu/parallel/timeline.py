@@ -8,8 +8,9 @@ comparable; ranks on different machines are not.
 
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -198,6 +199,20 @@ def plot_timeline(per_rank: Sequence[Sequence[Action]], path: str | Path, title:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def save_actions(per_rank: Sequence[Sequence[Action]], path: str | Path, title: str = "") -> Path:
+    """Write one step's actions, a list per pipeline rank, and the chart's title as JSON (``timeline.json`` beside
+    ``mgpu-train``'s ``timeline.png``); :func:`load_actions` reads them back."""
+    path = Path(path)
+    path.write_text(json.dumps({"title": title, "ranks": [[asdict(a) for a in rank] for rank in per_rank]}))
+    return path
+
+
+def load_actions(path: str | Path) -> tuple[list[list[Action]], str]:
+    """The actions per pipeline rank and the title that :func:`save_actions` wrote."""
+    record = json.loads(Path(path).read_text())
+    return [[Action(**a) for a in rank] for rank in record["ranks"]], record["title"]
 
 
 def gather_step(timeline: "PipelineTimeline | None", layout: Any, step: int) -> list[list[Action]] | None:

@@ -3,7 +3,8 @@ for messages, which the bubble benchmark uses to split a measured bubble's exces
 
 import pytest
 
-from lightning_mgpu.parallel.timeline import Action, bubble_fraction, message_waits, replayed_bubble
+from lightning_mgpu.parallel.timeline import (Action, bubble_fraction, load_actions, message_waits, replayed_bubble,
+                                                save_actions)
 
 LATENCY = 0.5
 
@@ -46,3 +47,9 @@ def test_start_delays_are_what_the_messages_added_to_each_kind_of_action():
     # forwards: rank 1's first waits one message (of 4 forwards); backwards: rank 0's two wait one each (of 4)
     assert delays == pytest.approx({"F": LATENCY / 4, "B": LATENCY / 2})
     assert start_delays(one_f_one_b(0.0)) == pytest.approx({"F": 0.0, "B": 0.0})
+
+
+def test_saved_actions_read_back_equal(tmp_path):
+    """``timeline.json`` (what ``mgpu-train`` writes beside ``timeline.png``, and the docs' pictures are drawn from)."""
+    per_rank = one_f_one_b(LATENCY)
+    assert load_actions(save_actions(per_rank, tmp_path / "timeline.json", "1f1b")) == (per_rank, "1f1b")
