@@ -27,12 +27,17 @@ from lightning_mgpu.problems import format_problems
 #: backward pass (a preemption). ``MGPU_SPIN_RANK_AT``: that rank spins in Python forever as the step begins (alive,
 #: its heartbeat going on, never entering a collective again). ``MGPU_SKIP_RANK_AT``: after that step, every other
 #: rank enters one all-reduce on the default group that this rank skips. The last four print their time first.
-#: ``MGPU_NAN_RANK_AT`` / ``MGPU_SPIKE_RANK_AT``: that rank's loss of that step (every micro-batch's, through the
+#: Each of these takes several ``<rank>:<step>`` joined by commas too. ``MGPU_NAN_RANK_AT`` / ``MGPU_SPIKE_RANK_AT``:
+#: that rank's loss of that step (every micro-batch's, through the
 #: module's ``training_step``; not under pipeline parallelism, whose schedule computes the loss) is NaN / 1000 times
-#: larger, its backward with it: a step the step guard (``bad_steps.*``) skips.
+#: larger, its backward with it: a step the step guard (``bad_steps.*``) skips. ``MGPU_FLIP_RANK_AT``: as the step
+#: begins, that rank flips bit 22 of the first element of its first parameter (silent data corruption, ``sdc.*``).
+#: ``MGPU_GIL_RANK_AT``: as the step begins, that rank sleeps for an hour in C code that holds the GIL (no Python
+#: thread of it runs again: neither its heartbeat nor its watchdog).
 RANK_FAULTS = {"MGPU_KILL_RANK_AT": "kill", "MGPU_STOP_RANK_AT": "stop", "MGPU_RAISE_RANK_AT": "raise",
                "MGPU_SIGNAL_RANK_AT": "signal", "MGPU_SPIN_RANK_AT": "spin", "MGPU_SKIP_RANK_AT": "skip",
-               "MGPU_NAN_RANK_AT": "nan", "MGPU_SPIKE_RANK_AT": "spike"}
+               "MGPU_NAN_RANK_AT": "nan", "MGPU_SPIKE_RANK_AT": "spike", "MGPU_FLIP_RANK_AT": "flip",
+               "MGPU_GIL_RANK_AT": "gil"}
 #: what the loss faults multiply a loss by
 LOSS_FACTORS = {"nan": math.nan, "spike": 1000.0}
 SIGNAL_VARIABLE = "MGPU_SIGNAL"
@@ -135,6 +140,27 @@ def _spoil_loss(module: Any, factor: float) -> Callable[[], None]:
     return restore
 
 
+#: the bit ``MGPU_FLIP_RANK_AT`` flips: the highest of an fp32 mantissa (the value changes by up to half of itself)
+FLIPPED_BIT = 22
+
+
+@torch.no_grad()
+def _flip_bit(param: torch.Tensor, bit: int) -> None:
+    """Flip ``bit`` (of an fp32 element; 16 lower for a 16-bit one) of ``param``'s first element in place, through an
+    integer view of its storage."""
+    wide = param.element_size() == 4
+    bits = param.detach().view(torch.int32 if wide else torch.int16).view(-1)
+    bits[0] ^= 1 << (bit if wide else bit - 16)
+
+
+def _hold_the_gil(seconds: int) -> None:
+    """libc's ``sleep`` called as the C-API calls Python's own functions (``ctypes.PyDLL``): without releasing the
+    GIL, as a C extension's call that never returns would."""
+    import ctypes
+
+    ctypes.PyDLL(None).sleep(seconds)
+
+
 def _spin_forever() -> None:
     """Busy in Python, forever: the interpreter still switches to other threads (the heartbeat goes on)."""
     count = 0
@@ -154,9 +180,10 @@ def fault_callbacks(environ: Optional[Mapping[str, str]] = None, attempt: int = 
     elif attempt > 0 and attempts == "first":
         return []
     rank_faults = {}
-    for name, action in RANK_FAULTS.items():
-        if name in environ and (spec := _spec(name, environ[name], "rank", "1:3", problems)):
-            rank_faults[(int(spec[0]), spec[1])] = action
+    for name, action in RANK_FAULTS.items():  # each variable: one <rank>:<step>, or several joined by commas
+        for value in environ[name].split(",") if name in environ else []:
+            if spec := _spec(name, value, "rank", "1:3", problems):
+                rank_faults[(int(spec[0]), spec[1])] = action
     kill_job = None
     if KILL_JOB_VARIABLE in environ:
         kill_job = _spec(KILL_JOB_VARIABLE, environ[KILL_JOB_VARIABLE], "point", "torn:4", problems)
@@ -193,6 +220,12 @@ def _act(action: Optional[str], trainer: Any, rank: int, step: int) -> None:
             os.kill(os.getpid(), signal.Signals[name])
 
         _in_backward(trainer.strategy.model, preempt)
+    elif action == "flip":
+        _say(f"rank {rank} flips bit {FLIPPED_BIT} of its first parameter's first element at step {step}")
+        _flip_bit(next(trainer.strategy.model.module.parameters()), FLIPPED_BIT)
+    elif action == "gil":
+        _say(f"rank {rank} holds the GIL in C code at step {step} at time {time.time():.3f}")
+        _hold_the_gil(3600)
     elif action == "spin":
         _say(f"rank {rank} spins in Python at step {step} at time {time.time():.3f}")
         _spin_forever()

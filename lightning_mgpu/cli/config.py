@@ -14,6 +14,8 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
+from lightning_mgpu.cli.config_resilience import BadStepsConfig, SilentCorruptionConfig
+
 
 @dataclass
 class ModelConfig:
@@ -272,28 +274,6 @@ class ProfileConfig:
 
 
 @dataclass
-class SpikeRuleConfig:
-    """:class:`lightning_mgpu.resilience.SpikeRule`: a step's loss spikes when it is more than ``sigmas`` standard
-    deviations AND ``min_rise`` above the mean of the last ``window`` accepted steps (once ``min_history`` are
-    there)."""
-
-    window: int = 128
-    sigmas: float = 6.0
-    min_history: int = 16
-    min_rise: float = 0.5  #: a fraction of the mean loss
-
-
-@dataclass
-class BadStepsConfig:
-    """``MGPUStrategy(skip_bad_steps=skip, loss_spike=loss_spike)``: a step whose loss or gradients are not finite on
-    some rank, or whose loss spikes, is skipped on every rank (docs: concepts, "When things fail")."""
-
-    skip: bool = True  #: the ranks agree on every optimizer step (one small all-gather); false: never skip
-    #: the spike rule; null: skip only non-finite steps
-    loss_spike: Optional[SpikeRuleConfig] = field(default_factory=SpikeRuleConfig)
-
-
-@dataclass
 class CheckpointConfig:
     """When and where checkpoints are written, and what to resume from."""
 
@@ -362,6 +342,7 @@ class TrainConfig:
     throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     bad_steps: BadStepsConfig = field(default_factory=BadStepsConfig)
+    sdc: SilentCorruptionConfig = field(default_factory=SilentCorruptionConfig)
 
 
 def _env_int(name: str) -> int:

@@ -36,6 +36,9 @@ def did_you_mean(key: str, known, prefix: str = "") -> str:
 
 #: Exit status of a refused configuration or command line (as argparse uses for a bad command line).
 EXIT_REFUSED = 2
+#: Exit status of a job that failed again and again without a new optimizer step (a crash loop): restarting or
+#: requeueing it would repeat the failure. Not 75, the preemption status that asks a scheduler to requeue.
+EXIT_CRASH_LOOP = 76
 
 
 #: Set to 1 to see the traceback behind a refused configuration (Hydra's own switch for its errors).

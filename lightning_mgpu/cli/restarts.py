@@ -1,46 +1,36 @@
 """Automatic restarts: ``cluster.max_restarts=N`` under ``cluster=local`` (torchrun's ``--max-restarts`` for
-``cluster=torchrun``), and the record of what each restart lost.
+``cluster=torchrun``), the record of what each restart lost, and when restarting stops helping.
 
-Under ``cluster=local`` the command the user ran becomes a supervisor: it runs the job as a child process (the same
-overrides, the same run directory, ``checkpoint.resume=auto``) and starts it again when it exits with a failure or
-with the preemption status, at most ``N`` times. The supervisor holds no process group and no model, so a job whose
-rank 0 dies is restarted like one whose other ranks do. Each attempt knows its number (``MGPU_ATTEMPT``; torchrun's
-``TORCHELASTIC_RESTART_COUNT``); rank 0 of every attempt writes the last step it finished into the run directory, so
-the next attempt can say how many steps the restart lost (the steps after the checkpoint it resumed from), and
-appends it to ``restarts.jsonl``.
+Under ``cluster=local`` the command the user ran runs the job's ranks on torch's elastic agent
+(:mod:`lightning_mgpu.cli.elastic`), which starts them all again when one fails or is preempted. Each attempt knows
+its number from the agent (``TORCHELASTIC_RESTART_COUNT``, as under torchrun); rank 0 of every attempt writes the last
+step it finished into the run directory (``progress.json``), so the next attempt can say how many steps the restart
+lost (the steps after the checkpoint it resumed from) and append it to ``restarts.jsonl`` with the times its restart
+took, and the agent can tell a crash loop (attempts that end without a new optimizer step) from failures a restart
+recovers from.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import json
-import logging
 import os
-import signal
-import subprocess
-import sys
-import traceback
+import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mgpu.cli.errors import EXIT_REFUSED, refusal_message
-
-#: The attempt number of a supervised job (0 first); torchrun's restart count plays the same part.
-ATTEMPT_VARIABLE = "MGPU_ATTEMPT"
-RESTART_COUNTS = (ATTEMPT_VARIABLE, "TORCHELASTIC_RESTART_COUNT")
+#: The attempt number of a job under torch's elastic agent (0 first), set by the agent for every rank it starts.
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 PROGRESS, RESTARTS = "progress.json", "restarts.jsonl"
 
 
 def attempt() -> int:
-    """This job's attempt: 0 the first time, k after k restarts (by the supervisor or by torchrun)."""
-    for name in RESTART_COUNTS:
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    return 0
+    """This job's attempt: 0 the first time, k after k restarts (by the elastic agent of ``cluster=local`` or of
+    torchrun)."""
+    value = os.environ.get(RESTART_COUNT, "")
+    return int(value) if value.isdigit() else 0
 
 
 def restart_problems(max_restarts: object, launcher: str, resume: Optional[str], every_n_steps: object) -> list[str]:
@@ -60,105 +50,30 @@ def restart_problems(max_restarts: object, launcher: str, resume: Optional[str],
     return out
 
 
-def supervise(run: Callable[[], object], command: list[str], run_dir: Path, max_restarts: int) -> int:
-    """Run the job until it succeeds, is refused, or ``max_restarts`` restarts are used; return its exit status. A
-    signal to the supervisor (Ctrl-C, a scheduler's SIGTERM) is passed to the job and ends the restarts. Each attempt
-    is ``run()`` in a child forked from this process, which inherits torch, Lightning and DeepSpeed already imported
-    (most of a restart's time on a small job: 5.5 s of 6.5 s measured on two CPU cores from a fresh interpreter);
-    once this process has initialised CUDA (the memory check reads the GPU), which a forked child could not use again,
-    it is ``command``, a fresh interpreter."""
-    stopping: list[int] = []
-    for number in range(max_restarts + 1):
-        code = _attempt(run, command, number, stopping)
-        if code in (0, EXIT_REFUSED) or stopping:
-            break
-        if number < max_restarts:
-            print(f"mgpu-train: attempt {number + 1} exited with status {code}; restart {number + 1} of "
-                  f"{max_restarts}", file=sys.stderr, flush=True)
-    restarts = read_restarts(run_dir)
-    lost = sum(r["lost_steps"] for r in restarts)
-    code = code if code >= 0 else 128 - code  # killed by a signal: the shell's convention
-    print(f"mgpu-train: {len(restarts)} restart(s), {lost} step(s) lost; exit status {code}", flush=True)
-    return code
-
-
-def _attempt(run: Callable[[], object], command: list[str], number: int, stopping: list[int]) -> int:
-    """One attempt, in a session of its own: when it ends, whatever of it is left (a rank forked by a rank 0 that
-    was killed, blocked in a collective) is killed with it, so the next attempt starts clean. A signal to the
-    supervisor goes to the whole attempt; if the supervisor dies, the attempt's first process gets SIGTERM (and
-    stops after its step, as when preempted)."""
-    children: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        stopping.append(signum)
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child, signal.SIGTERM if signum == signal.SIGHUP else signum)
-
-    forwarded = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in forwarded}  # before the child exists: no signal is missed
-    sys.stdout.flush(), sys.stderr.flush()  # nothing buffered is printed twice
+def reached_step(run_dir: Path) -> int:
+    """The last optimizer step rank 0 finished in ``run_dir`` (``progress.json``); 0 before the first."""
     try:
-        if _cuda_initialized():
-            child = subprocess.Popen(command, env=dict(os.environ, **{ATTEMPT_VARIABLE: str(number)}),
-                                     start_new_session=True, preexec_fn=_terminate_with_parent)
-            children.append(child.pid)
-            return child.wait()
-        pid = os.fork()
-        if pid == 0:
-            _run_attempt(run, number, previous)  # never returns
-        children.append(pid)
-        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(child, signal.SIGKILL)
+        return int(json.loads((Path(run_dir) / PROGRESS).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
-def _run_attempt(run: Callable[[], object], number: int, handlers: dict) -> None:
-    """The forked child: a session of its own, the signal handlers of before, the attempt number; run, then exit
-    with its status (the exit hooks run, this process's stack above the fork is never returned to)."""
-    code = 1
-    try:
-        os.setsid()
-        for signum, handler in handlers.items():
-            signal.signal(signum, handler)
-        _terminate_with_parent()
-        os.environ[ATTEMPT_VARIABLE] = str(number)
-        run()
-        code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-        if isinstance(stop.code, str):
-            print(stop.code, file=sys.stderr)
-    except BaseException as error:  # noqa: BLE001 - reported here: nothing above the fork may handle it
-        message = refusal_message(error)
-        if message is None:
-            traceback.print_exc()
-        else:  # refused (a checkpoint it may not read): said as mgpu-train says it, and not restarted
-            print(message, file=sys.stderr)
-            code = EXIT_REFUSED
-    finally:
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()  # loggers' and Hydra's exit hooks, as at a normal exit
-            logging.shutdown()
-            sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
+class CrashLoop:
+    """Counts the failed attempts in a row that ended without a new optimizer step (no step beyond the highest any
+    attempt of this run directory had reached): a failure that repeats where it is, which restarts or a requeue only
+    repeat."""
 
+    def __init__(self, run_dir: Path, limit: int) -> None:
+        self.run_dir, self.limit = Path(run_dir), limit
+        self.best = reached_step(self.run_dir)  # a requeued job starts from what the job before it reached
+        self.in_a_row = self.reached = 0
 
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_initialized())
-
-
-def _terminate_with_parent() -> None:
-    """In the child, before it runs: SIGTERM when the supervisor dies (Linux's PR_SET_PDEATHSIG; elsewhere none)."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    def failed(self) -> bool:
+        """After a failed attempt: whether ``limit`` attempts in a row have now failed without progress."""
+        self.reached = reached_step(self.run_dir)
+        self.in_a_row = 0 if self.reached > self.best else self.in_a_row + 1
+        self.best = max(self.best, self.reached)
+        return self.limit > 0 and self.in_a_row >= self.limit
 
 
 def read_restarts(run_dir: Path) -> list[dict]:
@@ -167,27 +82,39 @@ def read_restarts(run_dir: Path) -> list[dict]:
 
 
 class RestartRecord(L.Callback):
-    """Rank 0 writes the last finished step into ``run_dir`` after every optimizer step; a restarted attempt reads
-    it at the start of training and records the steps it lost."""
+    """Rank 0 writes the last finished step into ``run_dir`` after every optimizer step (``progress.json``, with the
+    time); a restarted attempt says at the start of training where it resumed, and at the end of its first optimizer
+    step appends to ``restarts.jsonl`` what it lost and when it was set up (engine built), restored (checkpoint loaded)
+    and stepping again (wall-clock seconds: what a restart costs, beside the time of the failure)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
+        self._set_up = 0.0
+        self._record: Optional[dict] = None
+        self._written: Optional[int] = None
+
+    def on_fit_start(self, trainer: L.Trainer, *args) -> None:
+        self._set_up = time.time()  # the strategy restores a checkpoint after this: the engine exists
 
     def on_train_start(self, trainer: L.Trainer, *args) -> None:
-        number, progress = attempt(), self.run_dir / PROGRESS
+        number = attempt()
         if number == 0 or not trainer.is_global_zero:
             return
-        reached = json.loads(progress.read_text())["step"] if progress.is_file() else 0
-        record = {"attempt": number + 1, "resumed_at": trainer.global_step, "previous_reached": reached,
-                  "lost_steps": max(0, reached - trainer.global_step)}
-        with (self.run_dir / RESTARTS).open("a") as out:
-            out.write(json.dumps(record) + "\n")
+        reached = reached_step(self.run_dir)
+        self._record = {"attempt": number + 1, "resumed_at": trainer.global_step, "previous_reached": reached,
+                        "lost_steps": max(0, reached - trainer.global_step), "set_up": self._set_up,
+                        "restored": time.time()}
         rank_zero_info(f"Restart {number}: resumed at step {trainer.global_step}; the attempt before reached step "
-                       f"{reached}: {record['lost_steps']} step(s) lost")
+                       f"{reached}: {self._record['lost_steps']} step(s) lost")
 
     def on_train_batch_end(self, trainer: L.Trainer, *args) -> None:
-        if trainer.is_global_zero and trainer.global_step != getattr(self, "_written", None):
-            self._written = trainer.global_step
-            path = self.run_dir / PROGRESS
-            path.with_suffix(".tmp").write_text(json.dumps({"step": trainer.global_step, "attempt": attempt()}))
-            os.replace(path.with_suffix(".tmp"), path)
+        if not trainer.is_global_zero or trainer.global_step == self._written:
+            return
+        now, self._written = time.time(), trainer.global_step
+        path = self.run_dir / PROGRESS
+        path.with_suffix(".tmp").write_text(json.dumps({"step": trainer.global_step, "attempt": attempt(), "time": now}))
+        os.replace(path.with_suffix(".tmp"), path)
+        if self._record is not None:  # the first optimizer step of a restarted attempt
+            with (self.run_dir / RESTARTS).open("a") as out:
+                out.write(json.dumps({**self._record, "stepped": now}) + "\n")
+            self._record = None

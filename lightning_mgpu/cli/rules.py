@@ -180,9 +180,33 @@ def profile_problems(cfg: DictConfig) -> list[str]:
 
 
 def bad_steps_problems(cfg: DictConfig) -> list[str]:
-    """``bad_steps.loss_spike.*``: the rule :class:`lightning_mgpu.resilience.SpikeRule` states."""
-    spike = cfg.bad_steps.loss_spike
-    return [] if spike is None else SpikeRule(**spike).problems("bad_steps.loss_spike.")
+    """``bad_steps.loss_spike.*``: the rule :class:`lightning_mgpu.resilience.SpikeRule` states;
+    ``bad_steps.rollback_*``: a count within a window of skipped steps; ``sdc.*``: a positive interval, copies to
+    compare (ZeRO-3 keeps none) and a checkpoint kept from before the last check."""
+    spike, every, bad = cfg.bad_steps.loss_spike, cfg.sdc.every_n_steps, cfg.bad_steps
+    out = [] if spike is None else SpikeRule(**spike).problems("bad_steps.loss_spike.")
+    if bad.rollback_after is not None:
+        out += _positive("bad_steps.rollback_after", bad.rollback_after)
+        if isinstance(bad.rollback_after, int) and bad.rollback_window < bad.rollback_after:
+            out.append(f"bad_steps.rollback_window={bad.rollback_window} must be >= bad_steps.rollback_after="
+                       f"{bad.rollback_after} (the steps in which that many skips roll back)")
+        if not bad.skip:
+            out.append("bad_steps.rollback_after counts skipped steps, and bad_steps.skip=false skips none: set "
+                       "bad_steps.skip=true or bad_steps.rollback_after=null")
+    if every is not None:
+        out += _positive("sdc.every_n_steps", every)
+        if cfg.parallel.zero_stage == 3:
+            out.append("sdc.every_n_steps compares the ranks' copies of the weights, and parallel.zero_stage=3 keeps "
+                       "none (each rank holds a different partition): use zero_stage 0-2, or sdc.every_n_steps=null")
+        c = cfg.checkpoint
+        # set aside: the checkpoints of the steps since the last check, and of the step that found it (it runs)
+        needed = -(-every // c.every_n_steps) + 2 if isinstance(every, int) and every > 0 and c.every_n_steps else 0
+        if c.keep_last < needed:
+            out.append(f"sdc.every_n_steps={every} with checkpoint.every_n_steps={c.every_n_steps} needs "
+                       f"checkpoint.keep_last >= {needed} (it is {c.keep_last}): a corruption found sets aside the "
+                       "checkpoints since the last check and the one of the step that found it, and one from before "
+                       "must still be kept")
+    return out
 
 
 def key_problems(cfg: DictConfig) -> list[str]:

@@ -17,6 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.callbacks import PeriodicCheckpoint, ThroughputCallback, newest_checkpoint
 from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT, Preemption, slurm_requeue_command
+from lightning_mgpu.resilience.fingerprint import SilentCorruptionCheck
+from lightning_mgpu.resilience.rollback import RollbackOnSkips, read_skip_file
 from lightning_mgpu.callbacks.profile import ProfileSteps
 from lightning_mgpu.checkpoint.formats import replica_checkpoint_problems
 from lightning_mgpu.cli.build import build_datamodule, build_loggers, build_module, build_strategy, build_tokenizer
@@ -27,13 +29,14 @@ from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.quiet import quiet_known_warnings
 from lightning_mgpu.cli.memory_check import memory_problems
-from lightning_mgpu.cli.restarts import ATTEMPT_VARIABLE, RestartRecord, attempt, supervise
+from lightning_mgpu.cli.elastic import run_local_job
+from lightning_mgpu.cli.restarts import RestartRecord, attempt
 from lightning_mgpu.cli.spec import RunSpec, run_spec
 from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
 from lightning_mgpu.faults import fault_callbacks
 from lightning_mgpu.layout import theoretical_bubble
-from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline
+from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, save_actions
 from lightning_mgpu.problems import format_problems
 
 #: The resolved config of a run, in its run directory; local workers load it.
@@ -69,6 +72,8 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
         if cfg.cluster.fork_on_cpu:
             strategy.fork_entry = functools.partial(train_worker, str(run_dir.resolve()))
     datamodule, module = build_datamodule(spec), build_module(spec)
+    # the batches a rollback left out (bad_steps.rollback_after), with data.skip_batches
+    datamodule.skip_batches |= frozenset(read_skip_file(checkpoint_dir(cfg, run_dir)))
     launch_env = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
     trainer = L.Trainer(strategy=strategy, callbacks=_callbacks(cfg, run_dir), **trainer_arguments(cfg, run_dir))
     try:
@@ -83,11 +88,17 @@ def train(cfg: DictConfig, run_dir: Path, worker: bool = False) -> dict:
                 os.environ[name] = value
 
 
-def train_worker(run_dir: str) -> dict:
-    """A local rank > 0: train from the resolved ``config.yaml`` the first process wrote into ``run_dir``."""
+def train_worker(run_dir: str, cfg: Optional[DictConfig] = None) -> dict:
+    """A rank the first process started (a local rank > 0, or any rank under the elastic agent): train from the
+    resolved ``config.yaml`` the first process wrote into ``run_dir`` (``cfg``: that config, read once by a parent that
+    forks the ranks: 0.8 s of a restart less)."""
     skip_final_garbage_collection()
-    cfg = OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(Path(run_dir) / CONFIG_NAME))
-    return train(cfg, Path(run_dir), worker=True)
+    return train(cfg or run_config(run_dir), Path(run_dir), worker=True)
+
+
+def run_config(run_dir: str | Path) -> DictConfig:
+    """The resolved ``config.yaml`` of ``run_dir``, as the schema types it."""
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), OmegaConf.load(Path(run_dir) / CONFIG_NAME))
 
 
 def trainer_arguments(cfg: DictConfig, run_dir: Path) -> dict:
@@ -107,7 +118,8 @@ def trainer_arguments(cfg: DictConfig, run_dir: Path) -> dict:
         # the whole run, unless epochs are asked for (limit_train_batches + check_val_every_n_epoch).
         val_check_interval=val_check_interval, check_val_every_n_epoch=t.check_val_every_n_epoch,
         limit_train_batches=t.limit_train_batches, limit_val_batches=limit_val,
-        num_sanity_val_steps=t.num_sanity_val_steps, log_every_n_steps=t.log_every_n_steps,
+        # a restarted attempt does not check again what its first attempt checked: its time is the restart's
+        num_sanity_val_steps=t.num_sanity_val_steps if attempt() == 0 else 0, log_every_n_steps=t.log_every_n_steps,
         deterministic=t.deterministic, benchmark=t.benchmark, detect_anomaly=t.detect_anomaly,
         enable_progress_bar=t.enable_progress_bar, enable_model_summary=t.enable_model_summary,
         enable_checkpointing=False, use_distributed_sampler=False,
@@ -148,6 +160,11 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     can_save = not replica_checkpoint_problems(cfg.parallel.replica_update, cfg.checkpoint.format)
     requeue = slurm_requeue_command(dict(os.environ)) if cfg.cluster.launcher == "slurm" else None
     out.append(Preemption(saver if can_save else None, requeue=requeue))
+    if cfg.sdc.every_n_steps:  # after the saver: a corruption found sets aside the checkpoints it published since
+        out.append(SilentCorruptionCheck(cfg.sdc.every_n_steps, checkpoint_dir(cfg, run_dir)))
+    if cfg.bad_steps.rollback_after:  # after the saver, likewise
+        out.append(RollbackOnSkips(cfg.bad_steps.rollback_after, cfg.bad_steps.rollback_window,
+                                   checkpoint_dir(cfg, run_dir)))
 
     if cfg.profile.steps:  # none without chosen steps: an unprofiled run has no profiler and no check per batch
         p = cfg.profile
@@ -187,8 +204,10 @@ def _fit(spec: RunSpec, run_dir: Path, trainer: L.Trainer, strategy, module, dat
     cfg = spec.config
     trainer.fit(module, datamodule, ckpt_path=resume_path(cfg, run_dir))
     preempted = next((c.preempted for c in trainer.callbacks if isinstance(c, Preemption)), None)
-    if preempted is not None:  # resume with checkpoint.resume=auto; the launcher or scheduler starts it again
-        raise SystemExit(REQUEUE_EXIT)
+    stopped_to_go_back = [c for c in trainer.callbacks if isinstance(c, SilentCorruptionCheck) and c.corruption
+                          or isinstance(c, RollbackOnSkips) and c.rollback]
+    if preempted is not None or stopped_to_go_back:  # resume with checkpoint.resume=auto (the launcher or scheduler
+        raise SystemExit(REQUEUE_EXIT)  # starts it again): after a corruption or a rollback, from before it
     if cfg.checkpoint.save_last:
         PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), 1, cfg.checkpoint.keep_last).save(trainer,
                                                                                           trainer.global_step)
@@ -215,7 +234,8 @@ def _fit(spec: RunSpec, run_dir: Path, trainer: L.Trainer, strategy, module, dat
 
 
 def report_timeline(strategy, step: int, run_dir: Path) -> None:
-    """Write the last step's pipeline Gantt chart to ``timeline.png`` and print its bubble beside the theory."""
+    """Write the last step's pipeline Gantt chart to ``timeline.png`` (its actions to ``timeline.json``) and print its
+    bubble beside the theory."""
     layout = strategy.layout
     per_rank = gather_step(strategy.pipeline.timeline, layout, step)
     if per_rank is None:
@@ -226,6 +246,7 @@ def report_timeline(strategy, step: int, run_dir: Path) -> None:
     title = (f"{layout.pipeline_schedule}, P={layout.pipeline_parallel_size}, M={strategy.num_microbatches}, "
              f"V={layout.virtual_pipeline_size}: bubble {measured:.1%} measured, {theory:.1%} theoretical")
     path = plot_timeline(per_rank, run_dir / "timeline.png", title)
+    save_actions(per_rank, run_dir / "timeline.json", title)
     print(f"pipeline timeline of step {step}: {path} ({title})")
 
 
@@ -248,19 +269,29 @@ def generate_sample(module, spec: RunSpec) -> str:
 def _hydra_main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with refusal_exits():
-        if cfg.cluster.max_restarts and not cfg.dry_run and ATTEMPT_VARIABLE not in os.environ:
-            check_run(cfg)  # refused here, once, not by every attempt
-            # each attempt is one run in this job's run directory, even inside a sweep; -P: a fresh interpreter
-            # imports the installed package, not a lightning_mgpu folder in the working directory
-            hydra_overrides = [o for o in HydraConfig.get().overrides.hydra
-                               if not o.startswith(("hydra.run.dir=", "hydra.mode=", "hydra.sweep.", "hydra.job."))]
-            command = [sys.executable, "-P", "-m", "lightning_mgpu.cli.train", *HydraConfig.get().overrides.task,
-                       *hydra_overrides, f"hydra.run.dir={run_dir}"]
-            code = supervise(lambda: train(cfg, run_dir), command, run_dir, cfg.cluster.max_restarts)
+        if cfg.cluster.max_restarts and not cfg.dry_run:
+            code = restart_on_failure(cfg, run_dir)
             if code:  # a sweep (-m) goes on to its next job after a success
                 raise SystemExit(code)
             return
         train(cfg, run_dir)
+
+
+def restart_on_failure(cfg: DictConfig, run_dir: Path) -> int:
+    """``cluster.max_restarts``: this process becomes torch's elastic agent for the job's ranks (``cli/elastic.py``),
+    each of which trains from the resolved config written here; the job's exit status."""
+    check_run(cfg)  # refused here, once, not by every attempt
+    run_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, run_dir / CONFIG_NAME, resolve=True)
+    on_cpu = cfg.trainer.accelerator == "cpu" or (cfg.trainer.accelerator == "auto" and not torch.cuda.is_available())
+    fork = cfg.cluster.fork_on_cpu and on_cpu and not torch.cuda.is_initialized()
+    if fork:
+        from lightning_mgpu import engine
+
+        engine.preload()  # once, in the process every rank of every attempt is forked from
+    entry = functools.partial(train_worker, str(run_dir), run_config(run_dir))
+    return run_local_job(entry, run_dir, cfg.trainer.devices, cfg.cluster.max_restarts,
+                         cfg.cluster.crash_loop_attempts, fork)
 
 
 def main() -> None:

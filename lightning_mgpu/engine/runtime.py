@@ -5,6 +5,7 @@ step with the global gradient norm, gathering ZeRO-3 partitions)."""
 from __future__ import annotations
 
 import contextlib
+import importlib
 import sys
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional
 
@@ -85,17 +86,19 @@ def _skip_cpu_shared_memory_op() -> None:
 
 
 def preload() -> None:
-    """Import what building an engine imports, ahead of time: DeepSpeed itself, and the Muon optimizer module every
+    """Import what building an engine imports, ahead of time: DeepSpeed itself, the Muon optimizer module every
     ZeRO engine imports (its kernels are ``torch.compile``-decorated, which loads torch's compiler: 2-3 s of CPU per
-    process the first time, measured here). The strategy calls it before the rendezvous, so the first rank does this
-    while the others are still starting; a parent that forks ranks calls it once for all of them."""
+    process the first time, measured here) and the expert-parallel config module every engine's config parsing
+    imports (0.3 s). The strategy calls it before the rendezvous, so the first rank does this while the others are
+    still starting; a parent that forks ranks (or restarts them) calls it once for all of them."""
     import deepspeed  # noqa: F401
 
     _skip_cpu_shared_memory_op()
-    try:
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
-    except ImportError:  # a DeepSpeed without Muon: nothing more to load
-        pass
+    for name in ("deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.module_inject.auto_ep_config"):
+        try:
+            importlib.import_module(name)
+        except ImportError:  # a DeepSpeed without it: nothing more to load
+            pass
 
 
 def init_engine_comm(timeout=None) -> None:

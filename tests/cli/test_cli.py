@@ -8,8 +8,11 @@ import subprocess
 import sys
 
 import pytest
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from cli_helpers import BIN, REPO, assert_cli_parity, cli_args, cli_reference, read_losses, read_metric
 from forked_cli import run_cli
+
+from lightning_mgpu.models.llama_config import LlamaConfig
 
 
 SCHEDULE_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
@@ -92,7 +95,7 @@ def test_cli_after_non_editable_install(tmp_path):
              "sys.argv = ['lightning_mgpu.train', *sys.argv[1:]]\n"
              "runpy.run_module('lightning_mgpu.train', run_name='__main__')\n")
     run = subprocess.run([sys.executable, "-c", probe, "trainer.max_steps=3", "trainer.val_check_interval=3", "data.seq_len=32",
-                          "sample.max_new_tokens=8", "trainer.enable_progress_bar=false", "hydra.run.dir=run"],
+                          "sample.max_new_tokens=8", "hydra.run.dir=run"],
                          cwd=work, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr[-3000:]
     package, configs = run.stdout.splitlines()[0].split()
@@ -105,6 +108,12 @@ def test_cli_after_non_editable_install(tmp_path):
     warned = [line for line in (run.stdout + run.stderr).splitlines()
               if re.search(r"\.py:\d+: |warn|deprecat", line, re.I)]
     assert warned == [], warned
+    # the summary's and the progress bar's figures: the whole model's parameters (the config's formula), no FLOPs
+    # column of zeros, no "Epoch 0/-2" bound, no advertisement
+    whole = get_human_readable_count(LlamaConfig.from_name("tiny").num_parameters())
+    assert f"Total params: {whole}" in run.stdout, run.stdout[-3000:]
+    assert "FLOPs" not in run.stdout and "Epoch 0/-" not in run.stdout and "Epoch 0 " in run.stdout, run.stdout[-3000:]
+    assert "Tip:" not in run.stdout + run.stderr
 
 
 def test_dry_run_prints_the_405b_layout_and_starts_nothing(tmp_path):

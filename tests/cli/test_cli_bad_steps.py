@@ -38,6 +38,8 @@ def test_nan_and_spike_steps_are_skipped_as_if_never_drawn(token_file, tmp_path)
     assert f"step {NAN_AT} skipped on every rank: the loss was not finite on rank(s) [1]" in output, output[-3000:]
     assert f"step {SPIKE_AT} skipped on every rank: the loss " in output
     assert "standard deviations above the mean" in output and "skipped on every rank" not in clean
+    # a run whose steps never stopped leaves no stacks file of faulthandler's behind
+    assert not list((tmp_path / "faulty").glob("stall-rank*-native-stacks.txt"))
     assert faulty.keys() == never_drawn.keys()
     for name, expected in never_drawn.items():
         assert torch.equal(faulty[name], expected), name
