@@ -66,15 +66,17 @@ def test_without_profile_steps_no_callback_and_no_step_is_profiled(tmp_path):
 
 
 def test_the_memory_file_names_the_largest_tensors(tmp_path):
-    fit([ProfileSteps([2], tmp_path, largest_tensors=4)], accumulate=1)
+    # many: a pytest worker that ran other test files first may hold larger tensors of theirs, unnamed here
+    fit([ProfileSteps([2], tmp_path, largest_tensors=10_000)], accumulate=1)
     memory = json.loads((tmp_path / "step2" / "rank0.memory.json").read_text())
     assert memory["step"] == 2 and memory["rank"] == 0
     assert memory["peak_resident_scope"] == "step"  # Linux: VmHWM reset when the step started
     assert 0 < memory["peak_resident_bytes"] <= memory["process_peak_resident_bytes"]
     assert memory["live_tensor_bytes"] >= sum(t["bytes"] for t in memory["largest_tensors"])
-    # the weight (64 x 64 float32 = 16 KiB), its gradient and Adam's two moments are the largest
-    largest = {t["name"]: t for t in memory["largest_tensors"]}
-    assert set(largest) == {"layer.weight", "layer.weight.grad", "layer.weight.exp_avg", "layer.weight.exp_avg_sq"}
+    # the weight (64 x 64 float32 = 16 KiB), its gradient and Adam's two moments are the module's largest, named
+    largest = {t["name"]: t for t in memory["largest_tensors"] if t["name"].startswith("layer.")}
+    assert set(list(largest)[:4]) == {"layer.weight", "layer.weight.grad", "layer.weight.exp_avg",
+                                      "layer.weight.exp_avg_sq"}
     assert largest["layer.weight"] == {"name": "layer.weight", "shape": [64, 64], "dtype": "float32",
                                        "device": "cpu", "bytes": 64 * 64 * 4}
 
