@@ -49,17 +49,17 @@ def test_local_job_with_a_killed_rank_restarts_and_completes(token_file, tmp_pat
 
 
 def test_a_failure_that_repeats_without_progress_stops_as_a_crash_loop(token_file, tmp_path):
-    """Rank 1 raises in the first step of every attempt (``MGPU_FAULT_ATTEMPTS=every``): with
+    """Rank 1 is killed as the first step of every attempt begins (``MGPU_FAULT_ATTEMPTS=every``): with
     ``cluster.crash_loop_attempts=2`` the job stops after its second attempt with the crash-loop status, not the
-    requeue status (75) nor the failure's own (1), although restarts were left."""
+    requeue status (75) nor the failure's own (137), although restarts were left."""
     proc = run_cli([str(BIN / "mgpu-train"), *cli_args(token_file, 4), *RESTARTABLE, "cluster.max_restarts=5",
                     "cluster.crash_loop_attempts=2", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, timeout=240,
-                   env=dict(os.environ, MGPU_RAISE_RANK_AT="1:0", MGPU_FAULT_ATTEMPTS="every"))
+                   env=dict(os.environ, MGPU_KILL_RANK_AT="1:0", MGPU_FAULT_ATTEMPTS="every"))
     out = proc.stdout + proc.stderr
     assert proc.returncode == CRASH_LOOP_EXIT, out[-3000:]
     assert "2 attempts in a row ended without a new optimizer step (none beyond step 0): a crash loop" in out
     assert [(r["attempt"], r["rank"], r["status"], r["then"]) for r in records(tmp_path / "run" / "attempts.jsonl")] \
-        == [(1, 1, 1, "restart"), (2, 1, 1, "crash loop")]
+        == [(1, 1, 137, "restart"), (2, 1, 137, "crash loop")]
     assert "mgpu-train: 1 restart(s), 0 step(s) lost; exit status 76" in out
 
 
