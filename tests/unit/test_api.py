@@ -290,3 +290,14 @@ def test_the_package_stays_small_enough_to_read():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 50:
                 functions.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not too_long and not functions, too_long + functions
+
+
+def test_every_package_folder_ships_in_the_wheel():
+    """A folder of the package missing from pyproject's explicit list installs nowhere: a non-editable install then
+    fails on its first import (an editable one hides it, its finder falling back to the source tree)."""
+    import tomllib
+
+    listed = set(tomllib.loads((Path(lightning_mgpu.__file__).parents[1] / "pyproject.toml").read_text())
+                 ["tool"]["setuptools"]["packages"])
+    folders = {name for name, path in _package_files().items() if path.name == "__init__.py"}
+    assert folders - listed == set(), sorted(folders - listed)
