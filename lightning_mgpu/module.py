@@ -18,6 +18,7 @@ from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
 from lightning_mgpu.models.moe import set_loss_scale
+from lightning_mgpu.optim import MuonWithAdamW
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.compile import compile_blocks
 from lightning_mgpu.parallel.context import shard_sequence
@@ -87,7 +88,8 @@ class LLMModule(L.LightningModule):
                  max_steps: int = 1000, min_lr_ratio: float = 0.1,
                  lr_scaling: Optional[Literal["linear", "sqrt"]] = None, reference_batch_size: Optional[int] = None,
                  global_batch_size: Optional[int] = None, init_seed: int = 0,
-                 init_from: Optional[str] = None) -> None:
+                 init_from: Optional[str] = None, optimizer: Literal["adamw", "muon"] = "adamw",
+                 muon_momentum: float = 0.95, muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16") -> None:
         super().__init__()
         if isinstance(model, str):
             model = LlamaConfig.from_name(model)
@@ -99,7 +101,8 @@ class LLMModule(L.LightningModule):
                                    "max_steps": max_steps, "min_lr_ratio": min_lr_ratio, "lr_scaling": lr_scaling,
                                    "reference_batch_size": reference_batch_size,
                                    "global_batch_size": global_batch_size, "init_seed": init_seed,
-                                   "init_from": init_from})
+                                   "init_from": init_from, "optimizer": optimizer, "muon_momentum": muon_momentum,
+                                   "muon_ns_dtype": muon_ns_dtype})
         self.peak_lr = scaled_lr(lr, lr_scaling, global_batch_size, reference_batch_size)
         self.model: Optional[Llama] = None
         self._hf_weights: Optional[HFWeights] = None
@@ -319,13 +322,20 @@ class LLMModule(L.LightningModule):
         self.val_nll.reset()
 
     def configure_optimizers(self):
-        decay = [p for p in self.model.parameters() if len(parameter_shape(p)) >= 2]
-        no_decay = [p for p in self.model.parameters() if len(parameter_shape(p)) < 2]
-        groups = [{"params": decay, "weight_decay": self.hparams.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=self.peak_lr, betas=tuple(self.hparams.betas), eps=self.hparams.eps,
-                                      fused=True)
         hp = self.hparams
+        named = list(self.model.named_parameters())
+        matrices = [p for n, p in named if _muon_steps(n, p)] if hp.get("optimizer") == "muon" else []
+        decay = [p for n, p in named if len(parameter_shape(p)) >= 2 and not any(p is m for m in matrices)]
+        no_decay = [p for p in self.model.parameters() if len(parameter_shape(p)) < 2]
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        if matrices:  # Moonshot's LR rule: Muon's update is scaled to AdamW's RMS, so both share LR and schedule
+            optimizer = MuonWithAdamW([{"params": matrices, "muon": True}, *groups], lr=self.peak_lr,
+                                      weight_decay=hp.weight_decay,
+                                      muon={"momentum": hp.muon_momentum, "adjust_lr_fn": "match_rms_adamw",
+                                            "ns_dtype": getattr(torch, hp.get("muon_ns_dtype", "bfloat16"))},
+                                      adamw={"betas": tuple(hp.betas), "eps": hp.eps, "fused": True})
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=self.peak_lr, betas=tuple(hp.betas), eps=hp.eps, fused=True)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_multiplier(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -343,6 +353,13 @@ class LLMModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
+
+
+def _muon_steps(name: str, param: torch.nn.Parameter) -> bool:
+    """The parameters Muon steps: the blocks' weight matrices and expert stacks; embeddings, norms, the output head
+    and routers stay on AdamW (Muon's authors' split)."""
+    parts = name.split(".")  # under pipeline parallelism the stage's index comes first ("0.layers.1...")
+    return "layers" in parts and "router" not in parts and len(parameter_shape(param)) >= 2
 
 
 def _counted(targets: torch.Tensor) -> torch.Tensor:

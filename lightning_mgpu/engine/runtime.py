@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_mgpu.engine import experts
 from lightning_mgpu.engine.config import parameter_dtype
+from lightning_mgpu.engine.whole_matrices import bind_engine_optimizer
 from lightning_mgpu.layout import ParallelLayout
 
 
@@ -133,6 +134,7 @@ def initialize_engine(module: nn.Module, optimizer: Optional[torch.optim.Optimiz
         experts.count_experts_once_at_zero3(ds_optimizer)
     if layout.size("dp_cp") == 1 and zero_stage(engine) == 0:
         engine.enable_backward_allreduce = False  # one replica: nothing to average, skip flatten + copy
+    bind_engine_optimizer(optimizer, ds_optimizer, module, layout, zero_stage(engine))
     return engine, ds_optimizer
 
 

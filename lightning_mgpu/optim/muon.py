@@ -1,0 +1,152 @@
+"""Muon that orthogonalises each weight matrix whole, whatever piece of it a rank steps.
+
+Muon (momentum, then Newton-Schulz orthogonalisation of each weight matrix, then a decoupled-weight-decay step) is
+``torch.optim.Muon``'s arithmetic here, step for step: the momentum and the update are elementwise and run on
+whatever this rank holds (a tensor-parallel shard, a ZeRO partition); only the Newton-Schulz iteration, which a
+shard of a matrix does not commute with, runs on the whole matrix, assembled by the :mod:`whole_matrices` object
+bound to that tensor, and each rank keeps its piece of the result. Every rank of a split computes the same whole
+iteration (redundant work, no second collective); the momentum stays sharded as the layout shards it.
+
+``torch.optim.Muon`` itself cannot do this: its step runs on the tensors it is handed (a flat ZeRO partition fails
+its 2-D check, a tensor-parallel shard is orthogonalised on its own, which is another update).
+
+:class:`MuonWithAdamW` adds AdamW groups for the parameters Muon is not for (embeddings, norms, the output head, a
+router), as Muon's authors prescribe, in one optimizer (Lightning drives one under automatic optimisation).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from torch.optim import _muon as torch_muon
+
+#: How a stepped tensor assembles (None: it is a parameter held whole).
+MatricesOf = Callable[[torch.Tensor], Optional[Any]]
+
+#: Hyperparameters of a Muon group (torch.optim.Muon's names and defaults).
+MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "ns_coefficients": (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B,
+                 torch_muon.DEFAULT_C), "eps": torch_muon.EPS, "ns_steps": torch_muon.DEFAULT_NS_STEPS,
+                 "adjust_lr_fn": None, "ns_dtype": torch.bfloat16}
+
+
+def orthogonalize(update: torch.Tensor, group: dict) -> torch.Tensor:
+    """Newton-Schulz of one whole matrix, returned in fp32 with Muon's shape-dependent LR factor folded in.
+
+    In bf16 (``ns_dtype``'s default, torch's) it is torch.optim.Muon's own function, so one process of either
+    optimizer computes the same bits. bf16 rounding makes the result a step function of its input: a gradient summed
+    in another order (over data-parallel ranks) flips some roundings, and runs drift apart by about 1e-5 in loss
+    within 10 steps of the tiny model. ``ns_dtype=torch.float32`` runs the same iteration in fp32 (torch's function
+    fixes bf16), for runs that must match across layouts more tightly."""
+    dtype = group.get("ns_dtype", torch.bfloat16)
+    if dtype == torch.bfloat16:
+        ortho = torch_muon._zeropower_via_newtonschulz(update, group["ns_coefficients"], group["ns_steps"],
+                                                       group["eps"])
+    else:
+        ortho = _newton_schulz(update.to(dtype), group["ns_coefficients"], group["ns_steps"], group["eps"])
+    return ortho.float() * torch_muon._adjust_lr(1.0, group["adjust_lr_fn"], update.shape)
+
+
+def _newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+    """torch.optim.Muon's quintic iteration, operation for operation, in ``x``'s dtype."""
+    a, b, c = coefficients
+    tall = x.size(0) > x.size(1)
+    x = (x.T if tall else x).clone()
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def muon_group_step(group: dict, state: dict, matrices_of: MatricesOf) -> None:
+    """One Muon step of ``group``'s tensors (``torch.optim.Muon``'s single-tensor step, with the orthogonalisation
+    over whole matrices)."""
+    from lightning_mgpu.optim.whole_matrices import Unsplit
+
+    lr, momentum = group["lr"], group["momentum"]
+    for param in group["params"]:
+        if param.grad is None:
+            continue
+        grad, kept = param.grad, state[param]
+        buffer = kept.setdefault("momentum_buffer", torch.zeros_like(grad, memory_format=torch.preserve_format))
+        buffer.lerp_(grad, 1 - momentum)
+        update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+        matrices = matrices_of(param) or Unsplit(param.shape)
+        directions = [orthogonalize(whole, group) for whole in matrices.whole(update)]
+        param.mul_(1 - lr * group["weight_decay"])
+        param.add_(matrices.local(directions).reshape(param.shape), alpha=-lr)
+        kept["step"] = kept.get("step", torch.tensor(0.0)) + 1  # checkpoints read a step count from the state
+
+
+def is_muon_group(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """A group Muon steps: every group of ``torch.optim.Muon``, the ``muon=True`` groups of :class:`MuonWithAdamW`."""
+    return isinstance(optimizer, torch.optim.Muon) or bool(group.get("muon"))
+
+
+def is_matrix_optimizer(optimizer: Any) -> bool:
+    """An optimizer whose step needs whole matrices (Muon, alone or with AdamW groups)."""
+    return isinstance(optimizer, (torch.optim.Muon, MuonWithAdamW))
+
+
+def bind_whole_matrices(optimizer: torch.optim.Optimizer, matrices_of: MatricesOf) -> None:
+    """Make ``optimizer`` orthogonalise whole matrices, each tensor it steps assembled by ``matrices_of``.
+
+    A ``torch.optim.Muon`` keeps its identity (its LR schedulers and Lightning hold it): its step is replaced by the
+    whole-matrix one. Its LR schedulers wrapped the old step to record that it ran (``_opt_called``); the new one
+    records it too and carries their mark, so they neither warn nor wrap it again."""
+    if isinstance(optimizer, MuonWithAdamW):
+        optimizer.matrices_of = matrices_of
+        return
+
+    @torch.no_grad()
+    def step(closure: Optional[Callable] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        optimizer._opt_called = True
+        for group in optimizer.param_groups:
+            muon_group_step(group, optimizer.state, matrices_of)
+        return loss
+
+    step._wrapped_by_lr_sched = True
+    optimizer.step = step
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon for the groups marked ``muon=True`` (2-D weight matrices, or stacks of expert matrices), AdamW
+    (``torch.optim.AdamW``'s own step) for the rest.
+
+    Each group takes its kind's hyperparameters: Muon's (``momentum``, ``nesterov``, ``ns_steps``,
+    ``adjust_lr_fn``, ...; ``eps`` is Newton-Schulz's) or AdamW's (``betas``, ``eps``, ...); ``lr`` and
+    ``weight_decay`` are shared defaults. With ``adjust_lr_fn="match_rms_adamw"`` (Moonshot's rule) one LR and one
+    schedule serve both kinds.
+    """
+
+    def __init__(self, params: Iterable[dict], lr: float = 1e-3, weight_decay: float = 0.1,
+                 muon: Optional[dict] = None, adamw: Optional[dict] = None) -> None:
+        self._adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=lr, weight_decay=weight_decay,
+                                        **(adamw or {}))
+        muon_defaults = {**MUON_DEFAULTS, **(muon or {})}
+        groups = []
+        for group in params:
+            kind = muon_defaults if group.get("muon") else self._adamw.defaults
+            groups.append({**{k: v for k, v in kind.items() if k not in ("lr", "weight_decay")}, **group})
+        super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
+        #: how each stepped tensor assembles into whole matrices (set by the engine; None: held whole)
+        self.matrices_of: MatricesOf = lambda tensor: None
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group.get("muon"):
+                muon_group_step(group, self.state, self.matrices_of)
+            else:  # AdamW's own step over this group and this optimizer's state (load_state_dict replaces it)
+                self._adamw.param_groups, self._adamw.state = [group], self.state
+                self._adamw.step()
+        return loss
