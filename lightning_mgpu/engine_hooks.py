@@ -21,6 +21,7 @@ from lightning_mgpu.parallel.experts import balance_experts
 from lightning_mgpu.parallel.liveness import name_lost_ranks
 from lightning_mgpu.parallel.watchdog import StepWatchdog
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
+from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.resilience.step_guard import SkippedStep, StepGuard, describe
 from lightning_mgpu.callbacks.console import use_layout_console
 from lightning_mgpu.parallel.applied import applied_layout, parameter_counts
@@ -39,6 +40,22 @@ class EngineHooks:
         if self.layout.zero_stage != 3:
             return None
         return lambda kept: zero3_partitioner(engine_config(kept), self.layout)
+
+    def _convert_precision(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The precision plugin's conversion, then fp8 (``MGPUPrecision(fp8=...)``) on every linear layer of this
+        rank's split model, its scales reduced over the tensor- and context-parallel groups; on CUDA a layer whose
+        local sizes the fp8 kernels refuse is named (all at once)."""
+        module = self.precision_plugin.convert_module(module)
+        if self.precision_plugin.fp8 is not None:
+            from lightning_mgpu import fp8  # torchao, imported by runs that use it only
+
+            converted = fp8.convert_to_fp8(module, self.precision_plugin.fp8, self.layout.group("tp") if
+                                           self.layout.size("tp") > 1 else None,
+                                           self.layout.group("cp") if self.layout.size("cp") > 1 else None)
+            rank_zero_info(f"fp8 ({self.precision_plugin.fp8}): {len(converted)} layers")
+            if self.root_device.type == "cuda":
+                raise_problems("fp8 cannot run these layers", fp8.kernel_size_problems(fp8.local_sizes(module)))
+        return module
 
     def _guard_steps(self, module: Any, optimizer: torch.optim.Optimizer) -> None:
         """With ``skip_bad_steps``: the guard that skips bad steps on every rank of a replica (they step together),

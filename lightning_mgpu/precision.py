@@ -9,11 +9,24 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from torch import nn
 
-from lightning_mgpu.problems import Problem
+from lightning_mgpu.problems import Problem, raise_problems
 from lightning_mgpu.split_rules import steps_apart
 
 #: Accepted Trainer ``precision=`` values.
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
+
+#: fp8 matmul recipes (torchao's names): ``rowwise`` scales each row of an activation and each output feature of a
+#: weight apart (torchtitan's default); ``tensorwise`` one scale per tensor (faster kernels, coarser).
+FP8_RECIPES = ("rowwise", "tensorwise")
+
+
+def fp8_problems(fp8: Optional[str]) -> list[Problem]:
+    """The rule: fp8 is off (``None``) or one of torchao's recipes; the base precision is any supported one (torchao
+    casts bf16, fp16 and fp32 alike, and fp16's loss scale is absorbed by the dynamic scales)."""
+    if fp8 is None or fp8 in FP8_RECIPES:
+        return []
+    return [Problem("fp8", fp8, "is not an fp8 recipe", f"choose {' or '.join(repr(r) for r in FP8_RECIPES)}, or "
+                    "None for no fp8")]
 
 
 def pipeline_precision_problems(precision: str, pipeline_parallel_size: int) -> list[Problem]:
@@ -43,15 +56,20 @@ class MGPUPrecision(Precision):
     * ``16-mixed``: fp16 with fp32 master weights and dynamic loss scaling; a step whose gradients overflow
       is skipped on every rank (the overflow check is global) and the scale is halved.
 
+    ``fp8="rowwise"`` or ``"tensorwise"`` (default ``None``: off) also runs every linear layer's matmuls in fp8 with
+    torchao's dynamic scaling, over any of the precisions above (``bf16-mixed`` for real runs, ``32-true`` for exact
+    emulated tests): ``lightning_mgpu.fp8``, applied by the strategy once the model is split.
+
     Gradient clipping is done by DeepSpeed over the global norm, so ``clip_gradients`` here does nothing.
     """
 
-    def __init__(self, precision: str = "32-true") -> None:
+    def __init__(self, precision: str = "32-true", fp8: Optional[str] = None) -> None:
         precision = str(precision)
-        if precision not in SUPPORTED_PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not supported by MGPUStrategy; choose one of "
-                             f"{', '.join(repr(p) for p in SUPPORTED_PRECISIONS)}")
-        self.precision = precision
+        problems = [] if precision in SUPPORTED_PRECISIONS else [Problem(
+            "precision", precision, "is not supported by MGPUStrategy",
+            f"choose one of {', '.join(repr(p) for p in SUPPORTED_PRECISIONS)}")]
+        raise_problems("Invalid precision", problems + fp8_problems(fp8))
+        self.precision, self.fp8 = precision, fp8
 
     @property
     def dtype(self) -> torch.dtype:

@@ -227,7 +227,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         wrapped = self._split(self.lightning_module, self.layout, self.root_device, self.tensor_parallel_plan,
                               self.pipeline_boundaries, self._partitioner(engine_config))
         self.tensor_parallel_notes, self.materialized_elements = self._split.notes, self._split.materialized
-        self.model = self.precision_plugin.convert_module(self.model)
+        self.model = self._convert_precision(self.model)
         self.model_to_device()
         wrapped = self.model if self.layout.size("pp") == 1 else wrapped
         optimizer = None

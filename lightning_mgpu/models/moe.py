@@ -73,6 +73,16 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> to
     return _padded_matmul(x, w, counts)
 
 
+class GroupedMatmul:
+    """How :class:`GroupedExperts` multiplies a stacked weight: :func:`grouped_matmul` in the weights' precision. A
+    precision setting replaces it (fp8: ``lightning_mgpu.fp8``); ``name`` is the weight's, ``token_groups``
+    ``[experts, sources]`` counts each expert's rows by the rank they came from."""
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, name: str,
+                 token_groups: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return grouped_matmul(x, w, counts)
+
+
 def _grouped_mm_runs(x: torch.Tensor, w: torch.Tensor) -> bool:
     aligned = all(n * x.element_size() % 16 == 0 for n in (w.shape[1], w.shape[2]))
     dtype_ok = x.device.type == "cpu" or x.dtype == torch.bfloat16
@@ -124,6 +134,10 @@ class MoEWiring:
         """(tokens for this rank's experts grouped by local expert, their counts, what :meth:`combine` needs), from
         ``tokens`` grouped by expert with ``counts[e]`` tokens for expert ``e`` of all experts."""
         return tokens, counts, None
+
+    def token_groups(self, counts: torch.Tensor, handle: Any) -> torch.Tensor:
+        """``[local experts, sources]``: how many of each local expert's rows (``counts``) came from each rank."""
+        return counts.view(-1, 1)
 
     def combine(self, outputs: torch.Tensor, handle: Any) -> torch.Tensor:
         """The experts' outputs back in the order :meth:`dispatch` was given its tokens."""
@@ -268,10 +282,13 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.matmul = GroupedMatmul()
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        h = F.silu(grouped_matmul(x, self.w1, counts)) * grouped_matmul(x, self.w3, counts)
-        return grouped_matmul(h, self.w2, counts)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, token_groups: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
+        mm = self.matmul
+        h = F.silu(mm(x, self.w1, counts, "w1", token_groups)) * mm(x, self.w3, counts, "w3", token_groups)
+        return mm(h, self.w2, counts, "w2", token_groups)
 
 
 class MoEFeedForward(nn.Module):
@@ -302,7 +319,8 @@ class MoEFeedForward(nn.Module):
         order, counts, dropped = self._assignments(route.experts, flat.shape[0])
         tokens = flat[order // self.cfg.experts_per_token]
         local, local_counts, handle = self.wiring.dispatch(tokens, counts)
-        y = self.wiring.combine(self.wiring.expert_output(self.experts(local, local_counts)), handle)
+        groups = self.wiring.token_groups(local_counts, handle)
+        y = self.wiring.combine(self.wiring.expert_output(self.experts(local, local_counts, groups)), handle)
         weighted = y * route.weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         out = self.wiring.block_output(flat.new_zeros(flat.shape).index_add(0, order // self.cfg.experts_per_token,
                                                                               weighted).view(b, s, d))

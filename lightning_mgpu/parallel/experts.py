@@ -69,12 +69,15 @@ class ExpertWiring(MoEWiring):
         expert_of_row = torch.arange(self.local, device=tokens.device).repeat(self.Ep)
         expert_of_row = torch.repeat_interleave(expert_of_row, received.flatten(), output_size=arrived.shape[0])
         order = torch.sort(expert_of_row, stable=True).indices
-        return arrived[order], received.sum(0), (order, send_splits, recv_splits)
+        return arrived[order], received.sum(0), (order, send_splits, recv_splits, received)
+
+    def token_groups(self, counts: torch.Tensor, handle: Any) -> torch.Tensor:
+        return counts.view(-1, 1) if handle is None else handle[3].t()
 
     def combine(self, outputs: torch.Tensor, handle: Any) -> torch.Tensor:
         if handle is None:
             return outputs
-        order, send_splits, recv_splits = handle
+        order, send_splits, recv_splits, _ = handle
         back = outputs[torch.argsort(order)]  # as the rows arrived
         return _all_to_all(back, send_splits, recv_splits, self.ep_group)
 

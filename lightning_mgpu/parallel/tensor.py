@@ -83,6 +83,9 @@ def leave_region(x: torch.Tensor, group: Any, sequence_parallel: bool) -> torch.
 
 
 class _TensorParallel(nn.Module):
+    #: What the layer multiplies with, ``F.linear(x, weight, bias)``; a precision setting replaces it per layer (fp8).
+    linear = staticmethod(F.linear)
+
     def __init__(self, group: Any, sequence_parallel: bool) -> None:
         super().__init__()
         self.group = group
@@ -113,7 +116,7 @@ class ColumnParallelLinear(_TensorParallel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enters_region:
             x = enter_region(x, self.group, self.sequence_parallel)
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(_TensorParallel):
@@ -127,7 +130,7 @@ class RowParallelLinear(_TensorParallel):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = F.linear(x, self.weight)
+        partial = self.linear(x, self.weight, None)
         if self.bias is None:
             return leave_region(partial, self.group, self.sequence_parallel)
         if self.sequence_parallel:  # bias before the reduce-scatter keeps its gradient complete
@@ -186,7 +189,7 @@ class VocabParallelOutput(_TensorParallel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enters_region:
             x = enter_region(x, self.group, self.sequence_parallel)
-        logits = F.linear(x, self.weight, self.bias)
+        logits = self.linear(x, self.weight, self.bias)
         if self.num_padding:
             keep = torch.arange(self.per_rank, device=logits.device) < self.per_rank - self.num_padding
             logits = logits.masked_fill(~keep, float("-inf"))

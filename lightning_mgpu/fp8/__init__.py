@@ -1,0 +1,15 @@
+"""fp8 matmuls as a precision setting: torchao's dynamic scaling on every linear layer the model computes, with each
+scale that spans a split of the parallel layout reduced over it (the same numbers as one process on every layout).
+
+* :mod:`~lightning_mgpu.fp8.scaling`: the fp8 linear (torchao's casts and GEMMs, amax reduced over splits);
+* :mod:`~lightning_mgpu.fp8.grouped`: the grouped experts' fp8 (per expert, per token group);
+* :mod:`~lightning_mgpu.fp8.convert`: which layers convert, and the sizes the GPU kernels refuse.
+
+``MGPUPrecision(..., fp8="rowwise")`` turns it on (``lightning_mgpu.precision``).
+"""
+
+from lightning_mgpu.fp8.convert import Fp8Linear, convert_to_fp8, kernel_size_problems, local_sizes
+from lightning_mgpu.fp8.scaling import Fp8Spec, Splits, fp8_linear
+
+__all__ = ["Fp8Linear", "Fp8Spec", "Splits", "convert_to_fp8", "fp8_linear", "kernel_size_problems",
+           "local_sizes"]
