@@ -52,8 +52,8 @@ from helpers import make_token_file  # noqa: E402
 from smoke import SMOKE, sized  # noqa: E402
 
 from lightning_mgpu.checkpoint.universal import read_model_weights  # noqa: E402
-from lightning_mgpu.cli.elastic import ATTEMPTS  # noqa: E402
-from lightning_mgpu.cli.restarts import PROGRESS, read_restarts  # noqa: E402
+from lightning_mgpu.resilience.elastic import ATTEMPTS  # noqa: E402
+from lightning_mgpu.resilience.restarts import PROGRESS, read_restarts  # noqa: E402
 
 BIN = Path(sys.executable).parent
 #: steps of the run, checkpoint interval, mean seconds between faults (one chaos run each), whether faults are sent
@@ -97,7 +97,7 @@ def chaos(agent: psutil.Process, mean_gap_s: float, stop: threading.Event, done:
 
 def progress(run_dir: Path, start: float, stop: threading.Event, samples: list) -> None:
     """Every ``SAMPLE_S`` until ``stop`` (and once more then): [seconds from ``start``, step, attempt] from the job's
-    ``progress.json``, which rank 0 rewrites after every step (see ``lightning_mgpu.cli.restarts``)."""
+    ``progress.json``, which rank 0 rewrites after every step (see ``lightning_mgpu.resilience.restarts``)."""
     while True:
         ended = stop.wait(SAMPLE_S)
         with contextlib.suppress(OSError, ValueError, KeyError):  # not written yet, or replaced while read

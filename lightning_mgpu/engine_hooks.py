@@ -16,10 +16,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_mgpu.engine import zero3_partitioner
 from lightning_mgpu.engine.runtime import backward, step
 from lightning_mgpu.parallel.replicas import keep_sigterm_check_inside_replicas
-from lightning_mgpu.parallel.stragglers import log_round, report_stragglers
+from lightning_mgpu.resilience.stragglers import log_round, report_stragglers
 from lightning_mgpu.parallel.experts import balance_experts
-from lightning_mgpu.parallel.liveness import name_lost_ranks
-from lightning_mgpu.parallel.watchdog import StepWatchdog
+from lightning_mgpu.resilience.liveness import name_lost_ranks
+from lightning_mgpu.resilience.watchdog import StepWatchdog
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
 from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.resilience.step_guard import SkippedStep, StepGuard, describe
@@ -30,7 +30,7 @@ from lightning_mgpu.parallel.applied import applied_layout, parameter_counts
 class EngineHooks:
     """For a strategy whose ``model`` is the engine after ``setup``, with ``context`` (the module's parallel context),
     ``_heartbeat`` (which names a lost rank), ``_replica_sync`` (the outer step of replicas that step apart),
-    ``_clock`` (this rank's time per step, ``lightning_mgpu.parallel.stragglers``) and ``skip_bad_steps`` /
+    ``_clock`` (this rank's time per step, ``lightning_mgpu.resilience.stragglers``) and ``skip_bad_steps`` /
     ``loss_spike`` (the step guard's settings)."""
 
     _guard: Optional[StepGuard] = None

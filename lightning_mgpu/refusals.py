@@ -12,7 +12,7 @@ from lightning_mgpu.contract import hook, model_shape_of
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.precision import pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.problems import raise_problems
-from lightning_mgpu.parallel.stragglers import slow_rank_problems
+from lightning_mgpu.resilience.stragglers import slow_rank_problems
 from lightning_mgpu.split_rules import timer_problems
 
 #: The hooks a module needs for pipeline parallelism.

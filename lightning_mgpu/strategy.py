@@ -29,12 +29,12 @@ from lightning_mgpu.launcher import choose_launcher
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.parallel.collectives import WorldCollectives
 from lightning_mgpu.parallel.evaluation import EvaluationSteps
-from lightning_mgpu.parallel.liveness import Heartbeat, name_lost_ranks
+from lightning_mgpu.resilience.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.process_group import start_process_group
 from lightning_mgpu.parallel.outer_steps import replica_sync
 from lightning_mgpu.parallel.replicas import OuterOptimizer
-from lightning_mgpu.parallel.stragglers import StepClock, slow_rank_problems
+from lightning_mgpu.resilience.stragglers import StepClock, slow_rank_problems
 from lightning_mgpu.parallel.plan import TensorParallelPlan
 from lightning_mgpu.parallel.split_once import SplitOnce
 from lightning_mgpu.parallel.step import layout_step
@@ -98,7 +98,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
             weights, at most ``max_staleness`` rounds ahead of them; ``parallel.async_replicas``).
         sync_every: inner steps between outer steps. outer_optimizer: ``OuterOptimizer`` or a dict of its fields;
             default Nesterov SGD, lr 0.7, momentum 0.9.
-        slow_ranks: chaos, ``{global rank: factor}``: ranks made that much slower (``parallel.stragglers``).
+        slow_ranks: chaos, ``{global rank: factor}``: ranks made that much slower (``resilience.stragglers``).
         skip_bad_steps: skip, on every rank, a step whose loss or gradients are not finite on a rank or whose loss
             spikes (``lightning_mgpu.resilience.step_guard``; ``strategy.skipped_steps`` lists them).
         loss_spike: the spike rule (``SpikeRule`` or a dict of its fields); ``None``: non-finite steps only.

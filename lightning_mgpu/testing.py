@@ -3,7 +3,7 @@
 Forking from a parent that has already imported torch, Lightning and DeepSpeed costs ~0.1-0.3 s per
 launch, against 6-20 s for torchrun or spawn (measured on 2 CPU cores), which is what makes a multi-process test
 suite affordable on two cores. Used by the tests and the benchmarks only: nothing under ``lightning_mgpu`` imports
-this module (a test checks); the fault injection ``mgpu-train`` ships is ``lightning_mgpu.faults``.
+this module (a test checks); the fault injection ``mgpu-train`` ships is ``lightning_mgpu.resilience.faults``.
 
 A forked child deadlocks in its first matmul if the parent had already started an OpenMP thread
 pool, so a parent should call ``torch.set_num_threads(1)`` before any tensor work (the test suite's

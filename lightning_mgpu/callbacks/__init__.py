@@ -2,7 +2,7 @@
 chosen steps."""
 
 from lightning_mgpu.callbacks.checkpoint import PeriodicCheckpoint, newest_checkpoint
-from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT, Preemption
+from lightning_mgpu.resilience.preemption import REQUEUE_EXIT, Preemption  # failure handling's, kept importable here
 from lightning_mgpu.callbacks.profile import ProfileSteps
 from lightning_mgpu.callbacks.throughput import Throughput, ThroughputCallback, throughput
 

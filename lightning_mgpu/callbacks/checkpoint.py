@@ -28,12 +28,12 @@ from typing import Optional
 
 import lightning as L
 
-from lightning_mgpu.parallel.agreement import agree, at_boundary
+from lightning_mgpu.resilience.agreement import agree, at_boundary
 from lightning_mgpu.checkpoint.background import FAILED, WRITING, BackgroundSave, InBackground
 from lightning_mgpu.checkpoint.formats import complete_checkpoints
 from lightning_mgpu.parallel.collectives import gather_objects
-from lightning_mgpu.parallel.watchdog import paused
-from lightning_mgpu.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
+from lightning_mgpu.resilience.watchdog import paused
+from lightning_mgpu.resilience.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
 
 _PARTIAL = re.compile(r"step-(\d{8})\.partial")
 

@@ -136,7 +136,7 @@ def start_background_save(engine: Any, layout: ParallelLayout, path: str | Path,
                           options: InBackground, replica_sync: Any = None) -> BackgroundSave:
     """Snapshot this rank's share (its own pieces under ZeRO 1-2), write rank 0's trainer state, and return while DCP
     stages and writes the tensors (collective: every rank calls it for the same ``path``)."""
-    from lightning_mgpu.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
+    from lightning_mgpu.resilience.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
 
     begin, path = time.perf_counter(), Path(path)
     step = int(client_state.get("global_step", -1))
@@ -154,7 +154,7 @@ def start_background_save(engine: Any, layout: ParallelLayout, path: str | Path,
 
 def _finish(written: Future, done: Future, path: Path, group: Any, step: int) -> None:
     """In DCP's thread, after this rank's files: every rank's written, then the checksums (on ``group``)."""
-    from lightning_mgpu.faults import kill_job_at
+    from lightning_mgpu.resilience.faults import kill_job_at
 
     try:
         written.result()

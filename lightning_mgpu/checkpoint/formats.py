@@ -10,7 +10,6 @@ checksums (named explicitly, it loads with a warning that it is unverified).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -18,6 +17,7 @@ from typing import Optional
 from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS
 from lightning_mgpu.checkpoint.integrity import CHECKSUMS
 from lightning_mgpu.engine.checkpoint_dir import DEEPSPEED_TAG, PIPELINE_RANK_DIR
+from lightning_mgpu.resilience.rollback import complete_checkpoints  # noqa: F401  (what a restart may resume from)
 
 FORMATS = ("universal", "deepspeed")
 #: The trainer state written beside DCP's ``.metadata`` (``lightning_mgpu.checkpoint.universal``).
@@ -27,7 +27,6 @@ TRUST_SETTING = ("MGPUStrategy(trust_deepspeed_checkpoints=True) (mgpu-train: "
                  "checkpoint.trust_deepspeed_checkpoints=true)")
 #: The key of the loaded checkpoint's path in the state a load returns (Lightning hands it to ``on_load_checkpoint``).
 LOADED_FROM = "mgpu_loaded_from"
-_COMPLETE = re.compile(r"step-(\d{8})")
 
 
 class CheckpointRefusedError(ValueError):
@@ -98,15 +97,6 @@ def format_of(path: str | Path) -> Optional[str]:
     if all((Path(path) / name).is_file() for name in UNIVERSAL_FILES):
         return "universal"
     return "deepspeed" if is_deepspeed(path) else None
-
-
-def complete_checkpoints(directory: str | Path) -> list[Path]:
-    """The published ``step-NNNNNNNN`` checkpoints in ``directory``, newest first (partial ones are never listed)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    steps = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _COMPLETE.fullmatch(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(steps, reverse=True)]
 
 
 def read_refusal(path: str | Path, settings: CheckpointSettings, searching: bool = False) -> Optional[str]:

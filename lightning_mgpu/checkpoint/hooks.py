@@ -20,8 +20,8 @@ from lightning_mgpu.checkpoint import store as checkpoints
 from lightning_mgpu.checkpoint.background import InBackground
 from lightning_mgpu.checkpoint.formats import LOADED_FROM, expert_checkpoint_problems, replica_checkpoint_problems
 from lightning_mgpu.checkpoint.loader_state import take_own_loader_state, with_every_loader_state
-from lightning_mgpu.parallel.liveness import name_lost_ranks
-from lightning_mgpu.parallel.watchdog import paused
+from lightning_mgpu.resilience.liveness import name_lost_ranks
+from lightning_mgpu.resilience.watchdog import paused
 from lightning_mgpu.problems import raise_problems
 
 

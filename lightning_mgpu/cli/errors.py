@@ -18,6 +18,8 @@ from typing import Callable, Iterator, NoReturn, Optional, Sequence
 from lightning_mgpu.checkpoint.formats import CheckpointRefusedError
 from lightning_mgpu.checkpoint.safe_reader import UnsafeCheckpointError
 from lightning_mgpu.problems import format_problems
+# the exit statuses the elastic agent tells apart, kept importable here
+from lightning_mgpu.resilience.restarts import EXIT_CRASH_LOOP, EXIT_REFUSED  # noqa: F401
 
 
 class ConfigError(ValueError):
@@ -34,11 +36,6 @@ def did_you_mean(key: str, known, prefix: str = "") -> str:
     return f"; did you mean {' or '.join(prefix + c for c in close)}?" if close else ""
 
 
-#: Exit status of a refused configuration or command line (as argparse uses for a bad command line).
-EXIT_REFUSED = 2
-#: Exit status of a job that failed again and again without a new optimizer step (a crash loop): restarting or
-#: requeueing it would repeat the failure. Not 75, the preemption status that asks a scheduler to requeue.
-EXIT_CRASH_LOOP = 76
 
 
 #: Set to 1 to see the traceback behind a refused configuration (Hydra's own switch for its errors).
@@ -143,3 +140,16 @@ def group_options(group: str) -> list[str]:
 
     folder = recipes_dir() if group == "recipe" else conf_dir() / group
     return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def run_rank(entry: Callable[[], object]) -> object:
+    """One rank of a job on the elastic agent: ``entry()``; a refusal is said as ``mgpu-train`` says it and exits with
+    :data:`EXIT_REFUSED`, which the agent does not restart."""
+    try:
+        return entry()
+    except Exception as error:
+        message = refusal_message(error)
+        if message is None:
+            raise
+        print(message, file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_REFUSED) from None

@@ -14,7 +14,7 @@ from lightning_mgpu.layout import ModelShape, chunks_per_rank, layout_problems
 from lightning_mgpu.split_rules import context_document_problems, sequence_problems, timer_problems
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
-from lightning_mgpu.parallel.stragglers import slow_rank_problems
+from lightning_mgpu.resilience.stragglers import slow_rank_problems
 from lightning_mgpu.precision import pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.refusals import training_loop_problems
 

@@ -20,7 +20,7 @@ from lightning_mgpu.checkpoint.formats import (CheckpointSettings, complete_chec
 from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
 from lightning_mgpu.cli.errors import did_you_mean
 from lightning_mgpu.cli.layout_rules import parallel_problems
-from lightning_mgpu.cli.restarts import restart_problems
+from lightning_mgpu.resilience.restarts import restart_problems
 from lightning_mgpu.cli.run_data import RunData, resolve_data, unread_data
 from lightning_mgpu.cli.run_model import resolve_model
 from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.callbacks import PeriodicCheckpoint, ThroughputCallback, newest_checkpoint
-from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT, Preemption, slurm_requeue_command
+from lightning_mgpu.resilience.preemption import REQUEUE_EXIT, Preemption, slurm_requeue_command
 from lightning_mgpu.resilience.fingerprint import SilentCorruptionCheck
 from lightning_mgpu.resilience.rollback import RollbackOnSkips, read_skip_file
 from lightning_mgpu.callbacks.profile import ProfileSteps
@@ -25,22 +25,25 @@ from lightning_mgpu.cli.build import build_datamodule, build_loggers, build_modu
 from lightning_mgpu.cli.config import TrainConfig, register_configs
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.dry_run import dry_run_report
-from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits
+from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits, run_rank
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.quiet import quiet_known_warnings
 from lightning_mgpu.cli.memory_check import memory_problems
-from lightning_mgpu.cli.elastic import run_local_job
-from lightning_mgpu.cli.restarts import RestartRecord, attempt
+from lightning_mgpu.resilience.elastic import run_local_job
+from lightning_mgpu.resilience.restarts import RestartRecord, attempt
 from lightning_mgpu.cli.spec import RunSpec, run_spec
 from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
-from lightning_mgpu.faults import fault_callbacks
+from lightning_mgpu.resilience.faults import fault_callbacks
 from lightning_mgpu.layout import theoretical_bubble
 from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, save_actions
 from lightning_mgpu.problems import format_problems
 
 #: The resolved config of a run, in its run directory; local workers load it.
 CONFIG_NAME = "config.yaml"
+#: The arguments of an elastic rank that is not forked, before its run directory (``-P``: the installed package, not a
+#: folder of the working directory).
+WORKER_COMMAND = ("-P", "-m", "lightning_mgpu.cli.worker")
 #: Set by Lightning's launcher in the launching process; with LOCAL_RANK left set, a next job would take its
 #: processes for externally launched ones.
 _LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED")
@@ -278,8 +281,8 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def restart_on_failure(cfg: DictConfig, run_dir: Path) -> int:
-    """``cluster.max_restarts``: this process becomes torch's elastic agent for the job's ranks (``cli/elastic.py``),
-    each of which trains from the resolved config written here; the job's exit status."""
+    """``cluster.max_restarts``: this process becomes torch's elastic agent for the job's ranks
+    (``resilience/elastic.py``), each of which trains from the resolved config written here; the job's exit status."""
     check_run(cfg)  # refused here, once, not by every attempt
     run_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, run_dir / CONFIG_NAME, resolve=True)
@@ -289,9 +292,10 @@ def restart_on_failure(cfg: DictConfig, run_dir: Path) -> int:
         from lightning_mgpu import engine
 
         engine.preload()  # once, in the process every rank of every attempt is forked from
-    entry = functools.partial(train_worker, str(run_dir), run_config(run_dir))
+    entry = functools.partial(run_rank, functools.partial(train_worker, str(run_dir), run_config(run_dir)))
+    worker = None if fork else WORKER_COMMAND + (str(run_dir),)
     return run_local_job(entry, run_dir, cfg.trainer.devices, cfg.cluster.max_restarts,
-                         cfg.cluster.crash_loop_attempts, fork)
+                         cfg.cluster.crash_loop_attempts, worker)
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 It trains from the resolved ``config.yaml`` that the first process wrote into ``RUN_DIR``, instead of composing the
 config again: local ranks 1..N-1 started by Lightning's launcher (see :mod:`lightning_mgpu.launcher` and
 :func:`lightning_mgpu.cli.train.train_worker`), and every rank of a job under the elastic agent once CUDA is in use
-(:mod:`lightning_mgpu.cli.elastic`). ``@record`` leaves a failure's traceback where the agent reads it.
+(:mod:`lightning_mgpu.resilience.elastic`). ``@record`` leaves a failure's traceback where the agent reads it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from lightning_mgpu.cli.elastic import run_rank
+from lightning_mgpu.cli.errors import run_rank
 from lightning_mgpu.cli.quiet import quiet_known_warnings
 from lightning_mgpu.cli.train import train_worker
 

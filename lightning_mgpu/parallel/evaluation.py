@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_mgpu.parallel.liveness import name_lost_ranks
+from lightning_mgpu.resilience.liveness import name_lost_ranks
 
 
 class EvaluationSteps:

@@ -12,8 +12,8 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 
 from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
-from lightning_mgpu.parallel import collective_trace
-from lightning_mgpu.parallel.liveness import Heartbeat
+from lightning_mgpu.resilience import collective_trace
+from lightning_mgpu.resilience.liveness import Heartbeat
 
 def attempt_store(timeout: Optional[timedelta]) -> Optional[Any]:
     """Under torchrun, the agent's store seen through a prefix of the restart count. torchrun keeps that store

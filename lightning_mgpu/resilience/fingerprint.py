@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mgpu.checkpoint.formats import complete_checkpoints
+from lightning_mgpu.resilience.rollback import complete_checkpoints
 
 #: integer views of the same width as each float dtype, whose bit patterns are summed
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,

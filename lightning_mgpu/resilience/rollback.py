@@ -14,6 +14,7 @@ The batches of step ``s`` are those the package's token loaders draw there: ``ac
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -21,10 +22,22 @@ from typing import Any, Optional
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mgpu.checkpoint.formats import complete_checkpoints
-
 #: The file of global batches to leave out, in the checkpoint directory (a JSON list of batch numbers).
 SKIP_FILE = "skip_batches.json"
+#: A published checkpoint's folder name: written under another name and renamed to this only once whole, so a partial
+#: one is never listed.
+_PUBLISHED = re.compile(r"step-(\d{8})")
+
+
+def complete_checkpoints(directory: str | Path) -> list[Path]:
+    """The published ``step-NNNNNNNN`` checkpoints in ``directory``, newest first (partial ones are never listed):
+    what a restart resumes from and a rollback chooses among (here, below the checkpoint package, which imports
+    the chaos hooks of this one)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    steps = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _PUBLISHED.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(steps, reverse=True)]
 
 
 def read_skip_file(directory: str | Path) -> list[int]:

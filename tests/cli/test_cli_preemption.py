@@ -7,7 +7,7 @@ import os
 from forked_cli import run_cli
 from cli_helpers import BIN, cli_args, read_losses, run
 
-from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT
+from lightning_mgpu.resilience.preemption import REQUEUE_EXIT
 
 
 def test_cli_preempted_run_exits_for_a_requeue_and_resumes_with_no_step_lost(token_file, tmp_path,

@@ -13,7 +13,7 @@ import time
 from cli_helpers import BIN, RESTARTABLE, cli_args, read_losses, run
 from forked_cli import popen_cli, run_cli
 
-from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT
+from lightning_mgpu.resilience.preemption import REQUEUE_EXIT
 from lightning_mgpu.testing import free_port
 
 CRASH_LOOP_EXIT = 76  # docs/reference/refusals.md

@@ -1,7 +1,7 @@
 """A lost rank is reported by the survivor for what it is, through ``mgpu-train`` on two processes: a rank that
 raised is named with its exception type and message, at once; a rank that hangs with its sockets open (SIGSTOP)
 is named as unresponsive once the collective timeout (``parallel.timeout``) has passed, not before and not much
-after. Times are measured from the moment the faulty rank prints (the chaos hook ``lightning_mgpu.faults``)
+after. Times are measured from the moment the faulty rank prints (the chaos hook ``lightning_mgpu.resilience.faults``)
 to the moment the report reaches this process, so start-up time does not blur them."""
 
 import os
@@ -17,7 +17,7 @@ import pytest
 from cli_helpers import TINY_ARGS
 from forked_cli import popen_cli
 
-from lightning_mgpu.parallel.liveness import STALE_S, Heartbeat, LostRankError, name_lost_ranks
+from lightning_mgpu.resilience.liveness import STALE_S, Heartbeat, LostRankError, name_lost_ranks
 
 BIN = Path(sys.executable).parent
 #: The collective timeout of the hung-rank runs. torch.distributed's rendezvous waits for the other rank under the same

@@ -7,8 +7,8 @@ import pytest
 from test_replicas import fit_weights, weight_diff
 
 from lightning_mgpu.callbacks import PeriodicCheckpoint
-from lightning_mgpu.callbacks.preemption import Preemption
-from lightning_mgpu.faults import fault_callbacks
+from lightning_mgpu.resilience.preemption import Preemption
+from lightning_mgpu.resilience.faults import fault_callbacks
 from lightning_mgpu.testing import run_distributed
 
 STEPS = 6
@@ -78,7 +78,7 @@ def test_a_signal_in_the_last_step_lets_the_run_end_as_planned(token_file, tmp_p
 
 def test_under_slurm_rank_0_requeues_the_job_once(token_file, tmp_path, monkeypatch):
     """A stand-in ``scontrol`` on the PATH records its calls: one ``requeue 4242``, after the checkpoint."""
-    from lightning_mgpu.callbacks.preemption import slurm_requeue_command
+    from lightning_mgpu.resilience.preemption import slurm_requeue_command
 
     calls = tmp_path / "calls"
     fake = tmp_path / "bin" / "scontrol"

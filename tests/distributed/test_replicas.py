@@ -18,7 +18,7 @@ from helpers import GLOBAL_BATCH, OPTIM, TINY, fit, global_batches, max_abs_diff
 from lightning_mgpu import LLMModule
 from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
 from lightning_mgpu.engine import ParameterState
-from lightning_mgpu.parallel import collective_trace
+from lightning_mgpu.resilience import collective_trace
 from lightning_mgpu.testing import run_distributed
 
 STEPS = 4

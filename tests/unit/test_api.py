@@ -182,9 +182,9 @@ def test_only_the_engine_package_imports_deepspeed():
 
 def test_shipped_code_never_imports_the_test_harness():
     """``lightning_mgpu.testing`` (the fork harness and probes) serves tests and benchmarks; fault injection that
-    ``mgpu-train`` ships is ``lightning_mgpu.faults``."""
+    ``mgpu-train`` ships is ``lightning_mgpu.resilience.faults``."""
     assert _importers_of("lightning_mgpu.testing") == []
-    assert _importers_of("lightning_mgpu.faults")  # the chaos hook is wired in
+    assert _importers_of("lightning_mgpu.resilience.faults")  # the chaos hook is wired in
 
 
 def test_no_import_cycle_between_modules():
@@ -247,16 +247,32 @@ def test_no_import_cycle_between_packages():
     assert not cycles, cycles
 
 
-def test_the_planner_imports_nothing_distributed():
-    """The planner runs on a laptop for a cluster it is not on: none of its modules imports the parallel layers, the
-    engine, DeepSpeed or torch.distributed, directly or through other packages of the package."""
+def _reached_from(package: str) -> set[str]:
+    """Every package ``package``'s modules import, directly or through other packages."""
     graph = _package_graph()
-    reached, todo = set(), ["planner"]
+    reached, todo = set(), [package]
     while todo:
         for nxt in graph.get(todo.pop(), ()):
             if nxt not in reached:
                 reached.add(nxt)
                 todo.append(nxt)
+    return reached
+
+
+def test_failure_handling_imports_nothing_above_it():
+    """Detection, agreement, preemption, restarts and the chaos hooks live in ``resilience``, which the checkpoint code,
+    the parallel layers, the strategy and the CLI import: it reaches none of them back (only the problem formatter)."""
+    moved = ["liveness", "watchdog", "collective_trace", "stragglers", "agreement", "preemption", "restarts",
+             "elastic", "faults", "step_guard", "rollback", "fingerprint"]
+    files = _package_files()
+    assert all(f"lightning_mgpu.resilience.{m}" in files for m in moved), sorted(files)
+    assert _reached_from("resilience") <= {"problems"}, sorted(_reached_from("resilience"))
+
+
+def test_the_planner_imports_nothing_distributed():
+    """The planner runs on a laptop for a cluster it is not on: none of its modules imports the parallel layers, the
+    engine, DeepSpeed or torch.distributed, directly or through other packages of the package."""
+    reached = _reached_from("planner")
     assert not reached & {"parallel", "engine", "strategy", "checkpoint", "hf"}, sorted(reached)
     files = _package_files()
     modules = [name for name in files if _package_of(name) in reached | {"planner"} and name != "lightning_mgpu"]

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from lightning_mgpu.parallel import collective_trace
-from lightning_mgpu.parallel.collective_trace import divergence
-from lightning_mgpu.parallel.liveness import Heartbeat, LostRankError, name_lost_ranks
+from lightning_mgpu.resilience import collective_trace
+from lightning_mgpu.resilience.collective_trace import divergence
+from lightning_mgpu.resilience.liveness import Heartbeat, LostRankError, name_lost_ranks
 
 MINE = {"groups": {"0": [22, "gloo:all_reduce"], "8": [36, "gloo:all_reduce"]}, "waiting": "8"}
 
@@ -56,7 +56,7 @@ def test_the_watchdog_of_a_rank_without_progress_writes_its_stacks_and_is_quoted
     """Rank 1 makes no step for longer than its stall time while its heartbeat is fresh (it spins): its watchdog
     writes rank 1's trace and stacks and says so in the store; rank 0's error names rank 1 as behind, quotes the
     watchdog and points to rank 1's files. A step after it withdraws the word; a paused watchdog says nothing."""
-    from lightning_mgpu.parallel.watchdog import StepWatchdog, stalled_ranks
+    from lightning_mgpu.resilience.watchdog import StepWatchdog, stalled_ranks
 
     store = tcp_store
     monkeypatch.setattr(collective_trace, "place", lambda: MINE)

@@ -1,6 +1,6 @@
 """The straggler report and the chaos setting's rule, without processes."""
 
-from lightning_mgpu.parallel.stragglers import StepClock, slow_rank_problems, straggler_report
+from lightning_mgpu.resilience.stragglers import StepClock, slow_rank_problems, straggler_report
 
 
 def test_the_report_names_the_slow_rank_against_the_others():

@@ -21,7 +21,7 @@ from typing import Any, Iterator, Optional
 
 import torch.distributed as dist
 
-from lightning_mgpu.parallel import collective_trace, watchdog
+from lightning_mgpu.resilience import collective_trace, watchdog
 
 log = logging.getLogger(__name__)
 INTERVAL_S = 0.5
@@ -67,7 +67,7 @@ class Heartbeat:
         self.report_dir: Optional[Path] = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mgpu-heartbeat", daemon=True)
-        #: this rank's step-progress watchdog while it trains (``lightning_mgpu.parallel.watchdog``), stopped with this
+        #: this rank's step-progress watchdog while it trains (``lightning_mgpu.resilience.watchdog``), stopped with this
         self.watchdog: Optional[Any] = None
 
     @classmethod

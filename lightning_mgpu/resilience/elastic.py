@@ -4,8 +4,8 @@
 The command the user ran becomes the agent (:class:`LocalJobAgent`). It starts the job's ranks: on CPU forked from
 itself, after it has imported torch, Lightning and DeepSpeed, so that no rank imports them again; once CUDA is in use
 (a forked process could not use it again), or with ``cluster.fork_on_cpu=false``, each a fresh interpreter running
-:mod:`lightning_mgpu.cli.worker`. It watches them, and when one fails or is preempted it stops the others and starts
-all of them again, at most N times. The ranks see what torchrun's see (``RANK``, ``WORLD_SIZE``, the agent's store as
+the command it is given (``mgpu-train``'s: ``python -m lightning_mgpu.cli.worker``). It watches them, and when one
+fails or is preempted it stops the others and starts all of them again, at most N times. The ranks see what torchrun's see (``RANK``, ``WORLD_SIZE``, the agent's store as
 ``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_RESTART_COUNT``), so they set up their process group as under
 ``cluster=torchrun``. A signal to the agent (SIGTERM, SIGINT, SIGQUIT, SIGUSR1, SIGUSR2; SIGHUP as SIGTERM) is passed
 to the ranks and ends the job; after SIGTERM, SIGUSR1 or SIGUSR2 they stop after their step with an emergency
@@ -13,8 +13,8 @@ checkpoint and the job exits with the requeue status.
 
 The agent stops restarting where a restart cannot help, with an exit status of its own: an attempt that was refused
 (:data:`EXIT_REFUSED`: a checkpoint it may not read) and a crash loop (:data:`EXIT_CRASH_LOOP`: attempts in a row that
-failed without a new optimizer step, :class:`~lightning_mgpu.cli.restarts.CrashLoop`). Out of restarts, it exits with
-the last failure's own status (128 + the signal's number for a rank killed by one).
+failed without a new optimizer step, :class:`~lightning_mgpu.resilience.restarts.CrashLoop`). Out of restarts, it
+exits with the last failure's own status (128 + the signal's number for a rank killed by one).
 """
 
 from __future__ import annotations
@@ -38,9 +38,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
-from lightning_mgpu.callbacks.preemption import REQUEUE_EXIT
-from lightning_mgpu.cli.errors import EXIT_CRASH_LOOP, EXIT_REFUSED, refusal_message
-from lightning_mgpu.cli.restarts import CrashLoop, read_restarts
+from lightning_mgpu.resilience.preemption import REQUEUE_EXIT
+from lightning_mgpu.resilience.restarts import EXIT_CRASH_LOOP, EXIT_REFUSED, CrashLoop, read_restarts
 
 #: The agent's record of the attempts that failed, in the run directory: one JSON line each.
 ATTEMPTS = "attempts.jsonl"
@@ -49,8 +48,6 @@ MONITOR_S = 0.1
 #: The signals the agent passes to its ranks; those that mean "stop soon" make the job exit with the requeue status.
 SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2")
 PREEMPTING = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-#: The command of a rank that is not forked (``-P``: the installed package, not a folder of the working directory).
-WORKER_COMMAND = ("-P", "-m", "lightning_mgpu.cli.worker")
 
 
 def exit_status(code: int) -> int:
@@ -139,15 +136,16 @@ class LocalJobAgent(LocalElasticAgent):
 
 
 def run_local_job(entry: Callable[[], object], run_dir: Path, processes: int, max_restarts: int,
-                  crash_loop_attempts: int, fork: bool) -> int:
+                  crash_loop_attempts: int, worker: Optional[tuple[str, ...]]) -> int:
     """Run the job's ``processes`` ranks under the agent until they succeed, are refused, loop or use up
-    ``max_restarts``; return the job's exit status. Forked ranks run ``entry()``; the others run
-    :mod:`lightning_mgpu.cli.worker` on ``run_dir``, which trains from the config written there."""
+    ``max_restarts``; return the job's exit status. Without ``worker``, ranks are forked and run ``entry()``; with
+    it, each is a fresh interpreter run with those arguments (``mgpu-train``'s worker module and ``run_dir``, which
+    trains from the config written there). A rank that exits with :data:`EXIT_REFUSED` is not restarted."""
     port = find_free_network_port()
     spec = WorkerSpec(
         role="mgpu-train", local_world_size=processes, max_restarts=max_restarts, monitor_interval=MONITOR_S,
-        entrypoint=forked_rank if fork else sys.executable,
-        args=(entry,) if fork else (*WORKER_COMMAND, str(run_dir)),
+        entrypoint=sys.executable if worker else forked_rank,
+        args=tuple(worker) if worker else (entry,),
         rdzv_handler=StaticTCPRendezvous("127.0.0.1", port, 0, 1, f"mgpu-{uuid.uuid4().hex}", timeout=600),
         master_addr="127.0.0.1", master_port=port)
     agent = LocalJobAgent(spec, run_dir, CrashLoop(run_dir, crash_loop_attempts), start_method="fork")
@@ -190,25 +188,12 @@ def _signals_passed_on() -> Iterator[None]:
             os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = told
 
 
-def run_rank(entry: Callable[[], object]) -> object:
-    """One rank: ``entry()``; a refusal is said as ``mgpu-train`` says it and exits with :data:`EXIT_REFUSED`, which
-    the agent does not restart."""
-    try:
-        return entry()
-    except Exception as error:
-        message = refusal_message(error)
-        if message is None:
-            raise
-        print(message, file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_REFUSED) from None
-
-
 def forked_rank(entry: Callable[[], object]) -> object:
     """A rank forked by the agent: SIGTERM when the agent dies (it then stops after its step with a checkpoint),
-    :func:`run_rank`, and the exit hooks (loggers') as at a normal exit, which a forked process leaves without."""
+    ``entry()``, and the exit hooks (loggers') as at a normal exit, which a forked process leaves without."""
     _terminate_with_parent()
     try:
-        return run_rank(entry)
+        return entry()
     finally:
         with contextlib.suppress(BaseException):
             atexit._run_exitfuncs()

@@ -25,18 +25,27 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import lightning as L
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mgpu.parallel.agreement import agree, at_boundary
-from lightning_mgpu.callbacks.checkpoint import PeriodicCheckpoint
+from lightning_mgpu.resilience.agreement import agree, at_boundary
 
 #: The signals that mean "stop soon": SLURM's preemption and time limit, torchrun's and Kubernetes' shutdown.
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 #: Exit status of a preempted run (EX_TEMPFAIL: try again later): what a launcher restarts on.
 REQUEUE_EXIT = 75
+
+
+class EmergencySave(Protocol):
+    """What the emergency checkpoint is written through: the run's periodic checkpoint
+    (:class:`~lightning_mgpu.callbacks.PeriodicCheckpoint`), whose atomic path a preemption reuses. A protocol, so that
+    failure handling does not import the callbacks built on it."""
+
+    directory: Path
+
+    def save(self, trainer: L.Trainer, step: int, blocking: bool = False) -> Path: ...
 
 
 @dataclass(frozen=True)
@@ -57,11 +66,11 @@ class Preempted:
 
 
 class Preemption(L.Callback):
-    """Place after the run's :class:`PeriodicCheckpoint` (``checkpoint``) in the callbacks: a step it has just
-    saved is not saved twice. ``requeue``: the command rank 0 runs once after the emergency checkpoint (SLURM's,
+    """Place after the run's :class:`~lightning_mgpu.callbacks.PeriodicCheckpoint` (``checkpoint``) in the
+    callbacks: a step it has just saved is not saved twice. ``requeue``: the command rank 0 runs once after the emergency checkpoint (SLURM's,
     :func:`slurm_requeue_command`). After ``fit``, :attr:`preempted` says what happened (None: not preempted)."""
 
-    def __init__(self, checkpoint: Optional[PeriodicCheckpoint] = None, signals: Sequence[int] = SIGNALS,
+    def __init__(self, checkpoint: Optional[EmergencySave] = None, signals: Sequence[int] = SIGNALS,
                  requeue: Optional[list[str]] = None) -> None:
         self.checkpoint, self.signals, self.requeue = checkpoint, tuple(signals), requeue
         self.received: int = 0

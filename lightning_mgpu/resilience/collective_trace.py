@@ -22,7 +22,7 @@ import torch
 
 #: Entries the Flight Recorder keeps per rank (only the newest of each group are read).
 BUFFER_VARIABLE, BUFFER_ENTRIES = "TORCH_FR_BUFFER_SIZE", "64"
-#: How often a rank's place is stamped (with its heartbeat, ``lightning_mgpu.parallel.liveness.INTERVAL_S``).
+#: How often a rank's place is stamped (with its heartbeat, ``lightning_mgpu.resilience.liveness.INTERVAL_S``).
 STAMP_S = 0.5
 
 

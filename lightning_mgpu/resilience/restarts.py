@@ -2,7 +2,7 @@
 ``cluster=torchrun``), the record of what each restart lost, and when restarting stops helping.
 
 Under ``cluster=local`` the command the user ran runs the job's ranks on torch's elastic agent
-(:mod:`lightning_mgpu.cli.elastic`), which starts them all again when one fails or is preempted. Each attempt knows
+(:mod:`lightning_mgpu.resilience.elastic`), which starts them all again when one fails or is preempted. Each attempt knows
 its number from the agent (``TORCHELASTIC_RESTART_COUNT``, as under torchrun); rank 0 of every attempt writes the last
 step it finished into the run directory (``progress.json``), so the next attempt can say how many steps the restart
 lost (the steps after the checkpoint it resumed from) and append it to ``restarts.jsonl`` with the times its restart
@@ -24,6 +24,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 #: The attempt number of a job under torch's elastic agent (0 first), set by the agent for every rank it starts.
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 PROGRESS, RESTARTS = "progress.json", "restarts.jsonl"
+#: Exit status of a refused configuration, command line or checkpoint (as argparse uses for a bad command line): a
+#: restart would be refused again.
+EXIT_REFUSED = 2
+#: Exit status of a job that failed again and again without a new optimizer step (a crash loop): restarting or
+#: requeueing it would repeat the failure. Not 75, the preemption status that asks a scheduler to requeue.
+EXIT_CRASH_LOOP = 76
 
 
 def attempt() -> int:

@@ -1,7 +1,7 @@
 """A step-progress watchdog: the rank whose training has not moved for as long as the collective timeout writes its own
 collective trace and every thread's stacks into the run directory, and says so in the rendezvous store.
 
-The heartbeat (``lightning_mgpu.parallel.liveness``) cannot see this: its thread goes on stamping while the training
+The heartbeat (``lightning_mgpu.resilience.liveness``) cannot see this: its thread goes on stamping while the training
 thread spins in Python (a loop that never ends, a stuck data loader), so such a rank looks alive, and the other ranks,
 timing out in the collective it never enters, can only name it from outside. This watchdog measures progress instead:
 the time since the last optimizer step (validation and checkpoint saves pause it). When that passes ``stall_s`` (the
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from lightning_mgpu.parallel import collective_trace
+from lightning_mgpu.resilience import collective_trace
 
 log = logging.getLogger(__name__)
 #: How often the watchdog looks at the time since the last step.
@@ -136,6 +136,6 @@ def stalled_ranks(store: Any, ranks: list[int]) -> dict[int, dict]:
 
 
 def paused(heartbeat: Any) -> contextlib.AbstractContextManager:
-    """The watchdog of ``heartbeat`` (a :class:`~lightning_mgpu.parallel.liveness.Heartbeat` or None) paused."""
+    """The watchdog of ``heartbeat`` (a :class:`~lightning_mgpu.resilience.liveness.Heartbeat` or None) paused."""
     watchdog = getattr(heartbeat, "watchdog", None)
     return watchdog.paused() if watchdog is not None else contextlib.nullcontext()

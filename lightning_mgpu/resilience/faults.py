@@ -259,7 +259,7 @@ def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional
             if trainer.global_rank == skipper:
                 _say(f"rank {skipper} skips a collective after step {step} at time {time.time():.3f}")
             else:
-                from lightning_mgpu.parallel.agreement import agree
+                from lightning_mgpu.resilience.agreement import agree
 
                 agree(trainer, [0])
 

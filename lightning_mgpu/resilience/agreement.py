@@ -12,7 +12,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 
-from lightning_mgpu.parallel.liveness import name_lost_ranks
+from lightning_mgpu.resilience.liveness import name_lost_ranks
 
 
 def agree(trainer: L.Trainer, values: Sequence[int], op: str = "max") -> list[int]:
