@@ -34,7 +34,7 @@ from lightning_mgpu.checkpoint import replica_state
 from lightning_mgpu.checkpoint.formats import TRAINER_STATE
 from lightning_mgpu.checkpoint.safe_reader import SafeFileSystemReader, UnsafeCheckpointError, read_dcp_metadata
 from lightning_mgpu.checkpoint.saved_tensors import as_saved, expert_mesh, from_saved
-from lightning_mgpu.engine import MOMENTS, ParameterState
+from lightning_mgpu.engine import ParameterState, moments_of
 from lightning_mgpu.engine.experts import schedules_by_origin, schedules_for_groups
 from lightning_mgpu.engine.pieces import Piece, assemble, own_piece
 from lightning_mgpu.layout import ParallelLayout, canonical_name, container_prefix
@@ -53,7 +53,7 @@ def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str =
     for name, param in engine.module.named_parameters():
         fqn = canonical_name(name, layout, stages)
         params.append((fqn, param))
-        for key in (None, *MOMENTS):
+        for key in (None, *moments_of(param)):
             # an expert's pieces lie over its own data-parallel ranks, not the ones ``assemble`` reads: copied now
             expert = getattr(param, "expert_partition", None) is not None
             piece = own_piece(access, param, key) if fill and defer and not expert else None
@@ -177,7 +177,7 @@ def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replic
     for fqn, param in params:
         like = access.like(param)
         value = from_saved(state[f"{prefix}param/{fqn}"], param, layout, like)
-        moments = {k: from_saved(state[f"{prefix}{k}/{fqn}"], param, layout, like) for k in MOMENTS}
+        moments = {k: from_saved(state[f"{prefix}{k}/{fqn}"], param, layout, like) for k in moments_of(param)}
         access.set(param, value, moments, step)
     access.finish()
     for fqn, buffer in persistent_buffers(engine.module, layout):

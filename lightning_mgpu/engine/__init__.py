@@ -35,7 +35,7 @@ from lightning_mgpu.engine.config import (
     zero_config,
 )
 from lightning_mgpu.engine.master_weights import master_weights, refresh_working_weights
-from lightning_mgpu.engine.parameter_state import MOMENTS, ParameterState
+from lightning_mgpu.engine.parameter_state import MOMENTS, ParameterState, moments_of
 from lightning_mgpu.engine.runtime import (
     EngineOwnedOptimizer,
     LayoutMPU,
@@ -54,7 +54,7 @@ from lightning_mgpu.engine.runtime import (
 )
 
 __all__ = [
-    "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "accumulation_steps", "backward", "bucket_elements",
+    "EngineOwnedOptimizer", "LayoutMPU", "MOMENTS", "ParameterState", "moments_of", "accumulation_steps", "backward", "bucket_elements",
     "bucket_elements_for", "data_parallel_size", "deep_merge", "deferred_grad_reduction", "drifts_from_fp32",
     "evaluation_config", "gathered", "init_engine_comm", "initialize_engine", "load_engine_checkpoint", "loss_scale",
     "master_weights", "parameter_dtype", "parameter_elements", "parameter_shape", "precision_config", "preload",

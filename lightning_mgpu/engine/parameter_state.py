@@ -13,8 +13,14 @@ import torch
 
 from lightning_mgpu.engine.runtime import gathered, zero_stage
 
-#: The optimizer state kept per parameter (torch's Adam and AdamW).
+#: The optimizer state kept per parameter (torch's Adam and AdamW); a parameter Muon steps keeps its own keys
+#: (``param.optimizer_state_keys``, see :func:`lightning_mgpu.optim.tag_state_keys`).
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def moments_of(param: torch.nn.Parameter) -> tuple[str, ...]:
+    """The optimizer-state keys kept for ``param``."""
+    return getattr(param, "optimizer_state_keys", MOMENTS)
 
 
 class ParameterState:
@@ -75,9 +81,11 @@ class ParameterState:
         flats = ([] if self.stage == 0 else
                  self.optimizer.fp32_partitioned_groups_flat if self.stage == 3 else
                  self.optimizer.single_partition_of_fp32_groups)
-        for flat in flats:
+        owners = ([] if self.stage == 0 else
+                  self.optimizer.fp16_groups if self.stage == 3 else self.optimizer.bit16_groups)
+        for flat, params in zip(flats, owners):
             state = self.inner.state.setdefault(flat, {})
-            for key in MOMENTS:
+            for key in moments_of(params[0]):
                 state.setdefault(key, torch.zeros_like(flat))
             state["step"] = torch.tensor(float(step))
         if self.stage in (1, 2):

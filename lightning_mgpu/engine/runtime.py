@@ -15,6 +15,7 @@ from torch import nn
 from lightning_mgpu.engine import experts
 from lightning_mgpu.engine.config import parameter_dtype
 from lightning_mgpu.engine.whole_matrices import bind_engine_optimizer
+from lightning_mgpu.optim import tag_state_keys
 from lightning_mgpu.layout import ParallelLayout
 
 
@@ -123,6 +124,8 @@ def initialize_engine(module: nn.Module, optimizer: Optional[torch.optim.Optimiz
     if optimizer is not None and layout.size("ep") > 1:
         experts.split_expert_groups(optimizer, list(schedulers), layout)
 
+    if optimizer is not None:
+        tag_state_keys(optimizer)
     with experts.shown_to_engine(module, layout):
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, config=config, mpu=LayoutMPU(layout), dist_init_required=False)

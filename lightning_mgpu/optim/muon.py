@@ -84,6 +84,20 @@ def is_muon_group(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     return isinstance(optimizer, torch.optim.Muon) or bool(group.get("muon"))
 
 
+#: The optimizer state Muon keeps per parameter (torch.optim.Muon's key).
+MUON_STATE_KEYS = ("momentum_buffer",)
+
+
+def tag_state_keys(optimizer: torch.optim.Optimizer) -> None:
+    """Mark each parameter Muon steps with the state keys it keeps (``optimizer_state_keys``): layout-independent
+    checkpoints save and reshard those instead of Adam's moments. Called before DeepSpeed replaces the groups'
+    parameters with its flat partitions."""
+    for group in optimizer.param_groups:
+        if is_muon_group(optimizer, group):
+            for param in group["params"]:
+                param.optimizer_state_keys = MUON_STATE_KEYS
+
+
 def is_matrix_optimizer(optimizer: Any) -> bool:
     """An optimizer whose step needs whole matrices (Muon, alone or with AdamW groups)."""
     return isinstance(optimizer, (torch.optim.Muon, MuonWithAdamW))
