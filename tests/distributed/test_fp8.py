@@ -1,0 +1,219 @@
+"""fp8 matmuls (emulated on CPU, fp32 base precision) on every layout against fp8 on one process, and fp8 on one
+process against torchao's own ``convert_to_float8_training`` of the plain model.
+
+fp8's scales depend on which numbers a matmul sees together, so "one process" here runs the same micro-batches (of
+``MICRO_BATCH`` sequences) as every rank of a layout: data and pipeline parallelism split no matrix, tensor and context
+parallelism do, and their scales must be reduced over the split for the numbers to agree."""
+
+import dataclasses
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import GLOBAL_BATCH, MICRO_BATCH, OPTIM, STEPS, TINY, SaveAtStep, assert_parity, fit, global_batches
+from moe_helpers import TINY_MOE
+
+from lightning_mgpu import LLMModule, MGPUPrecision
+from lightning_mgpu.testing import run_distributed
+
+#: (name, model, recipe, strategy arguments) of the layouts checked in one launch of two processes.
+LAYOUTS = [("tp2", TINY, "rowwise", dict(tensor_parallel_size=2)),
+           ("tp2_sp", TINY, "rowwise", dict(tensor_parallel_size=2, sequence_parallel=True)),
+           ("cp2", TINY, "rowwise", dict(context_parallel_size=2)),
+           ("pp2", TINY, "rowwise", dict(pipeline_parallel_size=2)),
+           ("zero3", TINY, "rowwise", dict(zero_stage=3)),
+           ("ep2", TINY_MOE, "rowwise", dict(expert_parallel_size=2)),
+           ("tp2_tensorwise", TINY, "tensorwise", dict(tensor_parallel_size=2)),
+           ("cp2_tensorwise", TINY, "tensorwise", dict(context_parallel_size=2)),
+           ("ep2_tensorwise", TINY_MOE, "tensorwise", dict(expert_parallel_size=2))]
+
+
+class Fp8Layers(L.Callback):
+    """What computes in fp8 on this rank: the number of layers converted, and the linear layers left in high
+    precision (only the router's gate may be)."""
+
+    def __init__(self) -> None:
+        self.out: dict = {}
+
+    def on_train_start(self, trainer, module) -> None:
+        from lightning_mgpu.fp8 import Fp8Linear
+        from lightning_mgpu.fp8.grouped import Fp8Grouped
+        from lightning_mgpu.models.moe import GroupedExperts
+        from lightning_mgpu.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelOutput
+
+        converted, plain = 0, []
+        for name, m in trainer.strategy.model.module.named_modules():
+            fp8 = isinstance(m, Fp8Linear) or isinstance(getattr(m, "matmul", None), Fp8Grouped) or \
+                getattr(getattr(m, "linear", None), "func", None) is not None
+            converted += fp8
+            if not fp8 and (type(m) is torch.nn.Linear or isinstance(m, (
+                    GroupedExperts, ColumnParallelLinear, RowParallelLinear, VocabParallelOutput))):
+                plain.append(f"{name}:{type(m).__name__}")
+        self.out = {"converted": converted, "plain": plain}
+
+
+def fit_fp8(rank, token_file, devices, model, recipe, max_steps=STEPS, **kw):
+    probe = Fp8Layers()
+    result = fit(rank, token_file, devices, max_steps=max_steps, model=model, check_layout=model is TINY,
+                 precision_plugin=MGPUPrecision("32-true", fp8=recipe), callbacks=[probe, *kw.pop("callbacks", [])],
+                 module=LLMModule(model, **OPTIM, global_batch_size=GLOBAL_BATCH), **kw)
+    return {**result, **probe.out}
+
+
+def layouts(rank, token_file, devices, runs):
+    return {name: fit_fp8(rank, token_file, devices, model, recipe, **kw) for name, model, recipe, kw in runs}
+
+
+def one_process(rank, token_file, devices, ckpt):
+    """The references, and a resume: 6 steps saving after the 3rd, then the last 3 again from that checkpoint."""
+    out = {"rowwise": fit_fp8(rank, token_file, 1, TINY, "rowwise", max_steps=6, callbacks=[SaveAtStep(3, ckpt)])}
+    out["resumed"] = fit_fp8(rank, token_file, 1, TINY, "rowwise", max_steps=6, ckpt_path=ckpt)
+    out["tensorwise"] = fit_fp8(rank, token_file, 1, TINY, "tensorwise")
+    out["moe_rowwise"] = fit_fp8(rank, token_file, 1, TINY_MOE, "rowwise")
+    out["moe_tensorwise"] = fit_fp8(rank, token_file, 1, TINY_MOE, "tensorwise")
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(token_file, tmp_path_factory):
+    ckpt = str(tmp_path_factory.mktemp("fp8") / "step3.ckpt")
+    out = run_distributed(one_process, 1, token_file, 1, ckpt)[0]
+    out["rowwise"] = {**out["rowwise"], "losses": out["rowwise"]["losses"][:STEPS],
+                      "grad_norms": out["rowwise"]["grad_norms"][:STEPS], "whole": out["rowwise"]}
+    return out
+
+
+def torchao_reference(token_file, recipe: str, steps: int = STEPS) -> dict:
+    """The plain model converted by torchao's own ``convert_to_float8_training`` (emulated), trained by a plain loop
+    over each global batch in micro-batches of ``MICRO_BATCH`` sequences (gradients averaged over them)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    module = LLMModule(TINY, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    module.configure_model()
+    convert_to_float8_training(module.model, config=dataclasses.replace(
+        Float8LinearConfig.from_recipe_name(recipe), emulate=True))
+    opt = module.configure_optimizers()
+    optimizer, scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
+    chunks, losses, norms = GLOBAL_BATCH // MICRO_BATCH, [], []
+    for batch in global_batches(token_file, steps):
+        total = 0.0
+        for part in batch.split(MICRO_BATCH):
+            loss = F.cross_entropy(module.model(part[:, :-1]).flatten(0, 1), part[:, 1:].flatten())
+            (loss / chunks).backward()
+            total += loss.item() / chunks
+        norms.append(torch.nn.utils.clip_grad_norm_(module.model.parameters(), 0.3).item())
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "grad_norms": norms}
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_one_process_equals_torchaos_own_conversion(token_file, references, recipe):
+    """Every linear layer (15: 7 per block and the head) in fp8; the package's fp8 equals torchao's, and differs from
+    fp32 by far more than the tolerance (so the tolerance sees fp8's rounding)."""
+    from helpers import reference
+
+    got = references[recipe]
+    assert got["converted"] == 15 and got["plain"] == [], got
+    assert_parity([got], torchao_reference(token_file, recipe), tol=1e-6)
+    fp32 = reference(token_file)
+    assert max(abs(a - b) for a, b in zip(got["grad_norms"], fp32["grad_norms"])) > 1e-4
+
+
+def test_a_resumed_fp8_run_continues_as_if_uninterrupted(references):
+    """fp8's dynamic scales hold no state: the checkpoint of step 3 resumes to the same steps 4-6."""
+    whole, resumed = references["rowwise"]["whole"], references["resumed"]
+    assert len(resumed["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], whole["losses"][3:])) < 1e-6
+
+
+def test_fp8_on_every_layout_equals_one_process(token_file, references):
+    results = run_distributed(layouts, 2, token_file, 2, LAYOUTS)
+    for name, model, recipe, kw in LAYOUTS:
+        ref = references[f"moe_{recipe}" if model is TINY_MOE else recipe]
+        for rank_results in results:
+            r = rank_results[name]
+            assert r["converted"] > 0 and r["plain"] == [], (name, r["converted"], r["plain"])
+        try:
+            assert_parity([r[name] for r in results], ref)
+        except AssertionError as err:
+            raise AssertionError(f"{name}: {err}") from err
+
+
+def _wide(shape: tuple, halves: tuple) -> torch.Tensor:
+    """Magnitudes spread over 2**-8..1 with random signs, the second half of dim ``d`` scaled by ``2**halves[d]``:
+    each half of a split has its own amax, far from the whole's, so a scale computed over one half rounds differently
+    (also a power-of-two one, as rowwise scales are: fp8's subnormal steps move). The two factors of each product are
+    scaled oppositely along the dimension it sums over, so both halves weigh alike in the sum."""
+    t = torch.exp2(torch.rand(*shape) * -8) * torch.randn(*shape).sign()
+    for dim, (size, power) in enumerate(zip(shape, halves)):
+        t.narrow(dim, size // 2, size - size // 2).mul_(2.0**power)
+    return t
+
+
+def _split_matmuls(rank, recipe):
+    """On each of two ranks, one fp8 linear and one fp8 grouped matmul split three ways (input features, output
+    features, tokens), with the split's group and without: the largest difference from the whole computed on one
+    process, relative to the largest value, of the output and both gradients."""
+    import torch.distributed as dist
+
+    from lightning_mgpu.fp8 import Fp8Spec, Splits, fp8_linear
+    from lightning_mgpu.fp8.grouped import Fp8GroupedMatmul
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    M, K, N = 8, 32, 16
+    x, go = _wide((M, K), (-14, -14)), _wide((M, N), (14, -14))
+    weights = {False: _wide((N, K), (14, 14)), True: _wide((2, K, N), (0, 14, 14))}  # [out, in]; experts' [in, out]
+    k, n = slice(rank * K // 2, (rank + 1) * K // 2), slice(rank * N // 2, (rank + 1) * N // 2)
+    # Grouped rows are expert 0's (3 from each rank), then expert 1's (1 from each): token groups per (expert, rank)
+    # where one rank holds both ranks' rows (expert parallelism), per expert where a token split (context
+    # parallelism) gives each rank its own rows of each expert.
+    tokens = {False: list(range(rank * 4, rank * 4 + 4)), True: [3 * rank, 3 * rank + 1, 3 * rank + 2, 6 + rank]}
+
+    def run(x, w, go, splits, grouped, counts=((3, 3), (1, 1))):
+        x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        spec = Fp8Spec(recipe, splits)
+        y = Fp8GroupedMatmul.apply(x, w, torch.tensor(counts), spec) if grouped else fp8_linear(x, w, None, spec)
+        y.backward(go)
+        return [y.detach(), x.grad, w.grad]
+
+    out = {}
+    for grouped, w in weights.items():
+        in_dim, out_dim = (1, 2) if grouped else (1, 0)
+        whole = run(x, w, go, Splits(), grouped)
+        whole_sequence = run(x, w, go, Splits(), grouped, ((6,), (2,)))  # the tokens of a split sequence
+        t = tokens[grouped]
+        for reduced in (True, False):
+            group = dist.group.WORLD if reduced else None
+            cases = {  # (x, w, grad_output, splits, token split?, index of the partial sum, the whole's parts)
+                "in_features": (x[:, k], w.narrow(in_dim, k.start, K // 2), go, Splits(in_features=group), False, 0,
+                                [whole[0], whole[1][:, k], whole[2].narrow(in_dim, k.start, K // 2)]),
+                "out_features": (x, w.narrow(out_dim, n.start, N // 2), go[:, n], Splits(out_features=group), False,
+                                 1, [whole[0][:, n], whole[1], whole[2].narrow(out_dim, n.start, N // 2)]),
+                "tokens": (x[t], w, go[t], Splits(tokens=group), True, 2,
+                           [whole_sequence[0][t], whole_sequence[1][t], whole_sequence[2]])}
+            for name, (xi, wi, goi, splits, split_tokens, summed, want) in cases.items():
+                got = run(xi, wi, goi, splits, grouped, ((3,), (1,)) if split_tokens else ((3, 3), (1, 1)))
+                dist.all_reduce(got[summed])
+                out[(grouped, name, reduced)] = max(float((a - b).abs().max() / b.abs().max())
+                                                    for a, b in zip(got, want))
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_scales_spanning_a_split_are_reduced_over_it(recipe):
+    """A linear layer and the grouped experts split by input features (row-parallel), output features
+    (column-parallel) or tokens (context parallel, or an expert's tokens from two ranks) equal the whole matrix on
+    one process when the split's group reduces their scales, and do not without it (the test can see the reduction)."""
+    results = run_distributed(_split_matmuls, 2, recipe)
+    for key, diff in results[0].items():
+        grouped, name, reduced = key
+        if reduced:
+            assert diff < 1e-5, (key, diff)
+        else:
+            assert diff > 1e-3, (key, diff)
