@@ -18,7 +18,7 @@ from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
 from lightning_mgpu.models.moe import set_loss_scale
-from lightning_mgpu.optim import MuonWithAdamW
+from lightning_mgpu.optim.choice import build_optimizer
 from lightning_mgpu.parallel.checkpointing import checkpoint_blocks
 from lightning_mgpu.parallel.compile import compile_blocks
 from lightning_mgpu.parallel.context import shard_sequence
@@ -323,19 +323,9 @@ class LLMModule(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        named = list(self.model.named_parameters())
-        matrices = [p for n, p in named if _muon_steps(n, p)] if hp.get("optimizer") == "muon" else []
-        decay = [p for n, p in named if len(parameter_shape(p)) >= 2 and not any(p is m for m in matrices)]
-        no_decay = [p for p in self.model.parameters() if len(parameter_shape(p)) < 2]
-        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        if matrices:  # Moonshot's LR rule: Muon's update is scaled to AdamW's RMS, so both share LR and schedule
-            optimizer = MuonWithAdamW([{"params": matrices, "muon": True}, *groups], lr=self.peak_lr,
-                                      weight_decay=hp.weight_decay,
-                                      muon={"momentum": hp.muon_momentum, "adjust_lr_fn": "match_rms_adamw",
-                                            "ns_dtype": getattr(torch, hp.get("muon_ns_dtype", "bfloat16"))},
-                                      adamw={"betas": tuple(hp.betas), "eps": hp.eps, "fused": True})
-        else:
-            optimizer = torch.optim.AdamW(groups, lr=self.peak_lr, betas=tuple(hp.betas), eps=hp.eps, fused=True)
+        optimizer = build_optimizer(self.model.named_parameters(), parameter_shape, hp.get("optimizer", "adamw"),
+                                    self.peak_lr, hp.weight_decay, tuple(hp.betas), hp.eps, hp.get("muon_momentum", 0.95),
+                                    hp.get("muon_ns_dtype", "bfloat16"), fused=True)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_multiplier(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -353,13 +343,6 @@ class LLMModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.tokens_seen = int(checkpoint.get("tokens_seen", 0))
-
-
-def _muon_steps(name: str, param: torch.nn.Parameter) -> bool:
-    """The parameters Muon steps: the blocks' weight matrices and expert stacks; embeddings, norms, the output head
-    and routers stay on AdamW (Muon's authors' split)."""
-    parts = name.split(".")  # under pipeline parallelism the stage's index comes first ("0.layers.1...")
-    return "layers" in parts and "router" not in parts and len(parameter_shape(param)) >= 2
 
 
 def _counted(targets: torch.Tensor) -> torch.Tensor:

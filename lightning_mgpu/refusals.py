@@ -8,8 +8,9 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_mgpu.contract import hook, model_shape_of
+from lightning_mgpu.contract import builds_on_meta, hook, model_shape_of
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
+from lightning_mgpu.optim.muon import is_matrix_optimizer, muon_offload_problem
 from lightning_mgpu.precision import pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.resilience.stragglers import slow_rank_problems
@@ -81,7 +82,7 @@ def check_trainer(trainer: Any, module: Any, layout: ParallelLayout, num_microba
     raise_problems("Unsupported with MGPUStrategy", problems)
 
 
-def check_optimizers(optimizers: list, module: Any, partitioned_early: bool) -> Optional[torch.optim.Optimizer]:
+def check_optimizers(optimizers: list, module: Any, layout: ParallelLayout) -> Optional[torch.optim.Optimizer]:
     """The one optimizer the engine drives. A module built on the meta device has its parameters partitioned as they
     are filled under ZeRO-3 (``partitioned_early``), before ``configure_optimizers`` runs: grouping them by
     ``p.dim()`` or ``p.shape`` then sees empty 1-d tensors and leaves a group empty (DeepSpeed drops it; an LR
@@ -89,11 +90,13 @@ def check_optimizers(optimizers: list, module: Any, partitioned_early: bool) -> 
     if len(optimizers) != 1:
         raise ValueError(f"configure_optimizers returned {len(optimizers)} optimizers; MGPUStrategy drives one "
                          "DeepSpeed engine and needs exactly one")
-    optimizer = optimizers[0]
+    optimizer, partitioned_early = optimizers[0], layout.zero_stage == 3 and builds_on_meta(module)
     empty = [i for i, group in enumerate(optimizer.param_groups) if not group["params"]]
     if partitioned_early and empty:
         raise ValueError(f"configure_optimizers of {type(module).__name__} returned parameter group(s) {empty} of "
                          f"{len(optimizer.param_groups)} with no parameters. Under ZeRO-3 each parameter is already "
                          "partitioned when configure_optimizers runs (p.shape is an empty 1-d tensor's): group "
                          "parameters by lightning_mgpu.parameter_shape(p), or leave empty groups out")
+    if layout.offload_optimizer is not None and is_matrix_optimizer(optimizer):
+        raise ValueError(muon_offload_problem(layout.offload_optimizer, "MGPUStrategy(offload_optimizer=...)"))
     return optimizer

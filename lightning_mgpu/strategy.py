@@ -233,7 +233,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         optimizer = None
         if fitting:
             self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
-            optimizer = check_optimizers(self.optimizers, module, self.layout.zero_stage == 3 and builds_on_meta(module))
+            optimizer = check_optimizers(self.optimizers, module, self.layout)
         config = engine_config(wrapped)
         if optimizer is not None and engines.drifts_from_fp32(config):
             rank_zero_warn(engines.drifts_from_fp32(config))

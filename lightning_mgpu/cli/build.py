@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 from lightning.pytorch.loggers import Logger
@@ -14,6 +15,7 @@ from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.data import StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
 from lightning_mgpu.layout import LayoutRequest
 from lightning_mgpu.module import LLMModule
+from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.strategy import MGPUStrategy
 
 
@@ -51,12 +53,14 @@ def build_module(spec: RunSpec) -> L.LightningModule:
 
         return HFCausalLM(str(Path(cfg.model.path).resolve()), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                           warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps, min_lr_ratio=o.min_lr_ratio,
-                          activation_checkpointing=cfg.model.activation_checkpointing)
+                          activation_checkpointing=cfg.model.activation_checkpointing, optimizer=o.name,
+                          muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype)
     return LLMModule(spec.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
                      eps=o.eps, warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps,
                      min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,
                      reference_batch_size=o.reference_batch_size, global_batch_size=cfg.data.global_batch_size,
-                     init_seed=cfg.model.init_seed, init_from=cfg.model.init_from)
+                     init_seed=cfg.model.init_seed, init_from=cfg.model.init_from, optimizer=o.name,
+                     muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype)
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
@@ -105,4 +109,9 @@ def build_strategy(spec: RunSpec) -> MGPUStrategy:
     return MGPUStrategy(**layout, **rest, checkpoint_format=spec.checkpoint.format,
                         save_consolidated_weights=c.save_consolidated_weights,
                         trust_deepspeed_checkpoints=spec.checkpoint.trust_deepspeed_checkpoints,
-                        skip_bad_steps=bad.skip, loss_spike=spike)
+                        skip_bad_steps=bad.skip, loss_spike=spike, precision_plugin=precision_plugin(spec.config.trainer))
+
+
+def precision_plugin(t: DictConfig) -> Optional[MGPUPrecision]:
+    """``trainer.fp8`` set: the precision plugin of ``trainer.precision`` with fp8 (Lightning's own otherwise)."""
+    return None if t.fp8 is None else MGPUPrecision(str(t.precision), fp8=t.fp8)

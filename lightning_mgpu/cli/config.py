@@ -147,6 +147,8 @@ class TrainerConfig:
     num_nodes: int = 1
     max_steps: int = 300  #: optimizer steps; also the length of the LR schedule
     precision: str = "32-true"  #: 32-true | bf16-mixed | bf16-true | 16-mixed
+    #: fp8 matmuls of every linear layer over that precision: null (off) | rowwise | tensorwise (torchao's recipes)
+    fp8: Optional[str] = None
     gradient_clip_val: Optional[float] = 1.0  #: clip the global gradient norm to this; null = no clipping
     log_every_n_steps: int = 1  #: log (and flush metrics.csv) every N steps
     val_check_interval: Optional[int] = None  #: validate every N batches (steps x accumulate_grad_batches); null: last
@@ -213,7 +215,8 @@ class LoggerConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warm-up then cosine decay (the arguments of :class:`LLMModule`)."""
+    """AdamW (or Muon with AdamW, ``name=muon``) with linear warm-up then cosine decay (the arguments of
+    :class:`LLMModule`)."""
 
     lr: float = 3e-3
     weight_decay: float = 0.1
@@ -223,6 +226,11 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
     lr_scaling: Optional[str] = None  #: null | linear | sqrt, relative to reference_batch_size
     reference_batch_size: Optional[int] = None
+    #: adamw | muon (Muon for the blocks' weight matrices, AdamW for embeddings, norms, head and routers; optim=muon)
+    name: str = "adamw"
+    muon_momentum: float = 0.95
+    #: bfloat16 (torch.optim.Muon's) | float32: the dtype of Muon's Newton-Schulz iteration
+    muon_ns_dtype: str = "bfloat16"
 
 
 @dataclass

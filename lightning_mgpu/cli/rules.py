@@ -23,12 +23,14 @@ from lightning_mgpu.cli.layout_rules import parallel_problems
 from lightning_mgpu.resilience.restarts import restart_problems
 from lightning_mgpu.cli.run_data import RunData, resolve_data, unread_data
 from lightning_mgpu.cli.run_model import resolve_model
-from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive
+from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive, keyed
 from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
 from lightning_mgpu.models.llama_config import activation_checkpointing_problems
 from lightning_mgpu.module import lr_scaling_problems
 from lightning_mgpu.planner.hardware import GPUS
-from lightning_mgpu.precision import SUPPORTED_PRECISIONS
+from lightning_mgpu.optim.choice import NS_DTYPES, OPTIMIZERS
+from lightning_mgpu.optim.muon import muon_offload_problem
+from lightning_mgpu.precision import SUPPORTED_PRECISIONS, fp8_problems
 from lightning_mgpu.resilience.step_guard import SpikeRule
 from lightning_mgpu.split_rules import steps_apart
 
@@ -92,6 +94,7 @@ def trainer_problems(cfg: DictConfig) -> list[str]:
         out.append(f"trainer.accelerator={t.accelerator!r} is unknown; choose one of {', '.join(ACCELERATORS)}")
     if str(t.precision) not in SUPPORTED_PRECISIONS:
         out.append(f"trainer.precision={t.precision!r} is not supported; choose one of {', '.join(SUPPORTED_PRECISIONS)}")
+    out += keyed(fp8_problems(t.fp8), t)
     if t.gradient_clip_val is not None and t.gradient_clip_val < 0:
         out.append(f"trainer.gradient_clip_val={t.gradient_clip_val} must be >= 0 (or null for no clipping)")
     if t.max_time is not None and not _MAX_TIME.match(str(t.max_time)):
@@ -139,6 +142,14 @@ def optim_problems(cfg: DictConfig) -> list[str]:
         out.append(f"optim.weight_decay={o.weight_decay} must be >= 0")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         out.append(f"optim.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.95]")
+    if o.name not in OPTIMIZERS:
+        out.append(f"optim.name={o.name!r} is unknown; choose {' or '.join(OPTIMIZERS)} (optim=muon selects Muon)")
+    if o.muon_ns_dtype not in NS_DTYPES:
+        out.append(f"optim.muon_ns_dtype={o.muon_ns_dtype!r} is unknown; choose {' or '.join(NS_DTYPES)}")
+    if not 0.0 <= o.muon_momentum < 1.0:
+        out.append(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95")
+    if o.name == "muon" and cfg.parallel.offload_optimizer is not None:
+        out.append(muon_offload_problem(cfg.parallel.offload_optimizer, "parallel.offload_optimizer"))
     return out + lr_scaling_problems(o.lr_scaling, o.reference_batch_size)
 
 

@@ -22,6 +22,7 @@ from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.engine.config import parameter_shape
 from lightning_mgpu.hf.weights import PretrainedSlices, real_buffers
 from lightning_mgpu.module import lr_multiplier
+from lightning_mgpu.optim.choice import build_optimizer
 
 
 def load_causal_lm(path: str, on_meta: bool = False) -> torch.nn.Module:
@@ -46,7 +47,8 @@ class HFCausalLM(L.LightningModule):
 
     def __init__(self, path: str, lr: float = 3e-4, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, warmup_steps: int = 10, max_steps: int = 1000, min_lr_ratio: float = 0.1,
-                 activation_checkpointing: str = "none") -> None:
+                 activation_checkpointing: str = "none", optimizer: str = "adamw", muon_momentum: float = 0.95,
+                 muon_ns_dtype: str = "bfloat16") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.llm: Optional[torch.nn.Module] = None
@@ -106,11 +108,10 @@ class HFCausalLM(L.LightningModule):
                                       vocab_size=self.llm.config.vocab_size)
 
     def configure_optimizers(self) -> dict:
-        params = list(self.llm.parameters())
         hp = self.hparams
-        groups = [{"params": [p for p in params if len(parameter_shape(p)) >= 2], "weight_decay": hp.weight_decay},
-                  {"params": [p for p in params if len(parameter_shape(p)) < 2], "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps)
+        optimizer = build_optimizer(self.llm.named_parameters(), parameter_shape, hp.get("optimizer", "adamw"), hp.lr,
+                                    hp.weight_decay, tuple(hp.betas), hp.eps, hp.get("muon_momentum", 0.95),
+                                    hp.get("muon_ns_dtype", "bfloat16"))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_multiplier(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

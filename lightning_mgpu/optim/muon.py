@@ -98,6 +98,15 @@ def tag_state_keys(optimizer: torch.optim.Optimizer) -> None:
                 param.optimizer_state_keys = MUON_STATE_KEYS
 
 
+def muon_offload_problem(offload: str, key: str) -> str:
+    """The rule: Muon does not run with its state offloaded. Its whole-matrix step gathers the offloaded partitions
+    with the data-parallel group's collectives, which on GPUs (NCCL) take device tensors only; DeepSpeed's own Muon
+    refuses optimizer offload too."""
+    return (f"{key}={offload!r} with Muon: Muon's whole-matrix step gathers ZeRO partitions in device memory and "
+            "cannot run on offloaded optimizer state; leave the optimizer in device memory (a higher zero_stage "
+            "shards it further), or use AdamW")
+
+
 def is_matrix_optimizer(optimizer: Any) -> bool:
     """An optimizer whose step needs whole matrices (Muon, alone or with AdamW groups)."""
     return isinstance(optimizer, (torch.optim.Muon, MuonWithAdamW))

@@ -1,0 +1,43 @@
+"""The optimizer a built-in module trains with (``optim.name``): AdamW, or Muon for the blocks' weight matrices with
+AdamW for the rest. One rule for ``LLMModule`` and a Hugging Face model as it is."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from lightning_mgpu.optim.muon import MuonWithAdamW
+
+#: ``optim.name`` values.
+OPTIMIZERS = ("adamw", "muon")
+#: ``optim.muon_ns_dtype`` values: the dtype of Newton-Schulz (bf16 is torch.optim.Muon's).
+NS_DTYPES = ("bfloat16", "float32")
+
+
+def muon_steps(name: str, shape: torch.Size) -> bool:
+    """The parameters Muon steps: the transformer blocks' weight matrices and expert stacks (a name with a ``layers``
+    part, 2-D or more); embeddings, norms, the output head and routers (``router``, or a Hugging Face MoE's ``gate``)
+    stay on AdamW, as Muon's authors prescribe. Under pipeline parallelism the stage's index comes first."""
+    parts = name.split(".")
+    return "layers" in parts and "router" not in parts and "gate" not in parts and len(shape) >= 2
+
+
+def build_optimizer(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], shape_of, name: str, lr: float,
+                    weight_decay: float, betas: tuple[float, float], eps: float, muon_momentum: float = 0.95,
+                    muon_ns_dtype: str = "bfloat16", fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW (weight decay on matrices only), or with ``name="muon"`` :class:`MuonWithAdamW` under Moonshot's LR rule
+    (``match_rms_adamw``: Muon's update scaled to AdamW's RMS, so both kinds share one LR and schedule).
+    ``shape_of(param)``: its shape as built (a ZeRO-3 partition is flat by then)."""
+    named = list(named_parameters)
+    matrices = [p for n, p in named if muon_steps(n, shape_of(p))] if name == "muon" else []
+    chosen = {id(p) for p in matrices}
+    decay = [p for _, p in named if len(shape_of(p)) >= 2 and id(p) not in chosen]
+    no_decay = [p for _, p in named if len(shape_of(p)) < 2]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    adamw = {"betas": tuple(betas), "eps": eps, **({"fused": True} if fused else {})}
+    if name != "muon":
+        return torch.optim.AdamW(groups, lr=lr, **adamw)
+    return MuonWithAdamW([{"params": matrices, "muon": True}, *groups], lr=lr, weight_decay=weight_decay, adamw=adamw,
+                         muon={"momentum": muon_momentum, "adjust_lr_fn": "match_rms_adamw",
+                               "ns_dtype": getattr(torch, muon_ns_dtype)})

@@ -1,0 +1,57 @@
+"""Which parameters Muon steps (optim=muon): the blocks' weight matrices and expert stacks; embeddings, norms, the
+output head and routers stay on AdamW. Expected names are written out by hand for each model."""
+
+import pytest
+import torch
+from helpers import TINY
+from hf_helpers import tiny_model
+from moe_helpers import TINY_MOE
+
+from lightning_mgpu import LLMModule
+from lightning_mgpu.optim import MuonWithAdamW
+from lightning_mgpu.optim.choice import build_optimizer
+
+
+def split(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[set, set]:
+    names = {id(p): n for n, p in module.named_parameters()}
+    muon = {names[id(p)] for g in optimizer.param_groups if g.get("muon") for p in g["params"]}
+    rest = {names[id(p)] for g in optimizer.param_groups if not g.get("muon") for p in g["params"]}
+    return muon, rest
+
+
+def test_llm_module_puts_block_matrices_on_muon():
+    module = LLMModule(TINY, optimizer="muon")
+    module.configure_model()
+    optimizer = module.configure_optimizers()["optimizer"]
+    assert isinstance(optimizer, MuonWithAdamW)
+    muon, rest = split(module.model, optimizer)
+    assert muon == {f"layers.{i}.{m}.weight" for i in range(2) for m in (
+        "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+        "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
+    assert rest == {"tok_embeddings.weight", "output.weight", "norm.weight",
+                    *(f"layers.{i}.{n}_norm.weight" for i in range(2) for n in ("attention", "ffn"))}
+
+
+def test_experts_on_muon_router_on_adamw():
+    module = LLMModule(TINY_MOE, optimizer="muon")
+    module.configure_model()
+    muon, rest = split(module.model, module.configure_optimizers()["optimizer"])
+    assert {n for n in muon if ".experts." in n} == {f"layers.{i}.feed_forward.experts.{w}" for i in range(2)
+                                                    for w in ("w1", "w2", "w3")}
+    assert {n for n in rest if "router" in n} == {f"layers.{i}.feed_forward.router.gate.weight" for i in range(2)}
+    assert not {n for n in muon if "router" in n}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_a_hugging_face_model_as_it_is(family):
+    model = tiny_model(family)
+    optimizer = build_optimizer(model.named_parameters(), lambda p: p.shape, "muon", 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    muon, rest = split(model, optimizer)
+    attention = {f"model.layers.{i}.self_attn.{m}_proj.weight" for i in range(2) for m in "qkvo"}
+    assert attention <= muon and not {n for n in muon if "embed" in n or "lm_head" in n or "norm" in n}
+    assert {"model.embed_tokens.weight", "lm_head.weight"} <= rest
+    if family == "qwen3_moe":  # the router is the MoE block's "gate"; the experts are Muon's
+        assert {f"model.layers.{i}.mlp.gate.weight" for i in range(2)} <= rest
+        assert any(".mlp.experts." in n for n in muon)
+    else:
+        assert {f"model.layers.{i}.mlp.{m}_proj.weight" for i in range(2) for m in ("gate", "up", "down")} <= muon
