@@ -20,7 +20,7 @@ from lightning_mgpu.resilience.stragglers import log_round, report_stragglers
 from lightning_mgpu.parallel.experts import balance_experts
 from lightning_mgpu.resilience.liveness import name_lost_ranks
 from lightning_mgpu.resilience.watchdog import StepWatchdog
-from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision
+from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision, fp8_layout_problems
 from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.resilience.step_guard import SkippedStep, StepGuard, describe
 from lightning_mgpu.callbacks.console import use_layout_console
@@ -49,6 +49,8 @@ class EngineHooks:
         if self.precision_plugin.fp8 is not None:
             from lightning_mgpu import fp8  # torchao, imported by runs that use it only
 
+            raise_problems("Invalid parallel layout", fp8_layout_problems(
+                self.precision_plugin.fp8, self.layout.size("cp"), self.layout.size("ep")))
             converted = fp8.convert_to_fp8(module, self.precision_plugin.fp8, self.layout.group("tp") if
                                            self.layout.size("tp") > 1 else None,
                                            self.layout.group("cp") if self.layout.size("cp") > 1 else None)

@@ -25,8 +25,8 @@ def fp8_problems(fp8: Optional[str]) -> list[Problem]:
     casts bf16, fp16 and fp32 alike, and fp16's loss scale is absorbed by the dynamic scales)."""
     if fp8 is None or fp8 in FP8_RECIPES:
         return []
-    return [Problem("fp8", fp8, "is not an fp8 recipe", f"choose {' or '.join(repr(r) for r in FP8_RECIPES)}, or "
-                    "None for no fp8")]
+    return [Problem("fp8", fp8, "is not one of torchao's float8 training recipes",
+                    f"choose {' or '.join(repr(r) for r in FP8_RECIPES)}, or leave it unset (off)")]
 
 
 def pipeline_precision_problems(precision: str, pipeline_parallel_size: int) -> list[Problem]:
@@ -45,6 +45,18 @@ def replica_precision_problems(precision: str, zero_stage: int, replica_update: 
                         f"step of replica_update={replica_update!r} can update",
                         "use zero_stage >= 1, or precision='32-true'")]
     return []
+
+
+def fp8_layout_problems(fp8: Optional[str], context_parallel_size: int, expert_parallel_size: int) -> list[Problem]:
+    """The rule: fp8 experts are scaled per expert and per token group a rank sends; under context parallelism a
+    group is a shard of a sequence whose scale must span the whole sequence, which an expert-parallel group spanning
+    the context ranks cannot reduce (its ranks hold different experts)."""
+    if fp8 is None or context_parallel_size <= 1 or expert_parallel_size <= 1:
+        return []
+    return [Problem("expert_parallel_size", expert_parallel_size, f"with context_parallel_size="
+                    f"{context_parallel_size} and fp8={fp8!r} would scale each context rank's tokens of an expert "
+                    "apart, unlike one process", "use expert_parallel_size=1 with context parallelism, or "
+                    "context_parallel_size=1")]
 
 
 class MGPUPrecision(Precision):

@@ -26,6 +26,7 @@ from lightning_mgpu.planner.memory import rank_model_state_bytes
 from lightning_mgpu.planner.model_stats import RankParameters, rank_parameter_split
 from lightning_mgpu.planner.replicas import replica_traffic
 from lightning_mgpu.split_rules import steps_apart
+from lightning_mgpu.strategy import MGPUStrategy
 
 GB = 1e9
 
@@ -58,13 +59,7 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
     shares = []
     for tp_rank in sorted({0, T - 1}):
         for pp_rank in range(P):
-            with torch.device("meta"):
-                module = build_module(spec)
-                module.configure_model()
-            view = layout.planned_at(layout.global_rank_of(tp=tp_rank, pp=pp_rank))
-            adopt_hf_model(module, view)  # a transformers model: the hooks its config implies, as a launch gives them
-            kept = parallelize(module, view, torch.device("meta"), strategy.tensor_parallel_plan,
-                               strategy.pipeline_boundaries).module
+            kept = built_share(spec, layout, strategy, tp_rank, pp_rank)
             ids = layout.stage_ids(pp_rank)
             experts = sum(p.numel() for layer in moe_layers(kept) for p in layer.experts.parameters())
             held = RankParameters(sum(p.numel() for p in kept.parameters()) - experts, experts)
@@ -77,6 +72,36 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
                                     planned.experts))
     shares.sort(key=lambda share: (share.pp_rank, share.tp_rank))
     return layout, shares
+
+
+def built_share(spec: RunSpec, layout: ParallelLayout, strategy: MGPUStrategy, tp_rank: int, pp_rank: int
+                ) -> torch.nn.Module:
+    """What the rank at (``tp_rank``, ``pp_rank``) keeps of the run's module, built and split on the meta device."""
+    with torch.device("meta"):
+        module = build_module(spec)
+        module.configure_model()
+    view = layout.planned_at(layout.global_rank_of(tp=tp_rank, pp=pp_rank))
+    adopt_hf_model(module, view)  # a transformers model: the hooks its config implies, as a launch gives them
+    return parallelize(module, view, torch.device("meta"), strategy.tensor_parallel_plan,
+                       strategy.pipeline_boundaries).module
+
+
+def fp8_kernel_problems(spec: RunSpec) -> list[str]:
+    """``trainer.fp8`` on GPUs: the layers whose local sizes the fp8 kernels refuse, on every pipeline rank (every
+    tensor rank holds the same sizes), from the module each would build. Emulated fp8 (CPU) takes any size."""
+    t = spec.config.trainer
+    on_gpu = t.accelerator in ("gpu", "cuda") or (t.accelerator == "auto" and torch.cuda.is_available())
+    if t.fp8 is None or not on_gpu:
+        return []
+    from lightning_mgpu.fp8 import kernel_size_problems, local_sizes
+
+    strategy = build_strategy(spec)
+    layout = spec.layout.build(spec.world_size, devices_per_node=t.devices)
+    sizes = {}
+    for pp_rank in range(layout.size("pp")):
+        sizes.update(local_sizes(built_share(spec, layout, strategy, 0, pp_rank)))
+    fix = "choose model sizes whose shares over parallel.tensor_parallel_size are multiples of 16, or trainer.fp8=null"
+    return [f"trainer.fp8={t.fp8!r}: {problem}" for problem in kernel_size_problems(sizes, fix)]
 
 
 def dry_run_report(spec: RunSpec) -> str:

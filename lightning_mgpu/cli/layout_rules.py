@@ -15,7 +15,7 @@ from lightning_mgpu.split_rules import context_document_problems, sequence_probl
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
 from lightning_mgpu.resilience.stragglers import slow_rank_problems
-from lightning_mgpu.precision import pipeline_precision_problems, replica_precision_problems
+from lightning_mgpu.precision import fp8_layout_problems, pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.refusals import training_loop_problems
 
 
@@ -59,6 +59,8 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
     if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
         out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
     out += keyed(replica_precision_problems(str(t.precision), p.zero_stage, p.replica_update), t)
+    if isinstance(C, int) and isinstance(p.expert_parallel_size, int):
+        out += keyed(fp8_layout_problems(t.fp8, C, p.expert_parallel_size), t)
     out += [f"trainer.{problem}" for problem in timer_problems(p.replica_update, t.max_time)]
     slow = OmegaConf.to_container(p.slow_ranks) if isinstance(p.slow_ranks, DictConfig) else p.slow_ranks
     out += keyed(slow_rank_problems(slow, world if sizes_ok else None), t)

@@ -36,7 +36,7 @@ CONFIG_KEYS = {
         "virtual_pipeline_size", "num_microbatches", "sequence_parallel", "offload_optimizer", "offload_params",
         "pipeline_boundaries", "replicas", "replica_update", "sync_every", "outer_optimizer", "max_staleness",
         "slow_ranks", "expert_parallel_size")},
-    "tie_embeddings": "model.tie_embeddings", "precision": "trainer.precision",
+    "tie_embeddings": "model.tie_embeddings", "precision": "trainer.precision", "fp8": "trainer.fp8",
     "accumulate_grad_batches": "trainer.accumulate_grad_batches", "seq_len": "data.seq_len",
     "document_mask": "data.document_mask",
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from lightning_mgpu.cli.dry_run import fp8_kernel_problems
 from lightning_mgpu.cli.errors import ConfigError
 from lightning_mgpu.cli.machine import launch_problems, machine_problems
 from lightning_mgpu.cli.memory_check import memory_problems
@@ -23,6 +24,8 @@ def check_run(cfg: DictConfig) -> RunSpec:
     that can run it).
     """
     spec, problems = resolve_run(cfg)
+    if spec is not None:
+        problems += fp8_kernel_problems(spec)
     if not (key_problems(cfg) or launch_problems(cfg)):  # else the sizes cannot be read
         problems += machine_problems(cfg)
     if not problems:

@@ -97,4 +97,5 @@ def test_fp8_setting_refuses_unknown_recipes_with_the_other_problems():
         MGPUPrecision("64-true", fp8="fp4")
     message = str(err.value)
     assert "precision='64-true' is not supported" in message
-    assert "fp8='fp4' is not an fp8 recipe; choose 'rowwise' or 'tensorwise', or None for no fp8" in message
+    assert "fp8='fp4' is not one of torchao's float8 training recipes; choose 'rowwise' or 'tensorwise', or leave it " \
+        "unset (off)" in message
