@@ -1,7 +1,9 @@
 """Resume on another layout: one chain of runs, each layout resuming the universal checkpoint the previous one wrote
 (every two steps, by ``PeriodicCheckpoint`` as ``mgpu-train`` writes them), training two more steps and saving for
 the next. Every segment matches the uninterrupted single-process run to 1e-5 in loss and gradient norm, and its
-counters (global step, ``tokens_seen``, the learning rate of each step) continue exactly where the run left off.
+counters (global step, ``tokens_seen``, the learning rate of each step) continue exactly where the run left off, and
+each step's global batch (its token windows over every rank) is the one the uninterrupted run draws, whether the
+number of data-parallel ranks grew (1 -> 2, 1 -> 4) or shrank (2 -> 1) at the resume.
 
 A chain needs one launch per layout where independent save/resume pairs need two per target layout. Every segment
 after the first is a resume target: pp2 1F1B -> pp2 interleaved (V=2) ZeRO-3 with one replica -> dp2 -> tp2 ZeRO-3
@@ -12,7 +14,7 @@ from dataclasses import replace
 
 import lightning as L
 import pytest
-from helpers import GLOBAL_BATCH, OPTIM, SEQ_LEN, TINY, assert_parity, fit, reference
+from helpers import GLOBAL_BATCH, OPTIM, SEQ_LEN, TINY, assert_parity, fit, global_batches, reference
 
 from lightning_mgpu import LLMModule
 from lightning_mgpu.callbacks import PeriodicCheckpoint, newest_checkpoint
@@ -40,14 +42,17 @@ def describe(layout: dict) -> str:
 
 
 class Counters(L.Callback):
-    """Per step: the LR the step trains with (read as it starts), then the global step and ``tokens_seen`` after it."""
+    """Per step: the LR the step trains with (read as it starts), then the global step and ``tokens_seen`` after it;
+    and the token windows of this rank's share of the step's global batch."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, int, float]] = []
+        self.batches: list[list[tuple[int, ...]]] = []
         self._lr = float("nan")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._lr = trainer.optimizers[0].param_groups[0]["lr"]
+        self.batches.append([tuple(row) for row in batch.tolist()])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.rows.append((trainer.global_step, pl_module.tokens_seen, self._lr))
@@ -58,7 +63,7 @@ def segment(rank, token_file, devices, directory, max_steps, ckpt_path, **layout
     module = LLMModule(MODEL, **OPTIMIZER, global_batch_size=GLOBAL_BATCH)
     result = fit(rank, token_file, devices, max_steps=max_steps, ckpt_path=ckpt_path, module=module,
                  callbacks=[counters, PeriodicCheckpoint(directory, every_n_steps=STEPS, keep_last=1)], **layout)
-    return dict(result, counters=counters.rows)
+    return dict(result, counters=counters.rows, batches=counters.batches)
 
 
 class Chain:
@@ -104,6 +109,7 @@ def ref(token_file):
     module.configure_model()
     configured = module.configure_optimizers()
     optimizer, schedule = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    out["batches"] = [sorted(set(map(tuple, b.tolist()))) for b in global_batches(token_file, steps)]
     out["lrs"] = []
     for _ in range(steps):
         out["lrs"].append(optimizer.param_groups[0]["lr"])
@@ -124,3 +130,8 @@ def test_resume_on_another_layout_continues_the_run(chain, ref, index):
         assert [row[:2] for row in r["counters"]] == [row[:2] for row in expected], \
             f"rank {r['rank']}: (global step, tokens_seen) {r['counters']}, uninterrupted {expected}"
         assert [row[2] for row in r["counters"]] == pytest.approx([row[2] for row in expected], rel=1e-12, abs=0)
+    # the global batches the uninterrupted run draws, whatever the number of data-parallel ranks before and after:
+    # each step's windows over every rank (tensor, context and pipeline peers hold the same share) are those batches
+    for i, s in enumerate(steps):
+        seen = sorted({row for r in results for row in r["batches"][i]})
+        assert seen == ref["batches"][s], f"step {s}: the ranks drew other windows than the uninterrupted run's"
