@@ -22,6 +22,7 @@ from lightning_mgpu.hf import adopt as adopt_hf_model
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.models.moe import moe_layers
+from lightning_mgpu.optim.choice import muon_steps
 from lightning_mgpu.planner.memory import rank_model_state_bytes
 from lightning_mgpu.planner.model_stats import RankParameters, rank_parameter_split
 from lightning_mgpu.planner.replicas import replica_traffic
@@ -62,12 +63,14 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
             kept = built_share(spec, layout, strategy, tp_rank, pp_rank)
             ids = layout.stage_ids(pp_rank)
             experts = sum(p.numel() for layer in moe_layers(kept) for p in layer.experts.parameters())
-            held = RankParameters(sum(p.numel() for p in kept.parameters()) - experts, experts)
+            matrices = sum(p.numel() for n, p in kept.named_parameters() if muon_steps(n, p.shape))
+            held = RankParameters(sum(p.numel() for p in kept.parameters()) - experts, experts,
+                                  sum(p.numel() for p in kept.parameters()) - matrices)
             planned = rank_parameter_split(model_config, T, P, len(ids), pp_rank, stage_ids=ids,
                                            boundaries=strategy.pipeline_boundaries, ep=layout.size("ep"))
             states = rank_model_state_bytes(held, layout.zero_stage, layout.size("dp_cp"), layout.size("ep"),
-                                            str(cfg.trainer.precision), P > 1,
-                                            overlap=cfg.trainer.accelerator != "cpu")  # ZeRO over data x context
+                                            str(cfg.trainer.precision), P > 1,  # ZeRO over data x context
+                                            overlap=cfg.trainer.accelerator != "cpu", optimizer=cfg.optim.name)
             shares.append(RankShare(tp_rank, pp_rank, ids, held.total, planned.total, states, held.experts,
                                     planned.experts))
     shares.sort(key=lambda share: (share.pp_rank, share.tp_rank))

@@ -50,7 +50,8 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
     alone = steps_alone(cfg)
     inner = replica_cluster(cluster, cfg.parallel.replicas) if alone else cluster
     rows = replica_rows(cfg, model, inner, precision) if alone else \
-        plan_layouts(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, precision, cfg.plan.achievable)
+        plan_layouts(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size, precision, cfg.plan.achievable,
+                     cfg.optim.name)
     lines = header_lines(cfg, model, cluster, inner, precision, rows) + table_lines(rows[: cfg.plan.top])
     mine, configured = configured_layout_lines(cfg, model, inner, precision, rows)
     lines += configured
@@ -216,7 +217,8 @@ def stage_lines(cfg: DictConfig, model, c: Candidate, precision: str) -> list[st
     stages = stage_memory(model, cfg.data.seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                           c.sequence_parallel, c.recompute, precision, overlap=True, context=c.cp, mode=c.checkpointing,
                           schedule=c.schedule, boundaries=c.boundaries,
-                          microbatches=max(1, planned_batch(cfg) // (c.micro_batch * c.dp)), ep=c.ep)
+                          microbatches=max(1, planned_batch(cfg) // (c.micro_batch * c.dp)), ep=c.ep,
+                          optimizer=cfg.optim.name)
     lines = ["", "per pipeline rank (GB per GPU):", f"{'pp rank':>7} {'stages':>14} {'params':>7} {'grads':>6} "
              f"{'optim':>6} {'activ':>6} {'buf':>5} {'total':>6}"]
     for r, m in enumerate(stages):

@@ -61,10 +61,11 @@ def _newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], st
 
 def muon_group_step(group: dict, state: dict, matrices_of: MatricesOf) -> None:
     """One Muon step of ``group``'s tensors (``torch.optim.Muon``'s single-tensor step, with the orthogonalisation
-    over whole matrices)."""
-    from lightning_mgpu.optim.whole_matrices import Unsplit
+    over whole matrices, assembled for all of the group's tensors at once)."""
+    from lightning_mgpu.optim.whole_matrices import Unsplit, whole_of_many
 
     lr, momentum = group["lr"], group["momentum"]
+    items = []
     for param in group["params"]:
         if param.grad is None:
             continue
@@ -72,10 +73,14 @@ def muon_group_step(group: dict, state: dict, matrices_of: MatricesOf) -> None:
         buffer = kept.setdefault("momentum_buffer", torch.zeros_like(grad, memory_format=torch.preserve_format))
         buffer.lerp_(grad, 1 - momentum)
         update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
-        matrices = matrices_of(param) or Unsplit(param.shape)
-        directions = [orthogonalize(whole, group) for whole in matrices.whole(update)]
+        items.append((param, matrices_of(param) or Unsplit(param.shape), update))
+    directions = [orthogonalize(whole, group) for whole in whole_of_many([(m, u) for _, m, u in items])]
+    used = 0
+    for param, matrices, _ in items:
+        mine, used = directions[used:used + matrices.count], used + matrices.count
         param.mul_(1 - lr * group["weight_decay"])
-        param.add_(matrices.local(directions).reshape(param.shape), alpha=-lr)
+        param.add_(matrices.local(mine).reshape(param.shape), alpha=-lr)
+        kept = state[param]
         kept["step"] = kept.get("step", torch.tensor(0.0)) + 1  # checkpoints read a step count from the state
 
 

@@ -12,7 +12,7 @@ A stack of expert matrices (``[experts, out, in]``) is as many matrices as exper
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,10 +58,12 @@ class TensorParallelShard:
         self.count = self.inner.count
 
     def whole(self, local: torch.Tensor) -> list[torch.Tensor]:
-        shard = local.reshape(self.shard_shape).contiguous()
-        pieces = [torch.empty_like(shard) for _ in range(self.size)]
-        dist.all_gather(pieces, shard, group=self.group)
-        return self.inner.whole(torch.cat(pieces, dim=self.dim).narrow(self.dim, 0, self.full_size))
+        return whole_of_many([(self, local)])
+
+    def assemble(self, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The whole matrices from every rank's shard (flat or shaped), in rank order."""
+        full = torch.cat([s.reshape(self.shard_shape) for s in shards], dim=self.dim)
+        return self.inner.whole(full.narrow(self.dim, 0, self.full_size))
 
     def local(self, wholes: Sequence[torch.Tensor]) -> torch.Tensor:
         full = self.inner.local(wholes)
@@ -73,6 +75,28 @@ class TensorParallelShard:
         return full.chunk(self.size, dim=self.dim)[self.rank]
 
 
+def whole_of_many(items: Sequence[tuple[Matrices, torch.Tensor]]) -> list[torch.Tensor]:
+    """The whole matrices of several local tensors, in order: the tensor-parallel shards of one group gathered in one
+    collective (one per parameter costs a round trip each: 28 for a 4-layer Llama), the rest each as it assembles.
+    Every rank of a group passes the same kinds of items in the same order."""
+    results: list[Optional[list[torch.Tensor]]] = [None] * len(items)
+    by_group: dict[int, list[int]] = {}
+    for i, (matrices, _) in enumerate(items):
+        if isinstance(matrices, TensorParallelShard):
+            by_group.setdefault(id(matrices.group), []).append(i)
+    for indices in by_group.values():
+        first = items[indices[0]][0]
+        flat = torch.cat([items[i][1].reshape(-1) for i in indices])
+        gathered = _gather_flat(flat, first.group, first.size)
+        offset = 0
+        for i in indices:
+            numel = items[i][1].numel()
+            results[i] = items[i][0].assemble([g[offset:offset + numel] for g in gathered])
+            offset += numel
+    return [w for i, (matrices, local) in enumerate(items)
+            for w in (results[i] if results[i] is not None else matrices.whole(local))]
+
+
 def _gather_flat(local: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
     pieces = [torch.empty_like(local) for _ in range(size)]
     dist.all_gather(pieces, local.contiguous(), group=group)
@@ -81,26 +105,31 @@ def _gather_flat(local: torch.Tensor, group: Any, size: int) -> list[torch.Tenso
 
 class FlatPartition:
     """Partition ``rank`` of ``size`` equal partitions of a flat buffer that holds parameters one after another, each
-    at its offset (ZeRO 1-2 and DeepSpeed's bf16 optimizer: ``pieces`` are (offset, matrices of that parameter))."""
+    at its offset (ZeRO 1-2 and DeepSpeed's bf16 optimizer: ``pieces`` are (offset, matrices of that parameter,
+    numel)). Only the parameters that overlap this partition are assembled (about 1 / size of them): a rank needs the
+    whole result of no other, so the matrix work is split over the data-parallel ranks."""
 
     def __init__(self, pieces: Sequence[tuple[int, Matrices, int]], partition_size: int, group: Any, rank: int,
                  size: int) -> None:
-        self.pieces, self.partition_size = list(pieces), partition_size
-        self.group, self.rank, self.size = group, rank, size
-        self.count = sum(m.count for _, m, _ in self.pieces)
+        self.partition_size, self.group, self.rank, self.size = partition_size, group, rank, size
+        self.start, self.end = rank * partition_size, (rank + 1) * partition_size
+        self.mine = [(o, m, n) for o, m, n in pieces if o < self.end and o + n > self.start]
+        self.count = sum(m.count for _, m, _ in self.mine)
 
     def whole(self, local: torch.Tensor) -> list[torch.Tensor]:
+        self._like = local  # the partition's dtype and device, for a partition that overlaps no matrix
         flat = torch.cat(_gather_flat(local, self.group, self.size))
-        return [w for offset, m, numel in self.pieces for w in m.whole(flat[offset:offset + numel])]
+        return whole_of_many([(m, flat[offset:offset + numel]) for offset, m, numel in self.mine])
 
     def local(self, wholes: Sequence[torch.Tensor]) -> torch.Tensor:
-        flat = torch.zeros(self.partition_size * self.size, dtype=wholes[0].dtype if wholes else torch.float32,
-                           device=wholes[0].device if wholes else None)
+        out = self._like.new_zeros(self.partition_size, dtype=torch.float32)
         used = 0
-        for offset, m, numel in self.pieces:
-            flat[offset:offset + numel] = m.local(wholes[used:used + m.count]).reshape(-1)
+        for offset, m, numel in self.mine:
+            piece = m.local(wholes[used:used + m.count]).reshape(-1)
             used += m.count
-        return flat[self.rank * self.partition_size:(self.rank + 1) * self.partition_size]
+            a, b = max(offset, self.start), min(offset + numel, self.end)
+            out[a - self.start:b - self.start] = piece[a - offset:b - offset]
+        return out
 
 
 class PartitionedEach:
@@ -114,11 +143,11 @@ class PartitionedEach:
 
     def whole(self, local: torch.Tensor) -> list[torch.Tensor]:
         ranks = torch.stack(_gather_flat(local, self.group, self.size))  # [size, local numel]
-        out, offset = [], 0
+        items, offset = [], 0
         for partition_numel, numel, m in self.pieces:
-            out += m.whole(ranks[:, offset:offset + partition_numel].reshape(-1)[:numel])
+            items.append((m, ranks[:, offset:offset + partition_numel].reshape(-1)[:numel]))
             offset += partition_numel
-        return out
+        return whole_of_many(items)
 
     def local(self, wholes: Sequence[torch.Tensor]) -> torch.Tensor:
         parts, used = [], 0

@@ -81,7 +81,7 @@ class MemoryEstimate:
 
 
 def model_state_bytes(n_params: int, zero_stage: int, dp: int, precision: str = "bf16-mixed",
-                      pipelined: bool = False, overlap: bool = False) -> dict[str, float]:
+                      pipelined: bool = False, overlap: bool = False, muon: int = 0) -> dict[str, float]:
     """Parameters, gradients, optimizer state and buffers (bytes) for ``n_params`` parameters held by one rank.
 
     ``overlap`` (the engine's default on CUDA, ZeRO 2 and 3 only: ``lightning_mgpu.engine.zero_config``) adds the second
@@ -91,16 +91,18 @@ def model_state_bytes(n_params: int, zero_stage: int, dp: int, precision: str = 
     With pipeline parallelism ZeRO-1 holds what ZeRO-2 holds (measured): the schedule runs inside
     DeepSpeed's coalesced reduction, which reduces every gradient into its partition, frees the rest and keeps
     no bucket.
+
+    ``muon`` of the parameters are Muon's: one fp32 momentum (4 bytes) where Adam keeps two moments (8).
     """
     w = 4 if precision == "32-true" else 2
     partitioned_grads = zero_stage >= 2 or (pipelined and zero_stage == 1)
     master = (0 if w == 4 else 4) if zero_stage == 0 else 4 / dp
-    adam = 8 if zero_stage == 0 else 8 / dp
+    partition = 1 if zero_stage == 0 else dp
     bucket = bucket_elements_for(n_params) * w
     return {
         "parameters": n_params * (w / dp if zero_stage == 3 else w),
         "gradients": n_params * (w / dp if partitioned_grads else w),
-        "optimizer": n_params * (master + adam),
+        "optimizer": n_params * master + ((n_params - muon) * 8 + muon * 4) / partition,
         "buffers": float(bucket if zero_stage == 3 or (zero_stage == 1 and not pipelined) else 0)
                    + float(bucket if overlap and zero_stage >= 2 else 0),
     }
@@ -297,14 +299,16 @@ def document_mask_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, elemen
 
 def rank_model_state_bytes(held: RankParameters, zero_stage: int, data_context: int, ep: int = 1,
                            precision: str = "bf16-mixed", pipelined: bool = False,
-                           overlap: bool = False) -> dict[str, float]:
+                           overlap: bool = False, optimizer: str = "adamw") -> dict[str, float]:
     """:func:`model_state_bytes` of a rank's parameters: the dense ones partitioned over the ``data_context`` ranks
     holding the same weights, the routed experts over the ``data_context / ep`` holding the same experts (the edp
-    group); the buckets, one engine's, sized from all of them."""
-    dense = model_state_bytes(held.dense, zero_stage, data_context, precision, pipelined, overlap)
+    group); the buckets, one engine's, sized from all of them. ``optimizer="muon"``: the matrices keep one momentum."""
+    muon_dense, muon_experts = held.muon() if optimizer == "muon" else (0, 0)
+    dense = model_state_bytes(held.dense, zero_stage, data_context, precision, pipelined, overlap, muon_dense)
     if not held.experts:
         return dense
-    experts = model_state_bytes(held.experts, zero_stage, max(1, data_context // ep), precision, pipelined, overlap)
+    experts = model_state_bytes(held.experts, zero_stage, max(1, data_context // ep), precision, pipelined, overlap,
+                                muon_experts)
     out = {key: dense[key] + experts[key] for key in dense}
     out["buffers"] = model_state_bytes(held.total, zero_stage, data_context, precision, pipelined, overlap)["buffers"]
     return out
@@ -314,14 +318,14 @@ def stage_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, pp: 
                  virtual: int = 1, sequence_parallel: bool = False, recompute: bool = False,
                  precision: str = "bf16-mixed", overlap: bool = False, context: int = 1, mode: str | None = None,
                  schedule: str = "1f1b", boundaries: Optional[Sequence[int]] = None,
-                 microbatches: Optional[int] = None, ep: int = 1) -> list[MemoryEstimate]:
+                 microbatches: Optional[int] = None, ep: int = 1, optimizer: str = "adamw") -> list[MemoryEstimate]:
     """Peak memory per GPU of each pipeline rank: its own parameters' model states and its activations
     (``microbatches``: per step and replica, see :func:`in_flight_chunks`; ``ep``: expert-parallel ranks)."""
     out = []
     for r in range(pp):
         ids = stage_ids(pp, virtual, schedule, r)
         held = rank_parameter_split(cfg, tp, pp, len(ids), r, stage_ids=ids, boundaries=boundaries, ep=ep)
-        states = rank_model_state_bytes(held, zero_stage, dp * context, ep, precision, pp > 1, overlap)
+        states = rank_model_state_bytes(held, zero_stage, dp * context, ep, precision, pp > 1, overlap, optimizer)
         acts = activation_bytes(cfg, seq_len, micro_batch, tp, pp, len(ids), sequence_parallel, recompute, context,
                                 precision, mode, pp_rank=r, schedule=schedule, boundaries=boundaries,
                                 microbatches=microbatches, ep=ep)
@@ -334,10 +338,10 @@ def estimate_memory(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int, p
                     precision: str = "bf16-mixed", overlap: bool = False, context: int = 1,
                     mode: str | None = None, schedule: str = "1f1b",
                     boundaries: Optional[Sequence[int]] = None, microbatches: Optional[int] = None,
-                    ep: int = 1) -> MemoryEstimate:
+                    ep: int = 1, optimizer: str = "adamw") -> MemoryEstimate:
     """Peak memory per GPU of the most loaded pipeline rank (:func:`stage_memory`; ``overlap``: as the engine runs on
     CUDA, see :func:`model_state_bytes`; ``dp`` replicas of ``context`` ranks each, ``ep`` of which split the
     experts)."""
     stages = stage_memory(cfg, seq_len, micro_batch, tp, pp, dp, zero_stage, virtual, sequence_parallel, recompute,
-                          precision, overlap, context, mode, schedule, boundaries, microbatches, ep)
+                          precision, overlap, context, mode, schedule, boundaries, microbatches, ep, optimizer)
     return max(stages, key=lambda m: m.total)

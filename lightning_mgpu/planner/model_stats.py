@@ -36,6 +36,13 @@ class RankParameters:
 
     dense: int
     experts: int = 0
+    #: of ``dense``, the vectors and tables no matrix optimizer steps (embeddings, head, norms, routers): what stays
+    #: on AdamW under Muon (``lightning_mgpu.optim.choice.muon_steps``)
+    vectors_and_tables: int = 0
+
+    def muon(self) -> tuple[int, int]:
+        """(dense, expert) parameters Muon steps: every expert, the dense ones but the vectors and tables."""
+        return self.dense - self.vectors_and_tables, self.experts
 
     @property
     def total(self) -> int:
@@ -65,18 +72,22 @@ def _rank_parameter_split(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: i
     bounds = list(boundaries) if boundaries is not None else balanced_boundaries(cfg.n_layers, stages)
     ids = list(stage_ids) if stage_ids is not None else [pp_rank + k * pp for k in range(stages_per_rank)]
     vocab_rows = _padded(cfg.vocab_size, tp) // tp
-    dense = experts = 0
+    dense = experts = vectors = 0
+    norms = 2 * cfg.dim + (2 * cfg.head_dim if getattr(cfg, "qk_norm", False) else 0)
     for s in ids:
         blocks = bounds[s + 1] - bounds[s]
         moe = moe_layer_count(cfg, range(bounds[s], bounds[s + 1]))
         dense += (blocks - moe) * block_parameters(cfg, tp)
         dense += moe * (_attention_and_norms(cfg, tp) + moe_dense_parameters(cfg, tp))
         experts += moe * routed_parameters(cfg, tp, ep)
+        vectors += blocks * norms + moe * cfg.dim * cfg.num_experts  # norms, router gates
         if s == 0:
             dense += vocab_rows * cfg.dim
+            vectors += vocab_rows * cfg.dim
         if s == stages - 1:
-            dense += cfg.dim + (0 if cfg.tie_embeddings and stages == 1 else vocab_rows * cfg.dim)
-    return RankParameters(dense, experts)
+            head = cfg.dim + (0 if cfg.tie_embeddings and stages == 1 else vocab_rows * cfg.dim)
+            dense, vectors = dense + head, vectors + head
+    return RankParameters(dense, experts, vectors)
 
 
 def rank_parameters(cfg: LlamaConfig, tp: int = 1, pp: int = 1, stages_per_rank: int = 1,

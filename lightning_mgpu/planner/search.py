@@ -106,11 +106,12 @@ def candidates(cfg: LlamaConfig, cluster: ClusterSpec, global_batch: int, seq_le
 
 
 def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int, c: Candidate,
-             precision: str = "bf16-mixed", achievable: Optional[float] = None) -> PlanRow:
+             precision: str = "bf16-mixed", achievable: Optional[float] = None, optimizer: str = "adamw") -> PlanRow:
     memory = estimate_memory(cfg, seq_len, c.micro_batch, c.tp, c.pp, c.dp, c.zero_stage, c.virtual,
                              c.sequence_parallel, c.recompute, precision, overlap=True,  # a plan is for GPUs
                              context=c.cp, mode=c.checkpointing, schedule=c.schedule, boundaries=c.boundaries,
-                             microbatches=max(1, global_batch // (c.micro_batch * c.dp)), ep=c.ep)
+                             microbatches=max(1, global_batch // (c.micro_batch * c.dp)), ep=c.ep,
+                             optimizer=optimizer)
     time = estimate_step_time(cfg, cluster, seq_len, global_batch, c.micro_batch, c.tp, c.pp, c.zero_stage,
                               c.virtual, c.schedule, c.recompute, achievable, context=c.cp, selective=c.selective,
                               ep=c.ep)
@@ -118,8 +119,10 @@ def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch:
 
 
 def plan_layouts(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch: int,
-                 precision: str = "bf16-mixed", achievable: Optional[float] = None) -> list[PlanRow]:
-    """Every candidate, those that fit first, each group fastest first."""
-    rows = [evaluate(cfg, cluster, seq_len, global_batch, c, precision, achievable)
+                 precision: str = "bf16-mixed", achievable: Optional[float] = None,
+                 optimizer: str = "adamw") -> list[PlanRow]:
+    """Every candidate, those that fit first, each group fastest first (``optimizer``: adamw or muon, whose
+    matrices keep one momentum where Adam keeps two moments)."""
+    rows = [evaluate(cfg, cluster, seq_len, global_batch, c, precision, achievable, optimizer)
             for c in candidates(cfg, cluster, global_batch, seq_len, precision)]
     return sorted(rows, key=lambda r: (not r.fits, r.time.total, r.memory.total))

@@ -31,8 +31,13 @@ H100 = GPUS["h100_80gb"]
 
 
 def _counts(module) -> RankParameters:
+    """What the module holds: experts, the rest, and of the rest what Muon leaves to AdamW (by the optimizer's own
+    split rule, applied to the real parameters)."""
+    from lightning_mgpu.optim.choice import muon_steps
+
     experts = sum(p.numel() for layer in moe_layers(module) for p in layer.experts.parameters())
-    return RankParameters(sum(p.numel() for p in module.parameters()) - experts, experts)
+    vectors = sum(p.numel() for n, p in module.named_parameters() if not muon_steps(n, p.shape))
+    return RankParameters(sum(p.numel() for p in module.parameters()) - experts, experts, vectors)
 
 
 def test_parameters_per_rank_split_routed_experts_from_the_rest_per_stage():
@@ -47,7 +52,7 @@ def test_parameters_per_rank_split_routed_experts_from_the_rest_per_stage():
     assert held.dense == rank_parameter_split(MOE, tp=2, ep=1).dense
     dense_model = replace(MOE, num_experts=0, experts_per_token=2, expert_hidden=0, shared_experts=0, dense_layers=0)
     split = rank_parameter_split(dense_model, tp=2, pp=2)
-    assert split == RankParameters(split.dense) and split.experts == 0
+    assert split == RankParameters(split.dense, 0, split.vectors_and_tables) and split.experts == 0
 
 
 def test_flops_count_the_active_parameters_and_recomputation_the_grouped_experts():

@@ -1,0 +1,89 @@
+"""Muon against AdamW side by side, in one run: step time and optimizer-state memory of the same Llama at tensor
+parallel 2 x data parallel 2, ZeRO-1, four CPU processes.
+
+Muon's step (``lightning_mgpu.optim``) gathers each ZeRO partition and each tensor-parallel shard into whole matrices
+and runs the Newton-Schulz iteration there (every rank of a split the same, redundantly); AdamW is elementwise on the
+partition. Each optimizer is timed per step (forward, backward and step) after a warm-up, alternating in rounds so
+that machine noise hits both; the state is what rank 0's optimizer holds (Muon: one momentum per matrix it steps,
+AdamW's two moments for the rest; AdamW: two moments for everything). Prints the medians and their ratio.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+torch.set_num_threads(1)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import lightning as L  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
+from lightning_mgpu.models import LlamaConfig  # noqa: E402
+from lightning_mgpu.testing import run_distributed  # noqa: E402
+from smoke import sized  # noqa: E402
+
+DIM, LAYERS, HEADS, KV, FFN, VOCAB = sized((256, 4, 8, 4, 768, 256), (32, 2, 4, 2, 64, 64))
+SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((128, 8, 12, 3, 2), (16, 4, 3, 1, 1))
+LAYOUT = dict(tensor_parallel_size=2, zero_stage=1)
+
+
+class Timer(L.Callback):
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self._last = None
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        now = time.perf_counter()
+        if self._last is not None:
+            self.times.append(now - self._last)
+        self._last = now
+
+
+class Quiet(LLMModule):
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # no per-step logging: the step alone
+        pass
+
+
+def state_bytes(trainer: L.Trainer) -> int:
+    """Bytes of optimizer state (momenta, moments) this rank holds."""
+    state = trainer.strategy.model.optimizer.optimizer.state
+    return sum(t.numel() * t.element_size() for s in state.values() for k, t in s.items()
+               if torch.is_tensor(t) and k != "step")
+
+
+def timed(rank: int, optimizer: str) -> tuple[list[float], int]:
+    timer = Timer()
+    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=MGPUStrategy(**LAYOUT), max_steps=STEPS + 1,
+                        gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
+    module = Quiet(LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV, ffn_hidden=FFN,
+                               vocab_size=VOCAB, max_seq_len=SEQ + 1), lr=1e-3, warmup_steps=1, optimizer=optimizer)
+    tokens = torch.randint(0, VOCAB, (BATCH * 2 * (STEPS + 1), SEQ + 1), generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, train_dataloaders=DataLoader(tokens, batch_size=BATCH))
+    return timer.times[WARMUP:], state_bytes(trainer)
+
+
+def main() -> None:
+    times: dict[str, list[float]] = {"adamw": [], "muon": []}
+    state: dict[str, int] = {}
+    for _ in range(ROUNDS):
+        for name in times:
+            steps, state[name] = run_distributed(timed, 4, name)[0]
+            times[name] += steps
+    adamw, muon = (statistics.median(times[k]) for k in ("adamw", "muon"))
+    print(f"median step on 4 CPU processes, tp2 x dp2, ZeRO-1, {DIM}-wide {LAYERS}-layer Llama: AdamW "
+          f"{adamw * 1e3:.1f} ms, Muon {muon * 1e3:.1f} ms")
+    print(f"optimizer state on rank 0: AdamW {state['adamw'] / 1e6:.3f} MB, Muon {state['muon'] / 1e6:.3f} MB")
+    print(f"ratio Muon / AdamW: {muon / adamw:.3f} (goal <= 1.2)")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()
