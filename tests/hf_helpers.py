@@ -43,12 +43,24 @@ def token_ids(samples: int = SAMPLES, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (samples, seq), generator=torch.Generator().manual_seed(3))
 
 
+def make_optimizer(model: torch.nn.Module, name: str = "adamw") -> torch.optim.Optimizer:
+    """torch's AdamW, or Muon for the blocks' matrices with AdamW for the rest (the package's rule, fp32
+    Newton-Schulz so that layouts compare tightly)."""
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    from lightning_mgpu.optim.choice import build_optimizer
+
+    return build_optimizer(model.named_parameters(), parameter_shape, name, LR, 0.0, (0.9, 0.999), 1e-8,
+                           muon_ns_dtype="float32")
+
+
 class CausalLM(L.LightningModule):
     """What a user writes around a ``transformers`` model: nothing about parallelism."""
 
-    def __init__(self, family: str, n_layers: int = 2, tied: bool = False) -> None:
+    def __init__(self, family: str, n_layers: int = 2, tied: bool = False, optimizer: str = "adamw") -> None:
         super().__init__()
         self.llm = tiny_model(family, n_layers, tied)
+        self.optimizer_name = optimizer
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.llm(input_ids=batch, labels=batch).loss
@@ -57,7 +69,7 @@ class CausalLM(L.LightningModule):
         self.log("val_loss", self.llm(input_ids=batch, labels=batch).loss, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+        return make_optimizer(self, self.optimizer_name)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(token_ids(), batch_size=MICRO)
@@ -81,7 +93,8 @@ class Seen(L.Callback):
 
 
 def fit_hf(rank: int, family: str, devices: int, steps: int = 3, n_layers: int = 2, validate: bool = False,
-           ckpt_path: Optional[str] = None, save_to: Optional[str] = None, **strategy_kwargs: Any) -> dict:
+           ckpt_path: Optional[str] = None, save_to: Optional[str] = None, optimizer: str = "adamw",
+           **strategy_kwargs: Any) -> dict:
     """One ``Trainer.fit`` of :class:`CausalLM` on this rank (from ``ckpt_path``; saved to ``save_to`` at the end);
     what it saw, the local shard sizes and the layout."""
     seen = Seen()
@@ -90,7 +103,7 @@ def fit_hf(rank: int, family: str, devices: int, steps: int = 3, n_layers: int =
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[seen],
                         limit_val_batches=1 if validate else 0, val_check_interval=steps if validate else None,
                         check_val_every_n_epoch=None if validate else 1)
-    module = CausalLM(family, n_layers)
+    module = CausalLM(family, n_layers, optimizer=optimizer)
     trainer.fit(module, ckpt_path=ckpt_path)
     if save_to:
         trainer.save_checkpoint(save_to)
@@ -111,11 +124,11 @@ def global_batches(results: list[dict]) -> list[torch.Tensor]:
 
 
 def single_process(family: str, batches: list[torch.Tensor], n_layers: int = 2,
-                   validation: Optional[torch.Tensor] = None) -> dict:
+                   validation: Optional[torch.Tensor] = None, optimizer: str = "adamw") -> dict:
     """The same training written as a plain loop over the global batches: the model's own loss, the global grad norm
-    before clipping at ``CLIP``, torch's AdamW."""
+    before clipping at ``CLIP``, torch's AdamW (or :func:`make_optimizer`'s Muon)."""
     model = tiny_model(family, n_layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    optimizer = make_optimizer(model, optimizer)
     losses, norms = [], []
     for batch in batches:
         loss = model(input_ids=batch, labels=batch).loss

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import GLOBAL_BATCH, OPTIM, TINY, assert_parity, fit, reference
+from hf_helpers import fit_hf, global_batches, single_process
 from moe_helpers import TINY_MOE, moe_reference
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -72,6 +73,15 @@ def test_stacked_experts_are_orthogonalised_one_matrix_each(token_file):
 
     ref = moe_reference(token_file, 3, optim=MUON)
     assert_parity(run_distributed(run, 2), ref, tol=2e-6)
+
+
+def test_a_hugging_face_model_as_it_is_with_muon():
+    """A ``transformers`` Llama in a plain LightningModule, its plan from its own config, Muon on its blocks'
+    matrices: tp2 x dp1 at ZeRO-1 against a plain loop of the same optimizer over the same batches."""
+    results = run_distributed(fit_hf, 2, "llama", 2, steps=3, optimizer="muon", tensor_parallel_size=2,
+                              zero_stage=1)
+    want = single_process("llama", global_batches(results), optimizer="muon")
+    assert_parity(results, want, tol=2e-6)
 
 
 class Net(L.LightningModule):
