@@ -8,7 +8,8 @@ What it runs, each as its own process (a failure of one does not hide the others
 * ``gpu_llama_mfu.py``: bf16-mixed MFU of llama3_1b, against the bf16 matmul peak measured in the same run;
 * ``gpu_planner_check.py``: the planner's peak memory and step time against measurement, with no, selective and
   full recomputation;
-* ``compile_blocks.py --cuda``: compile's speed-up of the blocks.
+* ``compile_blocks.py --cuda``: compile's speed-up of the blocks;
+* ``gpu_fp8.py``: fp8 (rowwise, tensorwise) step time and tokens/s against bf16, side by side.
 
 Without CUDA it refuses (exit status 2) naming what is missing. ``--smoke`` runs every check but the CUDA tests in its
 smoke mode, in this process (the CPU without a GPU): the table then shows that the check runs, not what the GPU does.
@@ -71,11 +72,15 @@ def checks() -> list[Check]:
                    "each 0.75-1.33 (the calibration's +-25%)", _each(lambda x: 0.75 <= x <= 1.33))
     compiled = Reading("compile's speed-up of the blocks (none, selective, full)", _found(r" ([\d.]+)$", re.M),
                        "each >= 1.0", _each(lambda x: x >= 1.0))
+    fp8 = Reading("fp8 rowwise tokens/s over bf16 on one GPU (llama3_1b, eager)",
+                  _found(r"fp8 rowwise speed-up over bf16: ([+-]\d+\.\d)%"),
+                  "+10-25 % at 1B-8B (torchao, compiled); > 0 to pass", _each(lambda x: x > 0))
     cuda_tests = None if SMOKE else python + ["-m", "pytest", "-q", "-m", "gpu", str(HERE.parent / "tests" / "gpu")]
     return [Check(cuda_tests, [tests]),
             Check(python + [str(HERE / "gpu_llama_mfu.py"), *smoke], [mfu]),
             Check(python + [str(HERE / "gpu_planner_check.py"), *smoke], [memory, step]),
-            Check(python + [str(HERE / "compile_blocks.py"), *(smoke or ["--cuda"])], [compiled])]
+            Check(python + [str(HERE / "compile_blocks.py"), *(smoke or ["--cuda"])], [compiled]),
+            Check(python + [str(HERE / "gpu_fp8.py"), *smoke], [fp8])]
 
 
 def in_this_process(command: list[str]) -> subprocess.CompletedProcess:

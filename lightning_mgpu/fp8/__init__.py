@@ -8,6 +8,24 @@ scale that spans a split of the parallel layout reduced over it (the same number
 ``MGPUPrecision(..., fp8="rowwise")`` turns it on (``lightning_mgpu.precision``).
 """
 
+import logging
+
+#: (logger, start of a message it logs while torchao is imported, why it is harmless here)
+_IMPORT_NOISE = (
+    ("torchao", "Failed to load", "torchao's wheel carries CUDA extension libraries (mxfp8, CUTLASS kernels) built for "
+     "another Python or for CUDA; the float8 training path used here calls none of them"),
+    ("torch.utils._pytree", "<enum 'KernelPreference'>", "torchao registers one of its enums the way torch 2.13 "
+     "deprecates; it changes nothing at run time"),
+)
+
+
+def _not_import_noise(record: logging.LogRecord) -> bool:
+    return not any(record.name == name and record.getMessage().startswith(start) for name, start, _ in _IMPORT_NOISE)
+
+
+for _name, _start, _why in _IMPORT_NOISE:
+    logging.getLogger(_name).addFilter(_not_import_noise)
+
 from lightning_mgpu.fp8.convert import Fp8Linear, convert_to_fp8, kernel_size_problems, local_sizes
 from lightning_mgpu.fp8.scaling import Fp8Spec, Splits, fp8_linear
 

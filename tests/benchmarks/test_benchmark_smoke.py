@@ -63,10 +63,11 @@ FIGURES = {
     # on CPU the planner's GPU step time over the measured CPU one prints as 0.00: not bounded here
     "gpu_check.py": [(r"\| bf16 MFU of \S+ on one GPU \| (\d+\.\d) \|", 0.0, 100.0),
                      (rf"peak memory \(none, selective, full\) \| {_N}, {_N}, {_N} \|", 0.0, 100.0),
-                     (rf"speed-up of the blocks .* \| {_N} \|", 0.0, 100.0)],
+                     (rf"speed-up of the blocks .* \| {_N} \|", 0.0, 100.0),
+                     (r"fp8 rowwise tokens/s over bf16 .* \| ([+-]\d+\.\d) \|", -100.0, 1e4)],
 }
 #: run by gpu_check.py (its smoke table shows each ran), or not a benchmark
-COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "smoke.py"}
+COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "gpu_fp8.py", "smoke.py"}
 
 
 def test_every_benchmark_has_a_smoke_run():
