@@ -99,3 +99,34 @@ def test_fp8_setting_refuses_unknown_recipes_with_the_other_problems():
     assert "precision='64-true' is not supported" in message
     assert "fp8='fp4' is not one of torchao's float8 training recipes; choose 'rowwise' or 'tensorwise', or leave it " \
         "unset (off)" in message
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_a_hugging_face_model_as_it_is_equals_torchaos_conversion(family):
+    """A ``transformers`` model converts as torchao converts it, layer for layer (every ``nn.Linear``: Qwen2's carry
+    biases), to the same loss and gradients. Qwen3-MoE's router and fused experts are modules of its own, not
+    ``nn.Linear``: they stay in high precision under either."""
+    import copy
+
+    from torchao.float8.config import Float8LinearConfig
+    from torchao.float8.float8_linear_utils import convert_to_float8_training
+
+    from hf_helpers import tiny_model, token_ids
+    from lightning_mgpu.fp8 import convert_to_fp8
+
+    ours = tiny_model(family)
+    theirs = copy.deepcopy(ours)
+    linears = sorted(name for name, m in ours.named_modules() if type(m) is nn.Linear)
+    assert sorted(convert_to_fp8(ours, "rowwise")) == linears and linears
+    assert not any(name.endswith((".mlp.gate", ".mlp.experts")) for name in linears)
+    convert_to_float8_training(theirs, config=dataclasses.replace(Float8LinearConfig.from_recipe_name("rowwise"),
+                                                                  emulate=True))
+    ids = token_ids(4)
+    results = []
+    for model in (ours, theirs):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    assert torch.equal(results[0][0], results[1][0])
+    assert results[0][1].keys() == results[1][1].keys()
+    assert all(torch.allclose(results[0][1][n], results[1][1][n], atol=1e-7) for n in results[0][1])
