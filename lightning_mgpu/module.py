@@ -89,7 +89,7 @@ class LLMModule(L.LightningModule):
                  lr_scaling: Optional[Literal["linear", "sqrt"]] = None, reference_batch_size: Optional[int] = None,
                  global_batch_size: Optional[int] = None, init_seed: int = 0,
                  init_from: Optional[str] = None, optimizer: Literal["adamw", "muon"] = "adamw",
-                 muon_momentum: float = 0.95, muon_ns_dtype: Literal["bfloat16", "float32"] = "bfloat16") -> None:
+                 muon_momentum: float = 0.95, muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto") -> None:
         super().__init__()
         if isinstance(model, str):
             model = LlamaConfig.from_name(model)
@@ -325,7 +325,7 @@ class LLMModule(L.LightningModule):
         hp = self.hparams
         optimizer = build_optimizer(self.model.named_parameters(), parameter_shape, hp.get("optimizer", "adamw"),
                                     self.peak_lr, hp.weight_decay, tuple(hp.betas), hp.eps, hp.get("muon_momentum", 0.95),
-                                    hp.get("muon_ns_dtype", "bfloat16"), fused=True)
+                                    hp.get("muon_ns_dtype", "auto"), fused=True)
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_multiplier(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

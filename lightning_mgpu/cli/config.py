@@ -229,8 +229,8 @@ class OptimConfig:
     #: adamw | muon (Muon for the blocks' weight matrices, AdamW for embeddings, norms, head and routers; optim=muon)
     name: str = "adamw"
     muon_momentum: float = 0.95
-    #: bfloat16 (torch.optim.Muon's) | float32: the dtype of Muon's Newton-Schulz iteration
-    muon_ns_dtype: str = "bfloat16"
+    #: auto (bfloat16 on GPUs, float32 on CPUs) | bfloat16 (torch.optim.Muon's) | float32: Newton-Schulz's dtype
+    muon_ns_dtype: str = "auto"
 
 
 @dataclass

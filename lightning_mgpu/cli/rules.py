@@ -145,7 +145,7 @@ def optim_problems(cfg: DictConfig) -> list[str]:
     if o.name not in OPTIMIZERS:
         out.append(f"optim.name={o.name!r} is unknown; choose {' or '.join(OPTIMIZERS)} (optim=muon selects Muon)")
     if o.muon_ns_dtype not in NS_DTYPES:
-        out.append(f"optim.muon_ns_dtype={o.muon_ns_dtype!r} is unknown; choose {' or '.join(NS_DTYPES)}")
+        out.append(f"optim.muon_ns_dtype={o.muon_ns_dtype!r} is unknown; choose {', '.join(NS_DTYPES)}")
     if not 0.0 <= o.muon_momentum < 1.0:
         out.append(f"optim.muon_momentum={o.muon_momentum} must be in [0, 1), e.g. 0.95")
     if o.name == "muon" and cfg.parallel.offload_optimizer is not None:

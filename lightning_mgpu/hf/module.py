@@ -48,7 +48,7 @@ class HFCausalLM(L.LightningModule):
     def __init__(self, path: str, lr: float = 3e-4, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, warmup_steps: int = 10, max_steps: int = 1000, min_lr_ratio: float = 0.1,
                  activation_checkpointing: str = "none", optimizer: str = "adamw", muon_momentum: float = 0.95,
-                 muon_ns_dtype: str = "bfloat16") -> None:
+                 muon_ns_dtype: str = "auto") -> None:
         super().__init__()
         self.save_hyperparameters()
         self.llm: Optional[torch.nn.Module] = None
@@ -111,7 +111,7 @@ class HFCausalLM(L.LightningModule):
         hp = self.hparams
         optimizer = build_optimizer(self.llm.named_parameters(), parameter_shape, hp.get("optimizer", "adamw"), hp.lr,
                                     hp.weight_decay, tuple(hp.betas), hp.eps, hp.get("muon_momentum", 0.95),
-                                    hp.get("muon_ns_dtype", "bfloat16"))
+                                    hp.get("muon_ns_dtype", "auto"))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda step: lr_multiplier(step, hp.warmup_steps, hp.max_steps, hp.min_lr_ratio))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -11,8 +11,9 @@ from lightning_mgpu.optim.muon import MuonWithAdamW
 
 #: ``optim.name`` values.
 OPTIMIZERS = ("adamw", "muon")
-#: ``optim.muon_ns_dtype`` values: the dtype of Newton-Schulz (bf16 is torch.optim.Muon's).
-NS_DTYPES = ("bfloat16", "float32")
+#: ``optim.muon_ns_dtype`` values: the dtype of Newton-Schulz (``auto``: bf16, torch.optim.Muon's, on CUDA; fp32 on a
+#: CPU, see :func:`lightning_mgpu.optim.muon.orthogonalize`).
+NS_DTYPES = ("auto", "bfloat16", "float32")
 
 
 def muon_steps(name: str, shape: torch.Size) -> bool:
@@ -25,7 +26,7 @@ def muon_steps(name: str, shape: torch.Size) -> bool:
 
 def build_optimizer(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], shape_of, name: str, lr: float,
                     weight_decay: float, betas: tuple[float, float], eps: float, muon_momentum: float = 0.95,
-                    muon_ns_dtype: str = "bfloat16", fused: bool = False) -> torch.optim.Optimizer:
+                    muon_ns_dtype: str = "auto", fused: bool = False) -> torch.optim.Optimizer:
     """AdamW (weight decay on matrices only), or with ``name="muon"`` :class:`MuonWithAdamW` under Moonshot's LR rule
     (``match_rms_adamw``: Muon's update scaled to AdamW's RMS, so both kinds share one LR and schedule).
     ``shape_of(param)``: its shape as built (a ZeRO-3 partition is flat by then)."""
@@ -40,4 +41,4 @@ def build_optimizer(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], 
         return torch.optim.AdamW(groups, lr=lr, **adamw)
     return MuonWithAdamW([{"params": matrices, "muon": True}, *groups], lr=lr, weight_decay=weight_decay, adamw=adamw,
                          muon={"momentum": muon_momentum, "adjust_lr_fn": "match_rms_adamw",
-                               "ns_dtype": getattr(torch, muon_ns_dtype)})
+                               "ns_dtype": None if muon_ns_dtype == "auto" else getattr(torch, muon_ns_dtype)})
