@@ -18,6 +18,7 @@ from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.optim import bind_whole_matrices, is_matrix_optimizer
+from lightning_mgpu.optim.muon import SharedWork
 from lightning_mgpu.optim.whole_matrices import FlatPartition, Matrices, PartitionedEach, TensorParallelShard, Unsplit
 
 
@@ -82,4 +83,6 @@ def bind_engine_optimizer(optimizer: Optional[torch.optim.Optimizer], ds_optimiz
     tensors = stepped_tensors(ds_optimizer, layout, stage)
     if not tensors:  # fp32 ZeRO-0: the parameters themselves
         tensors = {id(p): parameter_matrices(p, layout) for p in module.parameters()}
-    bind_whole_matrices(optimizer, lambda tensor: tensors.get(id(tensor)))
+    # the ranks of a tensor-parallel group assemble the same whole matrices (one data-parallel coordinate, one stage)
+    share = SharedWork(layout.group("tp"), layout.rank("tp"), layout.size("tp")) if layout.size("tp") > 1 else None
+    bind_whole_matrices(optimizer, lambda tensor: tensors.get(id(tensor)), share)

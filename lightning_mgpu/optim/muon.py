@@ -4,8 +4,11 @@ Muon (momentum, then Newton-Schulz orthogonalisation of each weight matrix, then
 ``torch.optim.Muon``'s arithmetic here, step for step: the momentum and the update are elementwise and run on
 whatever this rank holds (a tensor-parallel shard, a ZeRO partition); only the Newton-Schulz iteration, which a
 shard of a matrix does not commute with, runs on the whole matrix, assembled by the :mod:`whole_matrices` object
-bound to that tensor, and each rank keeps its piece of the result. Every rank of a split computes the same whole
-iteration (redundant work, no second collective); the momentum stays sharded as the layout shards it.
+bound to that tensor, and each rank keeps its piece of the result. Under ZeRO 1-2 a data-parallel rank
+orthogonalises only the matrices that overlap its partition; the ranks of a tensor-parallel group (and of ZeRO-3)
+compute the same whole iteration (redundant work, no second collective). The momentum stays sharded as the layout
+shards it. torch's private ``_zeropower_via_newtonschulz`` and ``_adjust_lr`` are called by name (torch is pinned):
+they make one process of this optimizer and of ``torch.optim.Muon`` compute the same bits.
 
 ``torch.optim.Muon`` itself cannot do this: its step runs on the tensors it is handed (a flat ZeRO partition fails
 its 2-D check, a tensor-parallel shard is orthogonalised on its own, which is another update).
@@ -16,13 +19,24 @@ router), as Muon's authors prescribe, in one optimizer (Lightning drives one und
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 from torch.optim import _muon as torch_muon
 
 #: How a stepped tensor assembles (None: it is a parameter held whole).
 MatricesOf = Callable[[torch.Tensor], Optional[Any]]
+
+
+@dataclass(frozen=True)
+class SharedWork:
+    """Ranks that assemble the same whole matrices (a tensor-parallel group) and split their orthogonalisation."""
+
+    group: Any
+    rank: int
+    size: int
 
 #: Hyperparameters of a Muon group (torch.optim.Muon's names and defaults).
 MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "ns_coefficients": (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B,
@@ -61,7 +75,37 @@ def _newton_schulz(x: torch.Tensor, coefficients: tuple[float, float, float], st
     return x.T if tall else x
 
 
-def muon_group_step(group: dict, state: dict, matrices_of: MatricesOf) -> None:
+def owners(shapes: list[torch.Size], size: int) -> list[int]:
+    """Which of ``size`` ranks orthogonalises each matrix: the costliest first (``min(n, m)^2 max(n, m)`` per
+    iteration), each to the least loaded rank; every rank computes the same answer from the same shapes."""
+    cost = [min(s) ** 2 * max(s) for s in shapes]
+    loads, out = [0] * size, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-cost[i], i)):
+        out[i] = min(range(size), key=lambda r: (loads[r], r))
+        loads[out[i]] += cost[i]
+    return out
+
+
+def orthogonalize_all(wholes: list[torch.Tensor], group: dict, share: Optional[SharedWork]) -> list[torch.Tensor]:
+    """:func:`orthogonalize` of each whole matrix; with ``share``, each rank of it computes its :func:`owners` share
+    and one all-gather hands every rank all results (work split ``size`` ways where it was repeated on each)."""
+    if share is None or share.size == 1 or not wholes:
+        return [orthogonalize(w, group) for w in wholes]
+    owner = owners([w.shape for w in wholes], share.size)
+    lengths = [sum(w.numel() for w, o in zip(wholes, owner) if o == r) for r in range(share.size)]
+    mine = [orthogonalize(w, group).reshape(-1) for w, o in zip(wholes, owner) if o == share.rank]
+    flat = wholes[0].new_zeros(max(lengths), dtype=torch.float32)
+    flat[:lengths[share.rank]] = torch.cat(mine) if mine else flat[:0]
+    gathered = [torch.empty_like(flat) for _ in range(share.size)]
+    dist.all_gather(gathered, flat, group=share.group)
+    offsets, out = [0] * share.size, []
+    for w, o in zip(wholes, owner):
+        out.append(gathered[o][offsets[o]:offsets[o] + w.numel()].view(w.shape))
+        offsets[o] += w.numel()
+    return out
+
+
+def muon_group_step(group: dict, state: dict, matrices_of: MatricesOf, share: Optional[SharedWork] = None) -> None:
     """One Muon step of ``group``'s tensors (``torch.optim.Muon``'s single-tensor step, with the orthogonalisation
     over whole matrices, assembled for all of the group's tensors at once)."""
     from lightning_mgpu.optim.whole_matrices import Unsplit, whole_of_many
@@ -76,7 +120,7 @@ def muon_group_step(group: dict, state: dict, matrices_of: MatricesOf) -> None:
         buffer.lerp_(grad, 1 - momentum)
         update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
         items.append((param, matrices_of(param) or Unsplit(param.shape), update))
-    directions = [orthogonalize(whole, group) for whole in whole_of_many([(m, u) for _, m, u in items])]
+    directions = orthogonalize_all(whole_of_many([(m, u) for _, m, u in items]), group, share)
     used = 0
     for param, matrices, _ in items:
         mine, used = directions[used:used + matrices.count], used + matrices.count
@@ -119,14 +163,16 @@ def is_matrix_optimizer(optimizer: Any) -> bool:
     return isinstance(optimizer, (torch.optim.Muon, MuonWithAdamW))
 
 
-def bind_whole_matrices(optimizer: torch.optim.Optimizer, matrices_of: MatricesOf) -> None:
-    """Make ``optimizer`` orthogonalise whole matrices, each tensor it steps assembled by ``matrices_of``.
+def bind_whole_matrices(optimizer: torch.optim.Optimizer, matrices_of: MatricesOf,
+                        share: Optional[SharedWork] = None) -> None:
+    """Make ``optimizer`` orthogonalise whole matrices, each tensor it steps assembled by ``matrices_of``, the work
+    split over ``share``.
 
     A ``torch.optim.Muon`` keeps its identity (its LR schedulers and Lightning hold it): its step is replaced by the
     whole-matrix one. Its LR schedulers wrapped the old step to record that it ran (``_opt_called``); the new one
     records it too and carries their mark, so they neither warn nor wrap it again."""
     if isinstance(optimizer, MuonWithAdamW):
-        optimizer.matrices_of = matrices_of
+        optimizer.matrices_of, optimizer.share = matrices_of, share
         return
 
     @torch.no_grad()
@@ -137,7 +183,7 @@ def bind_whole_matrices(optimizer: torch.optim.Optimizer, matrices_of: MatricesO
                 loss = closure()
         optimizer._opt_called = True
         for group in optimizer.param_groups:
-            muon_group_step(group, optimizer.state, matrices_of)
+            muon_group_step(group, optimizer.state, matrices_of, share)
         return loss
 
     step._wrapped_by_lr_sched = True
@@ -166,6 +212,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__(groups, {"lr": lr, "weight_decay": weight_decay})
         #: how each stepped tensor assembles into whole matrices (set by the engine; None: held whole)
         self.matrices_of: MatricesOf = lambda tensor: None
+        self.share: Optional[SharedWork] = None  #: ranks that split the orthogonalisation (set by the engine)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable] = None) -> Any:
@@ -175,7 +222,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             if group.get("muon"):
-                muon_group_step(group, self.state, self.matrices_of)
+                muon_group_step(group, self.state, self.matrices_of, self.share)
             else:  # AdamW's own step over this group and this optimizer's state (load_state_dict replaces it)
                 self._adamw.param_groups, self._adamw.state = [group], self.state
                 self._adamw.step()

@@ -55,3 +55,13 @@ def test_a_hugging_face_model_as_it_is(family):
         assert any(".mlp.experts." in n for n in muon)
     else:
         assert {f"model.layers.{i}.mlp.{m}_proj.weight" for i in range(2) for m in ("gate", "up", "down")} <= muon
+
+
+def test_tensor_parallel_ranks_split_the_orthogonalisation_by_cost():
+    """Worked by hand: costs min^2 max = 50.3M, 16.8M, 16.8M, 4.2M; the costliest to rank 0, then each to the least
+    loaded rank (rank 1 stays below 50.3M with all three others)."""
+    from lightning_mgpu.optim.muon import owners
+
+    shapes = [torch.Size(s) for s in [(768, 256), (256, 256), (256, 256), (128, 256)]]
+    assert owners(shapes, 2) == [0, 1, 1, 1]
+    assert owners(shapes, 4) == [0, 1, 2, 3]
