@@ -16,7 +16,8 @@ from lightning_mgpu.split_rules import steps_apart
 SUPPORTED_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true", "16-mixed")
 
 #: fp8 matmul recipes (torchao's names): ``rowwise`` scales each row of an activation and each output feature of a
-#: weight apart (torchtitan's default); ``tensorwise`` one scale per tensor (faster kernels, coarser).
+#: weight apart (torchtitan's default); ``tensorwise`` one scale per tensor (faster kernels, coarser). Scales are
+#: rounded down to powers of two in both (``lightning_mgpu.fp8.scaling``).
 FP8_RECIPES = ("rowwise", "tensorwise")
 
 

@@ -16,6 +16,7 @@ Data and pipeline parallelism split no matrix (each micro-batch is whole on its 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -66,8 +67,12 @@ _CONFIGS: dict[str, Float8LinearConfig] = {}
 
 
 def _configs(recipe: str) -> Float8LinearConfig:
+    """torchao's recipe with every scale rounded down to a power of two (its rowwise recipe does so already): a scale
+    that is not a power of two moves with the last bit of its amax, which a layout's fp32 summation order changes, and
+    fp8's rounding then turns that 1e-7 into whole fp8 steps; a power of two moves only when the amax crosses one."""
     if recipe not in _CONFIGS:
-        _CONFIGS[recipe] = Float8LinearConfig.from_recipe_name(recipe)
+        _CONFIGS[recipe] = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
+                                               round_scales_to_power_of_2=True)
     return _CONFIGS[recipe]
 
 

@@ -21,7 +21,8 @@ def _per_expert_torchao(x, w, counts, go, recipe):
     from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
     from torchao.float8.float8_training_tensor import LinearMMConfig, ScaledMMConfig
 
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=True,
+                                 round_scales_to_power_of_2=True)  # the package's scales, both recipes
     mm = LinearMMConfig(*(ScaledMMConfig(True, g.use_fast_accum, False, False) for g in (
         config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)))
     x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
@@ -130,3 +131,35 @@ def test_a_hugging_face_model_as_it_is_equals_torchaos_conversion(family):
     assert torch.equal(results[0][0], results[1][0])
     assert results[0][1].keys() == results[1][1].keys()
     assert all(torch.allclose(results[0][1][n], results[1][1][n], atol=1e-7) for n in results[0][1])
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_an_experts_token_groups_scale_apart_as_separate_micro_batches(recipe):
+    """Under expert parallelism an expert receives a token group from each rank: the grouped fp8 matmul over both
+    groups equals two calls, one per rank's micro-batch, as one process runs them (outputs row for row, weight
+    gradients summed), also where one group's values are 2**-14 times the other's; scaling the two as one group does
+    not."""
+    from lightning_mgpu.fp8 import Fp8Spec
+    from lightning_mgpu.fp8.grouped import Fp8GroupedMatmul
+
+    torch.manual_seed(0)
+    small = torch.tensor([1.0, 1.0, 1.0, 2.0**-14, 2.0**-14, 2.0**-14, 1.0, 2.0**-14]).unsqueeze(1)
+    x = torch.randn(8, 32) * small  # expert 0: 3 rows from rank 0, 3 from rank 1; expert 1: 1 and 1
+    go, w = torch.randn(8, 16) / small, torch.randn(2, 32, 16)  # small inputs, large gradients: products alike
+    ranks = [[0, 1, 2, 6], [3, 4, 5, 7]]
+
+    def run(rows, groups):
+        xi, wi = x[rows].clone().requires_grad_(), w.clone().requires_grad_()
+        y = Fp8GroupedMatmul.apply(xi, wi, torch.tensor(groups), Fp8Spec(recipe))
+        y.backward(go[rows])
+        return y.detach(), xi.grad, wi.grad
+
+    apart = [run(rows, [[3], [1]]) for rows in ranks]
+    order = [0, 1, 2, 4, 5, 6, 3, 7]  # the two ranks' rows as the expert receives them, expert by expert
+    for groups, equal in (([[3, 3], [1, 1]], True), ([[6], [2]], False)):
+        y, gx, gw = run(list(range(8)), groups)
+        want_y = torch.cat([apart[0][0], apart[1][0]])[order]
+        want_gx = torch.cat([apart[0][1], apart[1][1]])[order]
+        same = [torch.allclose(a, b, rtol=1e-5, atol=0) for a, b in
+                ((y, want_y), (gx, want_gx), (gw, apart[0][2] + apart[1][2]))]
+        assert all(same) if equal else not all(same), (groups, same)
