@@ -84,7 +84,7 @@ def reduced_amax(t: torch.Tensor, granularity: ScalingGranularity, axis: Optiona
 
     Written here rather than through torchao's ``reduce_amax=True``: that takes one device mesh, while a tensorwise
     scale under tensor x context parallelism spans two groups; and it reduces the 0-d amax only."""
-    amax = tensor_to_amax(t, False, None, granularity, axis)
+    amax = tensor_to_amax(t, False, None, granularity, axis).float()  # exact for bf16/fp16; every backend reduces fp32
     spanned = groups if granularity is ScalingGranularity.TENSORWISE else (groups[axis % 2 - 2],)
     for group in spanned:
         if group is not None and dist.get_world_size(group) > 1:
