@@ -17,19 +17,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torchao.float8.config import CastConfig, ScalingGranularity, ScalingType
 from torchao.float8.float8_utils import amax_to_scale, to_fp8_saturated
 
-from lightning_mgpu.fp8.scaling import Fp8Spec, Splits, reduced_amax
+from lightning_mgpu.fp8.scaling import Fp8Spec, Splits, reduce_max, reduced_amax
 from lightning_mgpu.models.moe import GroupedMatmul, grouped_matmul
-
-
-def _reduce(amax: torch.Tensor, groups: tuple[Any, ...]) -> torch.Tensor:
-    for group in groups:
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-    return amax
 
 
 def _round(t: torch.Tensor, amax: torch.Tensor, cast_config: CastConfig, spec: Fp8Spec) -> torch.Tensor:
@@ -46,12 +38,12 @@ def round_rows(t: torch.Tensor, cast_config: CastConfig, spec: Fp8Spec, axis: in
     if cast_config.scaling_type is ScalingType.DISABLED:
         return t.float()
     if cast_config.scaling_granularity is ScalingGranularity.AXISWISE and axis == -1:
-        return _round(t, reduced_amax(t, ScalingGranularity.AXISWISE, -1, groups).float(), cast_config, spec)
+        return _round(t, reduced_amax(t, ScalingGranularity.AXISWISE, -1, groups), cast_config, spec)
     per_feature = t.float().abs().new_zeros(n_groups, t.shape[1]).index_reduce_(0, row_group, t.float().abs(), "amax")
     if cast_config.scaling_granularity is ScalingGranularity.TENSORWISE:
-        amax = _reduce(per_feature.amax(1, keepdim=True), groups)
+        amax = reduce_max(per_feature.amax(1, keepdim=True), groups)
     else:
-        amax = _reduce(per_feature, groups[:1])
+        amax = reduce_max(per_feature, groups[:1])
     return _round(t, amax[row_group], cast_config, spec)
 
 
@@ -62,9 +54,9 @@ def round_weight(w: torch.Tensor, cast_config: CastConfig, spec: Fp8Spec, dim: i
     if cast_config.scaling_type is ScalingType.DISABLED:
         return w.float()
     if cast_config.scaling_granularity is ScalingGranularity.TENSORWISE:
-        amax = _reduce(w.float().abs().amax(dim=(1, 2), keepdim=True), groups)
+        amax = reduce_max(w.float().abs().amax(dim=(1, 2), keepdim=True), groups)
     else:
-        amax = _reduce(w.float().abs().amax(dim=dim, keepdim=True), (groups[dim - 1],))
+        amax = reduce_max(w.float().abs().amax(dim=dim, keepdim=True), (groups[dim - 1],))
     return _round(w, amax, cast_config, spec)
 
 

@@ -78,15 +78,19 @@ def _configs(recipe: str) -> Float8LinearConfig:
 
 def reduced_amax(t: torch.Tensor, granularity: ScalingGranularity, axis: Optional[int],
                  groups: tuple[Any, Any]) -> torch.Tensor:
-    """torchao's amax of ``t`` (2-D, or 3-D for a stacked tensor whose leading dim is never split), reduced by MAX
-    over the groups of the dimensions the scale spans: ``groups`` splits dims ``(-2, -1)``; an ``axis`` scale spans
-    that dim only, a tensorwise one both.
+    """torchao's amax of ``t`` (2-D), reduced by MAX over the groups of the dimensions the scale spans: ``groups``
+    split dims ``(0, 1)``; an ``axis`` scale spans that dim only, a tensorwise one both.
 
-    Written here rather than through torchao's ``reduce_amax=True``: that takes one device mesh, while a tensorwise
-    scale under tensor x context parallelism spans two groups; and it reduces the 0-d amax only."""
+    Written here rather than through torchao's ``reduce_amax=True``, which takes one device mesh: a tensorwise scale
+    under tensor x context parallelism spans two groups."""
     amax = tensor_to_amax(t, False, None, granularity, axis).float()  # exact for bf16/fp16; every backend reduces fp32
-    spanned = groups if granularity is ScalingGranularity.TENSORWISE else (groups[axis % 2 - 2],)
-    for group in spanned:
+    return reduce_max(amax, groups if granularity is ScalingGranularity.TENSORWISE else (groups[axis % 2 - 2],))
+
+
+def reduce_max(amax: torch.Tensor, groups: tuple[Any, ...]) -> torch.Tensor:
+    """``amax`` (fp32) made its MAX over each group that is set and has more than one rank, in place: the amax of the
+    whole matrix, on every rank of the split."""
+    for group in groups:
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
     return amax
