@@ -20,6 +20,7 @@ import torch
 
 torch.set_num_threads(1)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the parity check's reference and data
 
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
@@ -27,11 +28,13 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
-from smoke import sized  # noqa: E402
+from smoke import SMOKE, sized  # noqa: E402
 
 DIM, LAYERS, HEADS, KV, FFN, VOCAB = sized((256, 4, 8, 4, 768, 256), (32, 2, 4, 2, 64, 64))
 SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((128, 8, 12, 3, 2), (16, 4, 3, 1, 1))
 LAYOUT = dict(tensor_parallel_size=2, zero_stage=1)
+PARITY_LAYOUT = dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)
+PARITY_STEPS = 10
 
 
 class Timer(L.Callback):
@@ -70,6 +73,29 @@ def timed(rank: int, optimizer: str) -> tuple[list[float], int]:
     return timer.times[WARMUP:], state_bytes(trainer)
 
 
+def parity_rank(rank: int, token_file: Path) -> dict:
+    from helpers import GLOBAL_BATCH, OPTIM, TINY, fit
+
+    module = LLMModule(TINY, **dict(OPTIM, optimizer="muon"), global_batch_size=GLOBAL_BATCH)
+    return fit(rank, token_file, 8, max_steps=PARITY_STEPS, module=module, **PARITY_LAYOUT)
+
+
+def parity() -> None:
+    """The layout the suite leaves out (8 processes): Muon at tp2 x pp2 x dp2 against one process, 10 steps."""
+    import tempfile
+
+    from helpers import OPTIM, make_token_file, max_abs_diff, reference
+
+    with tempfile.TemporaryDirectory() as directory:
+        token_file = make_token_file(Path(directory))
+        want = reference(token_file, steps=PARITY_STEPS, optim=dict(OPTIM, optimizer="muon"))
+        got = run_distributed(parity_rank, 8, token_file)
+    losses = max(max_abs_diff(r["losses"], want["losses"]) for r in got)
+    norms = max(max_abs_diff(r["grad_norms"], want["grad_norms"]) for r in got)
+    print(f"tp2 x pp2 x dp2 ZeRO-1 against one process over {PARITY_STEPS} steps: loss {losses:.1e}, "
+          f"grad norm {norms:.1e}")
+
+
 def main() -> None:
     times: dict[str, list[float]] = {"adamw": [], "muon": []}
     state: dict[str, int] = {}
@@ -82,6 +108,8 @@ def main() -> None:
           f"{adamw * 1e3:.1f} ms, Muon {muon * 1e3:.1f} ms")
     print(f"optimizer state on rank 0: AdamW {state['adamw'] / 1e6:.3f} MB, Muon {state['muon'] / 1e6:.3f} MB")
     print(f"ratio Muon / AdamW: {muon / adamw:.3f} (goal <= 1.2)")
+    if not SMOKE:
+        parity()
 
 
 if __name__ == "__main__":
