@@ -5,9 +5,9 @@ Muon (momentum, then Newton-Schulz orthogonalisation of each weight matrix, then
 whatever this rank holds (a tensor-parallel shard, a ZeRO partition); only the Newton-Schulz iteration, which a
 shard of a matrix does not commute with, runs on the whole matrix, assembled by the :mod:`whole_matrices` object
 bound to that tensor, and each rank keeps its piece of the result. Under ZeRO 1-2 a data-parallel rank
-orthogonalises only the matrices that overlap its partition; the ranks of a tensor-parallel group (and of ZeRO-3)
-compute the same whole iteration (redundant work, no second collective). The momentum stays sharded as the layout
-shards it. torch's private ``_zeropower_via_newtonschulz`` and ``_adjust_lr`` are called by name (torch is pinned):
+orthogonalises only the matrices that overlap its partition; the ranks of a tensor-parallel group, which assemble the
+same matrices, split the iterations between them (:func:`orthogonalize_all`); under ZeRO-3 every data-parallel rank
+repeats its sub-group's. The momentum stays sharded as the layout shards it. torch's private ``_zeropower_via_newtonschulz`` and ``_adjust_lr`` are called by name (torch is pinned):
 they make one process of this optimizer and of ``torch.optim.Muon`` compute the same bits.
 
 ``torch.optim.Muon`` itself cannot do this: its step runs on the tensors it is handed (a flat ZeRO partition fails
@@ -37,6 +37,7 @@ class SharedWork:
     group: Any
     rank: int
     size: int
+
 
 #: Hyperparameters of a Muon group (torch.optim.Muon's names and defaults).
 MUON_DEFAULTS = {"momentum": 0.95, "nesterov": True, "ns_coefficients": (torch_muon.DEFAULT_A, torch_muon.DEFAULT_B,
