@@ -32,12 +32,23 @@ LAYOUTS = [("tp2", TINY, "rowwise", dict(tensor_parallel_size=2)),
            ("ep2", TINY_MOE, "rowwise", dict(expert_parallel_size=2)),
            ("tp2_tensorwise", DEEP, "tensorwise", dict(tensor_parallel_size=2)),
            ("cp2_tensorwise", TINY, "tensorwise", dict(context_parallel_size=2)),
-           ("ep2_tensorwise", TINY_MOE, "tensorwise", dict(expert_parallel_size=2))]
+           ("ep2_tensorwise", TINY_MOE, "tensorwise", dict(expert_parallel_size=2)),
+           # every rank holds every expert; each expert's scales spanning tokens are reduced over the sequence's halves
+           ("moe_cp2_tensorwise", TINY_MOE, "tensorwise", dict(context_parallel_size=2))]
+
+
+def _split_sizes(splits) -> tuple[int, int, int]:
+    """(ranks splitting input features, output features, tokens) of an fp8 layer's ``Splits``."""
+    import torch.distributed as dist
+
+    return tuple(1 if g is None else dist.get_world_size(g) for g in (splits.in_features, splits.out_features,
+                                                                       splits.tokens))
 
 
 class Fp8Layers(L.Callback):
-    """What computes in fp8 on this rank: the number of layers converted, and the linear layers left in high
-    precision (only the router's gate may be)."""
+    """What computes in fp8 on this rank: the number of layers converted, the linear layers left in high precision
+    (only the router's gate may be), and over how many ranks each layer's scales are reduced (``splits``: layer name
+    -> sizes of its input-feature, output-feature and token splits; an expert weight as ``<layer>.w1`` ...)."""
 
     def __init__(self) -> None:
         self.out: dict = {}
@@ -48,15 +59,22 @@ class Fp8Layers(L.Callback):
         from lightning_mgpu.models.moe import GroupedExperts
         from lightning_mgpu.parallel.tensor import ColumnParallelLinear, RowParallelLinear, VocabParallelOutput
 
-        converted, plain = 0, []
+        converted, plain, splits = 0, [], {}
         for name, m in trainer.strategy.model.module.named_modules():
-            fp8 = isinstance(m, Fp8Linear) or isinstance(getattr(m, "matmul", None), Fp8Grouped) or \
-                getattr(getattr(m, "linear", None), "func", None) is not None
-            converted += fp8
-            if not fp8 and (type(m) is torch.nn.Linear or isinstance(m, (
-                    GroupedExperts, ColumnParallelLinear, RowParallelLinear, VocabParallelOutput))):
+            if isinstance(m, Fp8Linear):
+                splits[name] = _split_sizes(m.fp8.splits)
+            elif isinstance(getattr(m, "matmul", None), Fp8Grouped):
+                splits.update({f"{name}.{w}": _split_sizes(spec.splits) for w, spec in m.matmul.specs.items()})
+            elif getattr(getattr(m, "linear", None), "func", None) is not None:
+                splits[name] = _split_sizes(m.linear.keywords["spec"].splits)
+            elif type(m) is torch.nn.Linear or isinstance(m, (
+                    GroupedExperts, ColumnParallelLinear, RowParallelLinear, VocabParallelOutput)):
                 plain.append(f"{name}:{type(m).__name__}")
-        self.out = {"converted": converted, "plain": plain}
+                continue
+            else:
+                continue
+            converted += 1
+        self.out = {"converted": converted, "plain": plain, "splits": splits}
 
 
 def fit_fp8(rank, token_file, devices, model, recipe, max_steps=STEPS, **kw):
@@ -143,9 +161,13 @@ def test_fp8_on_every_layout_equals_one_process(token_file, references):
     for name, model, recipe, kw in LAYOUTS:
         # a recomputed model is compared with TINY's run: recomputation changes no number
         ref = references[{id(TINY_MOE): f"moe_{recipe}", id(DEEP): f"deep_{recipe}"}.get(id(model), recipe)]
+        T, C = kw.get("tensor_parallel_size", 1), kw.get("context_parallel_size", 1)
         for rank_results in results:
             r = rank_results[name]
             assert r["converted"] > 0 and r["plain"] == [], (name, r["converted"], r["plain"])
+            for layer, sizes in r["splits"].items():  # row-parallel: wo, w2; every other one column-parallel
+                rows = layer.endswith((".wo", ".w2"))
+                assert sizes == ((T, 1, C) if rows else (1, T, C)), (name, layer, sizes)
         try:
             assert_parity([r[name] for r in results], ref)
         except AssertionError as err:
