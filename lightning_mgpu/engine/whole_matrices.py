@@ -18,8 +18,8 @@ from torch import nn
 
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.optim import bind_whole_matrices, is_matrix_optimizer
-from lightning_mgpu.optim.muon import SharedWork
-from lightning_mgpu.optim.whole_matrices import FlatPartition, Matrices, PartitionedEach, TensorParallelShard, Unsplit
+from lightning_mgpu.optim.whole_matrices import (FlatPartition, Matrices, PartitionedEach, SharedWork,
+                                                 TensorParallelShard, Unsplit)
 
 
 def parameter_matrices(param: nn.Parameter, layout: ParallelLayout) -> Matrices:

@@ -6,8 +6,8 @@ whatever this rank holds (a tensor-parallel shard, a ZeRO partition); only the N
 shard of a matrix does not commute with, runs on the whole matrix, assembled by the :mod:`whole_matrices` object
 bound to that tensor, and each rank keeps its piece of the result. Under ZeRO 1-2 a data-parallel rank
 orthogonalises only the matrices that overlap its partition; the ranks of a tensor-parallel group, which assemble the
-same matrices, split the iterations between them (:func:`orthogonalize_all`); under ZeRO-3 every data-parallel rank
-repeats its sub-group's. The momentum stays sharded as the layout shards it. torch's private ``_zeropower_via_newtonschulz`` and ``_adjust_lr`` are called by name (torch is pinned):
+same matrices, split the iterations between them (:func:`orthogonalize_all`), and so do the data-parallel ranks of a
+ZeRO-3 sub-group. The momentum stays sharded as the layout shards it. torch's private ``_zeropower_via_newtonschulz`` and ``_adjust_lr`` are called by name (torch is pinned):
 they make one process of this optimizer and of ``torch.optim.Muon`` compute the same bits.
 
 ``torch.optim.Muon`` itself cannot do this: its step runs on the tensors it is handed (a flat ZeRO partition fails
@@ -19,24 +19,16 @@ router), as Muon's authors prescribe, in one optimizer (Lightning drives one und
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.optim import _muon as torch_muon
 
+from lightning_mgpu.optim.whole_matrices import SharedWork, Unsplit, whole_of_many
+
 #: How a stepped tensor assembles (None: it is a parameter held whole).
 MatricesOf = Callable[[torch.Tensor], Optional[Any]]
-
-
-@dataclass(frozen=True)
-class SharedWork:
-    """Ranks that assemble the same whole matrices (a tensor-parallel group) and split their orthogonalisation."""
-
-    group: Any
-    rank: int
-    size: int
 
 
 #: Hyperparameters of a Muon group (torch.optim.Muon's names and defaults).
@@ -87,16 +79,21 @@ def owners(shapes: list[torch.Size], size: int) -> list[int]:
     return out
 
 
-def orthogonalize_all(wholes: list[torch.Tensor], group: dict, share: Optional[SharedWork]) -> list[torch.Tensor]:
-    """:func:`orthogonalize` of each whole matrix; with ``share``, each rank of it computes its :func:`owners` share
-    and one all-gather hands every rank all results (work split ``size`` ways where it was repeated on each)."""
-    if share is None or share.size == 1 or not wholes:
+def orthogonalize_all(wholes: list[torch.Tensor], group: dict, shares: Sequence[SharedWork] = ()
+                      ) -> list[torch.Tensor]:
+    """:func:`orthogonalize` of each whole matrix. With ``shares`` (nested groups of ranks that assemble the same
+    matrices: a ZeRO-3 data-parallel group, then a tensor-parallel group), each rank of the first computes its
+    :func:`owners` share, split further over the rest, and one all-gather per group hands every rank all results:
+    the work is divided by the groups' sizes where it was repeated on each rank."""
+    shares = [s for s in shares if s is not None and s.size > 1]
+    if not shares or not wholes:
         return [orthogonalize(w, group) for w in wholes]
+    share = shares[0]
     owner = owners([w.shape for w in wholes], share.size)
     lengths = [sum(w.numel() for w, o in zip(wholes, owner) if o == r) for r in range(share.size)]
-    mine = [orthogonalize(w, group).reshape(-1) for w, o in zip(wholes, owner) if o == share.rank]
+    mine = orthogonalize_all([w for w, o in zip(wholes, owner) if o == share.rank], group, shares[1:])
     flat = wholes[0].new_zeros(max(lengths), dtype=torch.float32)
-    flat[:lengths[share.rank]] = torch.cat(mine) if mine else flat[:0]
+    flat[:lengths[share.rank]] = torch.cat([m.reshape(-1) for m in mine]) if mine else flat[:0]
     gathered = [torch.empty_like(flat) for _ in range(share.size)]
     dist.all_gather(gathered, flat, group=share.group)
     offsets, out = [0] * share.size, []
@@ -109,8 +106,6 @@ def orthogonalize_all(wholes: list[torch.Tensor], group: dict, share: Optional[S
 def muon_group_step(group: dict, state: dict, matrices_of: MatricesOf, share: Optional[SharedWork] = None) -> None:
     """One Muon step of ``group``'s tensors (``torch.optim.Muon``'s single-tensor step, with the orthogonalisation
     over whole matrices, assembled for all of the group's tensors at once)."""
-    from lightning_mgpu.optim.whole_matrices import Unsplit, whole_of_many
-
     lr, momentum = group["lr"], group["momentum"]
     items = []
     for param in group["params"]:
@@ -121,7 +116,9 @@ def muon_group_step(group: dict, state: dict, matrices_of: MatricesOf, share: Op
         buffer.lerp_(grad, 1 - momentum)
         update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
         items.append((param, matrices_of(param) or Unsplit(param.shape), update))
-    directions = orthogonalize_all(whole_of_many([(m, u) for _, m, u in items]), group, share)
+    # a ZeRO-3 sub-group (one flat tensor) is assembled alike on every rank of its data-parallel group
+    shares = [getattr(items[0][1], "share", None) if len(items) == 1 else None, share]
+    directions = orthogonalize_all(whole_of_many([(m, u) for _, m, u in items]), group, shares)
     used = 0
     for param, matrices, _ in items:
         mine, used = directions[used:used + matrices.count], used + matrices.count

@@ -12,10 +12,21 @@ A stack of expert matrices (``[experts, out, in]``) is as many matrices as exper
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class SharedWork:
+    """Ranks that assemble the same whole matrices (a tensor-parallel group, a ZeRO-3 data-parallel group), and so
+    can split the work on them."""
+
+    group: Any
+    rank: int
+    size: int
 
 
 class Matrices(Protocol):
@@ -140,6 +151,7 @@ class PartitionedEach:
     def __init__(self, pieces: Sequence[tuple[int, int, Matrices]], group: Any, rank: int, size: int) -> None:
         self.pieces, self.group, self.rank, self.size = list(pieces), group, rank, size
         self.count = sum(m.count for _, _, m in self.pieces)
+        self.share = SharedWork(group, rank, size)  #: every rank of the group assembles the same matrices
 
     def whole(self, local: torch.Tensor) -> list[torch.Tensor]:
         ranks = torch.stack(_gather_flat(local, self.group, self.size))  # [size, local numel]
