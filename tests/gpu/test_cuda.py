@@ -71,3 +71,60 @@ def test_a_profiled_step_on_one_gpu_writes_its_kernels_and_the_allocator_snapsho
     assert any(t["device"].startswith("cuda") for t in memory["largest_tensors"])
     snapshot = pickle.loads((step / "rank0.memory.pickle").read_bytes())
     assert snapshot["segments"] and any(trace for trace in snapshot["device_traces"])  # the step's allocations
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
+def test_fp8_on_cuda_runs_fp8_gemms_and_equals_torchaos_float8_linear(recipe):
+    """On CUDA the package's fp8 linear runs torchao's fp8 GEMMs (``torch._scaled_mm``, three per layer: output,
+    input gradient, weight gradient), not the emulation, and equals torchao's own ``Float8Linear`` (same recipe,
+    power-of-two scales) in the output and both gradients."""
+    import copy
+    import dataclasses
+    from unittest import mock
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from lightning_mgpu.fp8 import convert_to_fp8
+
+    torch.manual_seed(0)
+    ours = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(128, 32)).to("cuda", torch.bfloat16)
+    theirs = copy.deepcopy(ours)
+    convert_to_fp8(ours, recipe)
+    convert_to_float8_training(theirs, config=dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe),
+                                                                  round_scales_to_power_of_2=True))
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for model in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        with mock.patch.object(torch, "_scaled_mm", wraps=torch._scaled_mm) as gemm:
+            y = model(xi)
+            y.float().square().sum().backward()
+        assert gemm.call_count == 6, gemm.call_count
+        results.append((y.detach(), xi.grad, model[0].weight.grad))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.gpu
+def test_fp8_trains_on_one_gpu_and_refuses_sizes_the_kernels_cannot_take(token_file):
+    """The tiny Llama (every size a multiple of 16) trains in bf16 with fp8 on one GPU; with a 72-wide MLP the strategy
+    refuses at setup, naming each MLP layer and its sizes."""
+    from dataclasses import replace
+
+    from lightning_mgpu import MGPUPrecision
+
+    def fit(config):
+        trainer = L.Trainer(accelerator="gpu", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, limit_val_batches=0,
+                            strategy=MGPUStrategy(zero_stage=1,
+                                                  precision_plugin=MGPUPrecision("bf16-mixed", fp8="rowwise")))
+        trainer.fit(LLMModule(config, **OPTIM), datamodule(token_file))
+        return trainer
+
+    assert fit(TINY).global_step == 3
+    if torch.distributed.is_initialized():  # the next fit starts its own one-process group
+        torch.distributed.destroy_process_group()
+    with pytest.raises(ValueError) as err:
+        fit(replace(TINY, ffn_hidden=72))
+    assert "fp8 layer model.layers.0.feed_forward.w1=(32, 72)" in str(err.value), str(err.value)
