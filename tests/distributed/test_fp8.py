@@ -31,9 +31,9 @@ LAYOUTS = [("tp2", TINY, "rowwise", dict(tensor_parallel_size=2)),
            ("zero3", TINY, "rowwise", dict(zero_stage=3)),
            ("ep2", TINY_MOE, "rowwise", dict(expert_parallel_size=2)),
            ("tp2_tensorwise", DEEP, "tensorwise", dict(tensor_parallel_size=2)),
-           ("cp2_tensorwise", TINY, "tensorwise", dict(context_parallel_size=2)),
            ("ep2_tensorwise", TINY_MOE, "tensorwise", dict(expert_parallel_size=2)),
            # every rank holds every expert; each expert's scales spanning tokens are reduced over the sequence's halves
+           # (and the attention layers' as a dense model's at cp2)
            ("moe_cp2_tensorwise", TINY_MOE, "tensorwise", dict(context_parallel_size=2))]
 
 
