@@ -34,6 +34,7 @@ from lightning_mgpu.checkpoint.formats import complete_checkpoints
 from lightning_mgpu.parallel.collectives import gather_objects
 from lightning_mgpu.resilience.watchdog import paused
 from lightning_mgpu.resilience.faults import kill_job_at  # chaos hook (MGPU_KILL_AT); nothing without the variable
+from lightning_mgpu.resilience.strikes import strike_at
 
 _PARTIAL = re.compile(r"step-(\d{8})\.partial")
 
@@ -108,6 +109,7 @@ class PeriodicCheckpoint(L.Callback):
             self.blocked_s.append(time.perf_counter() - begin)
             return final
         trainer.save_checkpoint(str(partial), weights_only=False)  # the full training state (says so: no info line)
+        strike_at("emergency" if blocking else "save", step, trainer.global_rank)  # chaos hook (MGPU_FAULT)
         trainer.strategy.barrier()  # every rank's files are written
         self.blocked_s.append(time.perf_counter() - begin)
         self._publish(trainer, step)

@@ -155,10 +155,12 @@ def start_background_save(engine: Any, layout: ParallelLayout, path: str | Path,
 def _finish(written: Future, done: Future, path: Path, group: Any, step: int) -> None:
     """In DCP's thread, after this rank's files: every rank's written, then the checksums (on ``group``)."""
     from lightning_mgpu.resilience.faults import kill_job_at
+    from lightning_mgpu.resilience.strikes import strike_at
 
     try:
         written.result()
         kill_job_at("written", step, dist.get_rank())
+        strike_at("flush", step, dist.get_rank())
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         record_checksums(path, rank, world, gather=lambda value: gather_objects(value, group))
         done.set_result(None)

@@ -2,7 +2,8 @@
 stops or fails a chosen rank at a chosen step, or kills the whole job at a chosen point of a step or of a checkpoint
 save. Without the variables nothing is added and nothing runs. Used by the crash-safety and lost-rank tests, and
 available to anyone who wants to rehearse a failure on their own cluster (for example that ``checkpoint.resume=auto``
-continues after the job is killed while a checkpoint is written).
+continues after the job is killed while a checkpoint is written). The fault matrix's kinds and phases
+(``MGPU_FAULT``) are :mod:`lightning_mgpu.resilience.strikes`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from lightning_mgpu.problems import format_problems
+from lightning_mgpu.resilience.strikes import InjectedFault, hold_the_gil, in_next_collective, planned, say, strike
 
 #: Fault injection, read by ``mgpu-train`` (see :func:`fault_callbacks`). ``<rank>:<step>``: that rank, as
 #: optimizer step ``step`` begins, SIGKILLs itself (``kill``: its sockets close at once), SIGSTOPs itself (``stop``: it
@@ -60,20 +61,12 @@ KILL_POINTS = {
 }
 
 
-class InjectedFault(RuntimeError):
-    """The exception ``MGPU_RAISE_RANK_AT`` raises."""
-
-
 def _spec(name: str, value: str, first: str, example: str, problems: list[str]) -> Optional[tuple[str, int]]:
     parts = value.split(":")
     if len(parts) != 2 or not parts[1].isdigit() or (first == "rank" and not parts[0].isdigit()):
         problems.append(f"{name}={value!r} must be <{first}>:<step>, e.g. {name}={example}")
         return None
     return parts[0], int(parts[1])
-
-
-def _say(message: str) -> None:
-    print(f"MGPU fault: {message}", file=sys.stderr, flush=True)
 
 
 def kill_job_at(point: str, step: int, rank: int) -> None:
@@ -83,7 +76,7 @@ def kill_job_at(point: str, step: int, rank: int) -> None:
 
 
 def _kill_job(where: str) -> None:
-    _say(f"rank 0 kills the job (SIGKILL to its process group) at {where}")
+    say(f"rank 0 kills the job (SIGKILL to its process group) at {where}")
     os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
@@ -153,14 +146,6 @@ def _flip_bit(param: torch.Tensor, bit: int) -> None:
     bits[0] ^= 1 << (bit if wide else bit - 16)
 
 
-def _hold_the_gil(seconds: int) -> None:
-    """libc's ``sleep`` called as the C-API calls Python's own functions (``ctypes.PyDLL``): without releasing the
-    GIL, as a C extension's call that never returns would."""
-    import ctypes
-
-    ctypes.PyDLL(None).sleep(seconds)
-
-
 def _spin_forever() -> None:
     """Busy in Python, forever: the interpreter still switches to other threads (the heartbeat goes on)."""
     count = 0
@@ -175,10 +160,13 @@ def fault_callbacks(environ: Optional[Mapping[str, str]] = None, attempt: int = 
     environ = os.environ if environ is None else environ
     problems: list[str] = []
     attempts = environ.get(ATTEMPTS_VARIABLE, "first")
+    matrix = planned(environ, attempt, problems)  # MGPU_FAULT: the fault matrix's kinds and phases
     if attempts not in ("first", "every"):
         problems.append(f"{ATTEMPTS_VARIABLE}={attempts!r} must be first or every")
     elif attempt > 0 and attempts == "first":
-        return []
+        if problems:
+            raise ValueError(format_problems("Invalid fault injection", problems))
+        return [_fault_injection({}, None, matrix)] if matrix else []
     rank_faults = {}
     for name, action in RANK_FAULTS.items():  # each variable: one <rank>:<step>, or several joined by commas
         for value in environ[name].split(",") if name in environ else []:
@@ -192,23 +180,23 @@ def fault_callbacks(environ: Optional[Mapping[str, str]] = None, attempt: int = 
                             f"choose one of {', '.join(KILL_POINTS)}")
     if problems:
         raise ValueError(format_problems("Invalid fault injection", problems))
-    if not rank_faults and kill_job is None:
+    if not rank_faults and kill_job is None and not matrix:
         return []
-    return [_fault_injection(rank_faults, kill_job)]
+    return [_fault_injection(rank_faults, kill_job, matrix)]
 
 
 def _act(action: Optional[str], trainer: Any, rank: int, step: int) -> None:
     """What ``action`` does to this rank as step ``step`` begins (``skip`` acts after the step: see the callback)."""
     if action == "kill":
-        _say(f"rank {rank} kills itself (SIGKILL) at step {step} at time {time.time():.3f}")
+        say(f"rank {rank} kills itself (SIGKILL) at step {step} at time {time.time():.3f}")
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stop":
-        _say(f"rank {rank} stops (SIGSTOP) at step {step} at time {time.time():.3f}")
+        say(f"rank {rank} stops (SIGSTOP) at step {step} at time {time.time():.3f}")
         os.kill(os.getpid(), signal.SIGSTOP)
     elif action == "raise":
         def fail() -> None:
             where = f"in the backward pass of step {step}"
-            _say(f"rank {rank} raises InjectedFault {where} at time {time.time():.3f}")
+            say(f"rank {rank} raises InjectedFault {where} at time {time.time():.3f}")
             raise InjectedFault(f"injected on rank {rank} {where}")
 
         _in_backward(trainer.strategy.model, fail)
@@ -216,22 +204,23 @@ def _act(action: Optional[str], trainer: Any, rank: int, step: int) -> None:
         name = os.environ.get(SIGNAL_VARIABLE, "SIGUSR2")
 
         def preempt() -> None:
-            _say(f"rank {rank} sends itself {name} in the backward pass of step {step}")
+            say(f"rank {rank} sends itself {name} in the backward pass of step {step}")
             os.kill(os.getpid(), signal.Signals[name])
 
         _in_backward(trainer.strategy.model, preempt)
     elif action == "flip":
-        _say(f"rank {rank} flips bit {FLIPPED_BIT} of its first parameter's first element at step {step}")
+        say(f"rank {rank} flips bit {FLIPPED_BIT} of its first parameter's first element at step {step}")
         _flip_bit(next(trainer.strategy.model.module.parameters()), FLIPPED_BIT)
     elif action == "gil":
-        _say(f"rank {rank} holds the GIL in C code at step {step} at time {time.time():.3f}")
-        _hold_the_gil(3600)
+        say(f"rank {rank} holds the GIL in C code at step {step} at time {time.time():.3f}")
+        hold_the_gil(3600)
     elif action == "spin":
-        _say(f"rank {rank} spins in Python at step {step} at time {time.time():.3f}")
+        say(f"rank {rank} spins in Python at step {step} at time {time.time():.3f}")
         _spin_forever()
 
 
-def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional[tuple[str, int]]):
+def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional[tuple[str, int]],
+                     matrix: dict[tuple[str, int, int], str]):
     import lightning as L
 
     class FaultInjection(L.Callback):
@@ -241,12 +230,17 @@ def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional
             rank, step = trainer.global_rank, trainer.global_step
             action = rank_faults.get((rank, step))
             if action in LOSS_FACTORS:
-                _say(f"rank {rank} multiplies its loss of step {step} by {LOSS_FACTORS[action]}")
+                say(f"rank {rank} multiplies its loss of step {step} by {LOSS_FACTORS[action]}")
                 self.restore = _spoil_loss(trainer.lightning_module, LOSS_FACTORS[action])
             else:
                 _act(action, trainer, rank, step)
             if kill_job == ("backward", step) and rank == 0:
                 _in_backward(trainer.strategy.model, lambda: _kill_job(f"backward:{step} (inside the backward pass)"))
+            if kind := matrix.get(("backward", rank, step)):
+                _in_backward(trainer.strategy.model,
+                             lambda kind=kind: strike(kind, rank, f"in the backward pass of step {step}"))
+            if kind := matrix.get(("collective", rank, step)):
+                in_next_collective(lambda kind=kind: strike(kind, rank, f"inside its first collective of step {step}"))
 
         def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
             if self.restore is not None:
@@ -257,7 +251,7 @@ def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional
             if skipper is None:
                 return
             if trainer.global_rank == skipper:
-                _say(f"rank {skipper} skips a collective after step {step} at time {time.time():.3f}")
+                say(f"rank {skipper} skips a collective after step {step} at time {time.time():.3f}")
             else:
                 from lightning_mgpu.resilience.agreement import agree
 
@@ -269,5 +263,7 @@ def _fault_injection(rank_faults: dict[tuple[int, int], str], kill_job: Optional
 
         def on_load_checkpoint(self, trainer: L.Trainer, pl_module: Any, checkpoint: dict) -> None:
             kill_job_at("resume", checkpoint["global_step"], trainer.global_rank)
+            if kind := matrix.get(("restore", trainer.global_rank, checkpoint["global_step"])):
+                strike(kind, trainer.global_rank, f"while restoring the checkpoint of step {checkpoint['global_step']}")
 
     return FaultInjection()

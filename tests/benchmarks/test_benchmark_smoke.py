@@ -21,6 +21,7 @@ SMOKE = {
     "checkpoint_verify.py": "verify alone",
     "context_parallel.py": "MB sent per rank",
     "document_mask.py": "document mask ms",
+    "fault_matrix.py": "runs ended bit-identical to the fault-free run",
     "resilience_cost.py": "ms per million parameters",
     "hf_step_time.py": "ratio transformers / LLMModule",
     "moe_throughput.py": "all-to-all",
@@ -48,6 +49,7 @@ FIGURES = {
     "context_parallel.py": [(rf"^\s+2\s+balanced\s.*\s{_N}$", 0.0, 100.0)],  # MB sent with 2 context ranks
     "document_mask.py": [(rf"^\s+\d+\s+{_N}\s+{_N}\s+{_N}$", 0.0, 1e5)],
     "resilience_cost.py": [(rf"= {_N} ms per million parameters", 0.0, 1e4)],
+    "fault_matrix.py": [(r"^\| \S+ \| \S+ \| [01] \| bit-identical \| ([1-9]) \| (\d+\.\d) \|$", 0.5, 600.0)],  # restarts, s
     "hf_step_time.py": [(rf"ratio transformers / LLMModule: {_N}", 0.05, 100.0)],
     "moe_throughput.py": [(r"expert parallel 2: ([\d,]+) tokens/s \((\d+) ms", 0.0, 1e9),
                           (rf"expert parallel 2: .* all-to-all {_N} MB a step per rank, planner {_N} MB", 0.0, 100.0)],

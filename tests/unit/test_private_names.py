@@ -29,6 +29,7 @@ ATTRIBUTES = [
     ("torch", "torch.distributed._functional_collectives:all_to_all_single_autograd", "parallel/experts.py"),
     ("torch", "torch.distributed._functional_collectives:wait_tensor", "parallel/experts.py"),
     ("torch", "torch.distributed.distributed_c10d:_get_default_store", "resilience/liveness.py"),
+    ("torch", "torch.distributed.distributed_c10d:_abort_process_group", "resilience/strikes.py (the abort fault)"),
     ("torch", "torch.distributed:Work._source_rank", "parallel/replica_server.py"),
     ("torch", "torch.distributed.checkpoint.filesystem:_StorageInfo", "checkpoint/safe_reader.py"),
     ("torch", "torch.distributed.checkpoint.filesystem:FileSystemReader._get_metadata_path",

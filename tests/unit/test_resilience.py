@@ -50,3 +50,23 @@ def test_the_spike_rule_needs_both_sigmas_and_the_rise():
     assert rule.spikes(7.9, noisy) is None and rule.spikes(8.1, noisy) is not None
     assert rule.spikes(100.0, deque([2.0, 2.0])) is None  # fewer than min_history steps
     assert SpikeRule(window=4, min_history=8).problems() and SpikeRule(sigmas=0).problems()
+
+
+def test_the_fault_matrix_spec_acts_in_the_right_attempt_and_names_every_bad_entry():
+    import pytest
+
+    from lightning_mgpu.resilience.faults import fault_callbacks
+    from lightning_mgpu.resilience.strikes import planned
+
+    env = {"MGPU_FAULT": "SIGKILL@collective:1:3,raise@restore:0:2"}
+    assert planned(env, 0) == {("collective", 1, 3): "SIGKILL"}  # a restore fault waits for the first restart
+    assert planned(env, 1) == {("restore", 0, 2): "raise"}
+    assert planned(env, 2) == {}
+    assert planned({**env, "MGPU_FAULT_ATTEMPTS": "every"}, 2) == {("collective", 1, 3): "SIGKILL",
+                                                                    ("restore", 0, 2): "raise"}
+    assert len(fault_callbacks(env, attempt=1)) == 1  # the restore fault's callback, in the restarted attempt
+    with pytest.raises(ValueError) as refused:
+        fault_callbacks({"MGPU_FAULT": "SIGKILL@lunch:1:3,boom@backward:0:1,raise@save:x:1"})
+    said = str(refused.value)
+    assert all(f"MGPU_FAULT={bad!r}" in said for bad in ("SIGKILL@lunch:1:3", "boom@backward:0:1", "raise@save:x:1"))
+    assert "e.g. MGPU_FAULT=SIGKILL@collective:1:3" in said
