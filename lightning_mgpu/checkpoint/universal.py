@@ -53,7 +53,7 @@ def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str =
     for name, param in engine.module.named_parameters():
         fqn = canonical_name(name, layout, stages)
         params.append((fqn, param))
-        for key in (None, *moments_of(param)):
+        for key in (None, *moments_of(param)) if access.trains else (None,):  # an engine that evaluates: weights
             # an expert's pieces lie over its own data-parallel ranks, not the ones ``assemble`` reads: copied now
             expert = getattr(param, "expert_partition", None) is not None
             piece = own_piece(access, param, key) if fill and defer and not expert else None
@@ -156,6 +156,17 @@ def read_trainer_state(path: str | Path) -> dict:
                                     "universal format or has been altered; do not load it") from error
 
 
+def _check_optimizer_state(path: str | Path, wanted: dict, saved: dict) -> None:
+    """The rule: a run resumes the optimizer state it keeps itself. Adam's moments and Muon's momentum are different
+    state; resuming one from the other is refused by name (DCP's own error names only a missing key)."""
+    missing = sorted(k for k in wanted if "/" in k and k.split("/")[-2] not in ("param", "buffer") and k not in saved)
+    if missing:
+        raise ValueError(f"{path} holds no optimizer state '{missing[0].split('/')[-2]}' for {len(missing)} "
+                         f"tensor(s) (first: {missing[0]}): it was saved by a run with another optimizer (Adam keeps "
+                         "exp_avg and exp_avg_sq, Muon momentum_buffer). Resume with the optimizer that saved it, or "
+                         "start from its weights alone (mgpu-export it, then model.init_from=hf:DIR)")
+
+
 def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replica_sync: Any = None,
                    fitting: bool = True) -> dict:
     """Load a checkpoint written by any layout into this rank's engine; return the trainer state. With
@@ -163,9 +174,10 @@ def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replic
     trainer_state = read_trainer_state(path)  # first: a refused file leaves the engine untouched
     saved_replicas = trainer_state.pop(replica_state.KEY, None)
     replica_state.check_resumable(path, saved_replicas, layout, fitting)
-    read_dcp_metadata(path)  # refused here with its own message, not wrapped in DCP's
+    metadata = read_dcp_metadata(path)  # refused here with its own message, not wrapped in DCP's
     prefix = replica_state.prefix(layout, replica_sync)
     state, params = _tensor_state(engine, layout, fill=False, prefix=prefix)
+    _check_optimizer_state(path, state, metadata.state_dict_metadata)
     if replica_sync is not None:
         state.update(replica_state.outer_tensors(engine, layout, replica_sync, params, fill=False))
     dcp.load(state, storage_reader=SafeFileSystemReader(path))
@@ -177,7 +189,8 @@ def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replic
     for fqn, param in params:
         like = access.like(param)
         value = from_saved(state[f"{prefix}param/{fqn}"], param, layout, like)
-        moments = {k: from_saved(state[f"{prefix}{k}/{fqn}"], param, layout, like) for k in moments_of(param)}
+        moments = {k: from_saved(state[f"{prefix}{k}/{fqn}"], param, layout, like) for k in moments_of(param)
+                   if f"{prefix}{k}/{fqn}" in state}
         access.set(param, value, moments, step)
     access.finish()
     for fqn, buffer in persistent_buffers(engine.module, layout):

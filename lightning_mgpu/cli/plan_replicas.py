@@ -67,7 +67,7 @@ def replica_rows(cfg: DictConfig, model: LlamaConfig, inner: ClusterSpec, precis
     its copies counted; ordered as :func:`~lightning_mgpu.planner.search.plan_layouts` orders them."""
     p = cfg.parallel
     rows = plan_layouts(model, inner, cfg.data.seq_len, cfg.data.global_batch_size // p.replicas, precision,
-                        cfg.plan.achievable)
+                        cfg.plan.achievable, cfg.optim.name)
     rows = [with_outer_copies(model, inner, r, p) for r in rows
             if not replica_precision_problems(precision, r.candidate.zero_stage, p.replica_update)
             and not _drifting_copies(p, r.candidate)]

@@ -69,9 +69,14 @@ def stepped_tensors(ds_optimizer: Any, layout: ParallelLayout, stage: int) -> di
                                 getattr(ds_optimizer, "round_robin_bit16_offsets", None),
                                 ds_optimizer.single_partition_of_fp32_groups, ds_optimizer.real_dp_process_group,
                                 layout)
-    if hasattr(ds_optimizer, "fp32_groups_flat_partition"):  # bf16 at ZeRO-0: DeepSpeed's BF16_Optimizer
+    if hasattr(ds_optimizer, "fp32_groups_flat_partition"):  # DeepSpeed's BF16_Optimizer (bf16 with a pipeline)
         return _flat_partitions(ds_optimizer.bf16_groups, None, ds_optimizer.fp32_groups_flat_partition,
                                 ds_optimizer.real_dp_process_group, layout)
+    if hasattr(ds_optimizer, "fp32_groups") and hasattr(ds_optimizer, "fp16_groups"):
+        # bf16/fp16 at ZeRO-0 (FP16_UnfusedOptimizer): an fp32 clone of each parameter, whole or a tp shard
+        return {id(clone): parameter_matrices(param, layout)
+                for clones, params in zip(ds_optimizer.fp32_groups, ds_optimizer.fp16_groups)
+                for clone, param in zip(clones, params)}
     return {}
 
 
@@ -83,6 +88,12 @@ def bind_engine_optimizer(optimizer: Optional[torch.optim.Optimizer], ds_optimiz
     tensors = stepped_tensors(ds_optimizer, layout, stage)
     if not tensors:  # fp32 ZeRO-0: the parameters themselves
         tensors = {id(p): parameter_matrices(p, layout) for p in module.parameters()}
+    stepped = [t for g in optimizer.param_groups for t in g["params"]]
+    unknown = [tuple(t.shape) for t in stepped if id(t) not in tensors]
+    if unknown:  # a tensor assembled as if whole would be a shard orthogonalised on its own: never silently
+        raise RuntimeError(f"Muon cannot tell how {len(unknown)} tensor(s) the {type(ds_optimizer).__name__} engine "
+                           f"optimizer steps assemble into whole matrices (shapes {unknown[:3]}); this DeepSpeed "
+                           "optimizer wrapper is not supported with Muon: use another zero_stage or precision")
     # the ranks of a tensor-parallel group assemble the same whole matrices (one data-parallel coordinate, one stage)
     share = SharedWork(layout.group("tp"), layout.rank("tp"), layout.size("tp")) if layout.size("tp") > 1 else None
     bind_whole_matrices(optimizer, lambda tensor: tensors.get(id(tensor)), share)

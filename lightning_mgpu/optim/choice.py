@@ -17,11 +17,13 @@ NS_DTYPES = ("auto", "bfloat16", "float32")
 
 
 def muon_steps(name: str, shape: torch.Size) -> bool:
-    """The parameters Muon steps: the transformer blocks' weight matrices and expert stacks (a name with a ``layers``
-    part, 2-D or more); embeddings, norms, the output head and routers (``router``, or a Hugging Face MoE's ``gate``)
-    stay on AdamW, as Muon's authors prescribe. Under pipeline parallelism the stage's index comes first."""
+    """The parameters Muon steps: the repeated blocks' weight matrices and expert stacks (2-D or more, under a
+    numbered block: ``layers.3.``, ``model.layers.3.``, GPT-2's ``transformer.h.3.``); embeddings, norms, the output
+    head and routers (``router``, or a Hugging Face MoE's ``gate``) stay on AdamW, as Muon's authors prescribe. Under
+    pipeline parallelism the stage's index comes first (``0.layers.3.``, ``0.tok_embeddings``): it is not a block's."""
     parts = name.split(".")
-    return "layers" in parts and "router" not in parts and "gate" not in parts and len(shape) >= 2
+    in_block = any(part.isdigit() for part in parts[1:])
+    return in_block and "router" not in parts and "gate" not in parts and len(shape) >= 2
 
 
 def build_optimizer(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], shape_of, name: str, lr: float,
@@ -30,6 +32,8 @@ def build_optimizer(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], 
     """AdamW (weight decay on matrices only), or with ``name="muon"`` :class:`MuonWithAdamW` under Moonshot's LR rule
     (``match_rms_adamw``: Muon's update scaled to AdamW's RMS, so both kinds share one LR and schedule).
     ``shape_of(param)``: its shape as built (a ZeRO-3 partition is flat by then)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"optimizer={name!r} is unknown; choose {' or '.join(OPTIMIZERS)}")
     named = list(named_parameters)
     matrices = [p for n, p in named if muon_steps(n, shape_of(p))] if name == "muon" else []
     chosen = {id(p) for p in matrices}

@@ -19,6 +19,7 @@ router), as Muon's authors prescribe, in one optimizer (Lightning drives one und
 
 from __future__ import annotations
 
+import types
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
@@ -167,24 +168,31 @@ def bind_whole_matrices(optimizer: torch.optim.Optimizer, matrices_of: MatricesO
     split over ``share``.
 
     A ``torch.optim.Muon`` keeps its identity (its LR schedulers and Lightning hold it): its step is replaced by the
-    whole-matrix one. Its LR schedulers wrapped the old step to record that it ran (``_opt_called``); the new one
-    records it too and carries their mark, so they neither warn nor wrap it again."""
+    whole-matrix one, run through torch's own step wrapper so that step hooks (``register_step_pre_hook``, global
+    optimizer hooks) still fire. Its LR schedulers wrapped the old step to record that it ran (``_opt_called``); the
+    new one records it too and carries their mark, so they neither warn nor wrap it again. A subclass with a step of
+    its own is refused: replacing it would drop what it does."""
     if isinstance(optimizer, MuonWithAdamW):
         optimizer.matrices_of, optimizer.share = matrices_of, share
         return
+    if type(optimizer).step is not torch.optim.Muon.step:
+        raise ValueError(f"{type(optimizer).__name__} overrides torch.optim.Muon.step, which MGPUStrategy would have "
+                         "to replace to orthogonalise whole matrices; return torch.optim.Muon or "
+                         "lightning_mgpu.optim.MuonWithAdamW from configure_optimizers")
 
     @torch.no_grad()
-    def step(closure: Optional[Callable] = None) -> Any:
+    def whole_matrix_step(self: torch.optim.Optimizer, closure: Optional[Callable] = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        optimizer._opt_called = True
-        for group in optimizer.param_groups:
-            muon_group_step(group, optimizer.state, matrices_of, share)
+        self._opt_called = True
+        for group in self.param_groups:
+            muon_group_step(group, self.state, matrices_of, share)
         return loss
 
-    step._wrapped_by_lr_sched = True
+    step = types.MethodType(torch.optim.Optimizer.profile_hook_step(whole_matrix_step), optimizer)
+    step.__func__._wrapped_by_lr_sched = True
     optimizer.step = step
 
 

@@ -7,7 +7,8 @@ whole matrices it touches (:meth:`whole`), and a list of whole results back into
 ``torch.distributed.tensor`` does this for DTensors (``full_tensor`` / ``redistribute``); the package's shards and
 DeepSpeed's flat partitions are plain tensors with their layout kept beside them, hence by hand.
 
-A stack of expert matrices (``[experts, out, in]``) is as many matrices as experts: Muon orthogonalises each.
+A stack of expert matrices (``[experts, in, out]``, as the grouped experts hold them) is as many matrices as experts:
+Muon orthogonalises each.
 """
 
 from __future__ import annotations

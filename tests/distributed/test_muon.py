@@ -14,13 +14,13 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GLOBAL_BATCH, OPTIM, TINY, assert_parity, fit, reference
+from helpers import GLOBAL_BATCH, OPTIM, TINY, assert_parity, datamodule, fit, reference
 from hf_helpers import fit_hf, global_batches, single_process
 from moe_helpers import TINY_MOE, moe_reference
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mgpu import LLMModule
+from lightning_mgpu import LLMModule, MGPUStrategy
 from lightning_mgpu.callbacks import PeriodicCheckpoint, newest_checkpoint
 from lightning_mgpu.optim.muon import _newton_schulz
 from lightning_mgpu.testing import run_distributed
@@ -44,9 +44,16 @@ def segment(rank, token_file, devices, directory, max_steps, ckpt_path, **layout
                callbacks=[PeriodicCheckpoint(directory, every_n_steps=STEPS, keep_last=1)], **layout)
 
 
+class Chain(list):
+    """Each segment's results, and the directory of the checkpoints they wrote."""
+
+    directory = None
+
+
 @pytest.fixture(scope="module")
 def chain(token_file, tmp_path_factory):
-    directory, results = tmp_path_factory.mktemp("muon"), []
+    results = Chain()
+    results.directory = directory = tmp_path_factory.mktemp("muon")
     for i, layout in enumerate(CHAIN):
         layout = dict(layout)
         devices = layout.pop("devices")
@@ -62,6 +69,48 @@ def test_muon_equals_one_process_on_every_layout_and_resumes_across_them(chain, 
     for i, results in enumerate(chain):
         steps = range(i * STEPS, (i + 1) * STEPS)
         assert_parity(results, {k: [ref[k][s] for s in steps] for k in ("losses", "grad_norms")}, tol=2e-6)
+
+
+def evaluate_and_switch(rank, token_file, checkpoint):
+    """Validate from the chain's last Muon checkpoint (an engine that evaluates reads weights alone), then try to
+    resume it under AdamW (refused: the checkpoint holds Muon's momentum, not Adam's moments)."""
+    module = LLMModule(TINY, **MUON, global_batch_size=GLOBAL_BATCH)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MGPUStrategy(zero_stage=1), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        limit_val_batches=1, max_steps=STEPS * len(CHAIN) + 1)
+    val = trainer.validate(module, datamodule(token_file), ckpt_path=checkpoint)[0]["val/loss"]
+    try:
+        trainer.fit(LLMModule(TINY, **dict(MUON, optimizer="adamw"), global_batch_size=GLOBAL_BATCH),
+                    datamodule(token_file), ckpt_path=checkpoint)
+    except ValueError as error:
+        return val, str(error)
+    return val, None
+
+
+def test_a_muon_checkpoint_validates_and_refuses_another_optimizer(chain, token_file):
+    checkpoint = str(newest_checkpoint(chain.directory))
+    for val, refusal in run_distributed(evaluate_and_switch, 2, token_file, checkpoint):
+        assert 0 < val < 5
+        assert refusal is not None and "holds no optimizer state 'exp_avg'" in refusal and "Muon" in refusal, refusal
+
+
+def test_tensor_parallel_shards_at_zero0_in_bf16_are_assembled(token_file):
+    """bf16 at ZeRO-0: DeepSpeed's unfused optimizer steps fp32 clones of the parameters; each split weight's clone is
+    known as a tensor-parallel shard (unknown tensors are refused, never taken as whole)."""
+
+    class Bound(L.Callback):
+        def on_train_end(self, trainer, module):
+            optimizer = trainer.strategy.model.optimizer.optimizer
+            stepped = [t for g in optimizer.param_groups if g.get("muon") for t in g["params"]]
+            self.kinds = sorted({type(optimizer.matrices_of(t)).__name__ for t in stepped})
+
+    def run(rank, token_file):
+        bound = Bound()
+        fit(rank, token_file, 2, max_steps=2, precision="bf16-mixed", callbacks=[bound],
+            module=LLMModule(TINY, **MUON, global_batch_size=GLOBAL_BATCH), tensor_parallel_size=2, zero_stage=0)
+        return bound.kinds
+
+    assert run_distributed(run, 2, token_file) == [["TensorParallelShard"]] * 2
 
 
 def test_stacked_experts_are_orthogonalised_one_matrix_each(token_file):

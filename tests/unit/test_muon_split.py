@@ -65,3 +65,47 @@ def test_tensor_parallel_ranks_split_the_orthogonalisation_by_cost():
     shapes = [torch.Size(s) for s in [(768, 256), (256, 256), (256, 256), (128, 256)]]
     assert owners(shapes, 2) == [0, 1, 1, 1]
     assert owners(shapes, 4) == [0, 1, 2, 3]
+
+
+def test_a_bound_torch_muon_keeps_its_hooks_and_schedulers_quiet():
+    """The replaced step runs through torch's step wrapper: step hooks fire, and the LR scheduler neither warns that
+    the step was overridden nor that it ran first. A subclass with a step of its own is refused."""
+    import warnings
+
+    from lightning_mgpu.optim.muon import bind_whole_matrices
+
+    model = torch.nn.Linear(4, 6, bias=False)
+    optimizer = torch.optim.Muon(model.parameters(), lr=0.1)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    calls = []
+    optimizer.register_step_pre_hook(lambda *a: calls.append("pre"))
+    optimizer.register_step_post_hook(lambda *a: calls.append("post"))
+    bind_whole_matrices(optimizer, lambda tensor: None)
+    before = model.weight.detach().clone()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model(torch.randn(3, 4)).sum().backward()
+        optimizer.step()
+        schedule.step()
+    assert calls == ["pre", "post"] and not seen, [str(w.message) for w in seen]
+    assert not torch.equal(model.weight, before)
+
+    class OwnStep(torch.optim.Muon):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    with pytest.raises(ValueError, match="OwnStep overrides torch.optim.Muon.step"):
+        bind_whole_matrices(OwnStep(model.parameters()), lambda tensor: None)
+
+
+def test_an_unknown_optimizer_name_is_refused_and_numbered_blocks_of_any_name_are_muons():
+    with pytest.raises(ValueError, match="optimizer='Muon' is unknown; choose adamw or muon"):
+        build_optimizer([], lambda p: p.shape, "Muon", 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    from lightning_mgpu.optim.choice import muon_steps
+
+    matrix = torch.Size([8, 8])
+    assert muon_steps("transformer.h.3.attn.c_attn.weight", matrix)  # GPT-2's blocks
+    assert muon_steps("0.layers.1.attention.wq.weight", matrix)  # a pipeline stage's block
+    assert not muon_steps("0.tok_embeddings.weight", matrix)  # the stage index is no block
+    assert not muon_steps("transformer.wte.weight", matrix) and not muon_steps("lm_head.weight", matrix)
+    assert not muon_steps("model.layers.0.mlp.gate.weight", matrix)  # a router
