@@ -203,7 +203,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
         self._process_group_backend, self.layout, self._heartbeat = start_process_group(
             self.cluster_environment, self.root_device, self._process_group_backend, self._timeout,
-            self.layout_request, self.num_processes, self.global_rank)
+            self.layout_request, self.num_processes, self.global_rank, self.lightning_module.trainer.default_root_dir)
 
     # ---------------------------------------------------------------------------------- model setup
     @override

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -14,6 +15,7 @@ from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.resilience import collective_trace
 from lightning_mgpu.resilience.liveness import Heartbeat
+from lightning_mgpu.resilience.nccl import apply_nccl_settings
 
 def attempt_store(timeout: Optional[timedelta]) -> Optional[Any]:
     """Under torchrun, the agent's store seen through a prefix of the restart count. torchrun keeps that store
@@ -31,11 +33,14 @@ def attempt_store(timeout: Optional[timedelta]) -> Optional[Any]:
 
 def start_process_group(cluster_environment: Any, root_device: torch.device, backend: Optional[str],
                         timeout: Optional[timedelta], request: LayoutRequest, devices_per_node: int,
-                        global_rank: int) -> tuple[str, ParallelLayout, Optional[Heartbeat]]:
-    """(the backend used, the one layout of this process with its groups created, the heartbeat or None alone)."""
+                        global_rank: int, report_dir: Optional[str] = None
+                        ) -> tuple[str, ParallelLayout, Optional[Heartbeat]]:
+    """(the backend used, the one layout of this process with its groups created, the heartbeat or None alone).
+    ``report_dir``: where failure reports go (NCCL's Flight Recorder dumps too)."""
     backend = backend or _get_default_process_group_backend_for_device(root_device)
     engines.preload()  # while the other ranks start: the rendezvous below waits for them anyway
     collective_trace.enable()  # before the first group: a hang report names the collective where ranks part
+    apply_nccl_settings(backend, Path(report_dir) if report_dir else None)  # survivors name a lost rank on NCCL
     store = attempt_store(timeout)
     _init_dist_connection(cluster_environment, backend, timeout=timeout, **({"store": store} if store else {}))
     layout = request.build(cluster_environment.world_size(), devices_per_node=devices_per_node)
