@@ -129,12 +129,12 @@ class FlatPartition:
         self.count = sum(m.count for _, m, _ in self.mine)
 
     def whole(self, local: torch.Tensor) -> list[torch.Tensor]:
-        self._like = local  # the partition's dtype and device, for a partition that overlaps no matrix
+        self._device = local.device  # for a partition that overlaps no matrix (the tensor itself is not kept)
         flat = torch.cat(_gather_flat(local, self.group, self.size))
         return whole_of_many([(m, flat[offset:offset + numel]) for offset, m, numel in self.mine])
 
     def local(self, wholes: Sequence[torch.Tensor]) -> torch.Tensor:
-        out = self._like.new_zeros(self.partition_size, dtype=torch.float32)
+        out = torch.zeros(self.partition_size, dtype=torch.float32, device=self._device)
         used = 0
         for offset, m, numel in self.mine:
             piece = m.local(wholes[used:used + m.count]).reshape(-1)

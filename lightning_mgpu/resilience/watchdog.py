@@ -54,9 +54,10 @@ class StepWatchdog:
         self._thread.start()
 
     def _arm_native(self) -> None:
-        """(Re)start faulthandler's timer: half ``stall_s`` without a step writes every thread's stack."""
+        """(Re)start faulthandler's timer: every half ``stall_s`` without a step appends every thread's stack (again
+        and again: a step slow for another reason, which dumps first, does not hide a hold that follows)."""
         if self._native is not None:
-            faulthandler.dump_traceback_later(self.stall_s / 2, file=self._native)
+            faulthandler.dump_traceback_later(self.stall_s / 2, repeat=True, file=self._native)
 
     def beat(self) -> None:
         self._last = time.monotonic()

@@ -137,7 +137,7 @@ def test_benchmark_smoke_mode_runs_and_prints_its_figure(script, smoke_outputs):
     assert_figures(script, output)
     if script == "gpu_check.py":  # every check ran and read its figure
         rows = [line for line in lines if line.startswith("| ") and "expectation" not in line and "---" not in line]
-        assert len(rows) == 5 and all("ran (smoke)" in row or "not run" in row for row in rows), output
+        assert len(rows) == 6 and all("ran (smoke)" in row or "not run" in row for row in rows), output  # 6: fp8
 
 
 def assert_figures(script: str, output: str) -> None:
