@@ -84,6 +84,8 @@ def test_a_universal_checkpoint_resumes_on_another_layout(tmp_path, saved, resum
     second = run_distributed(fit_hf, 2, "qwen3", 2, steps=4, ckpt_path=checkpoint, **resumed)
     assert [len(r["losses"]) for r in first + second] == [2, 2, 2, 2]
     expected = single_process("qwen3", global_batches(first) + global_batches(second))
+    # 2e-5: pp2 -> tp2 ZeRO-3 sums in another order over 4 steps at LR 1e-2 and parts from one process by 1.1e-5 in
+    # loss (transformers 5.24, a loss of 1.26: 9e-6 relative); a resume that lost the weights or moments is off by 1e-1
     for r in second:
-        assert max_abs_diff(r["losses"], expected["losses"][2:]) < 1e-5, (r["losses"], expected["losses"])
-        assert max_abs_diff(r["grad_norms"], expected["grad_norms"][2:]) < 1e-5
+        assert max_abs_diff(r["losses"], expected["losses"][2:]) < 2e-5, (r["losses"], expected["losses"])
+        assert max_abs_diff(r["grad_norms"], expected["grad_norms"][2:]) < 2e-5
