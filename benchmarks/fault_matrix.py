@@ -19,8 +19,8 @@ of step 2); save and flush at the checkpoint of step 4 (``checkpoint.async_save`
 emergency checkpoint of step 3 (the same rank is sent SIGUSR2 inside the backward pass of step 2, a preemption);
 restore while the first restart restores step 2 (rank 1 - r is SIGKILLed as step 3 begins, to end the first attempt).
 
-``--smoke`` runs the fault-free run and two entries (SIGSEGV inside a collective on rank 1, an exception in the
-background writer on rank 0). ``--only KIND@PHASE:RANK,...`` runs the chosen entries.
+``--smoke`` runs the fault-free run and one entry (SIGSEGV inside a collective on rank 1; an exception in a
+background writer, which the other ranks see only at the collective timeout, costs the suite too long). ``--only KIND@PHASE:RANK,...`` runs the chosen entries.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ STEPS, EVERY = 6, 2
 #: the step each phase's fault counts (see the module docstring)
 PHASE_STEP = {"backward": 3, "collective": 3, "save": 4, "flush": 4, "emergency": 3, "restore": 2}
 RANKS = (0, 1)
-SMOKE_ENTRIES = (("SIGSEGV", "collective", 1), ("raise", "flush", 0))
+SMOKE_ENTRIES = (("SIGSEGV", "collective", 1),)
 #: seconds a collective waits for a rank before the others name it lost (a stopped or GIL-holding rank)
 TIMEOUT_S = 10
 

@@ -33,6 +33,7 @@ from smoke import SMOKE, sized  # noqa: E402
 DIM, LAYERS, HEADS, KV, FFN, VOCAB = sized((256, 4, 8, 4, 768, 256), (32, 2, 4, 2, 64, 64))
 SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((128, 8, 12, 3, 2), (16, 4, 3, 1, 1))
 LAYOUT = dict(tensor_parallel_size=2, zero_stage=1)
+DEVICES = sized(4, 2)  # tp2 x dp2; the smoke run tp2 alone (half the processes on the suite's cores)
 PARITY_LAYOUT = dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)
 PARITY_STEPS = 10
 
@@ -63,12 +64,13 @@ def state_bytes(trainer: L.Trainer) -> int:
 
 def timed(rank: int, optimizer: str) -> tuple[list[float], int]:
     timer = Timer()
-    trainer = L.Trainer(accelerator="cpu", devices=4, strategy=MGPUStrategy(**LAYOUT), max_steps=STEPS + 1,
+    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=MGPUStrategy(**LAYOUT), max_steps=STEPS + 1,
                         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
     module = Quiet(LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV, ffn_hidden=FFN,
                                vocab_size=VOCAB, max_seq_len=SEQ + 1), lr=1e-3, warmup_steps=1, optimizer=optimizer)
-    tokens = torch.randint(0, VOCAB, (BATCH * 2 * (STEPS + 1), SEQ + 1), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, VOCAB, (BATCH * (DEVICES // 2) * (STEPS + 1), SEQ + 1),
+                           generator=torch.Generator().manual_seed(0))
     trainer.fit(module, train_dataloaders=DataLoader(tokens, batch_size=BATCH))
     return timer.times[WARMUP:], state_bytes(trainer)
 
@@ -101,11 +103,11 @@ def main() -> None:
     state: dict[str, int] = {}
     for _ in range(ROUNDS):
         for name in times:
-            steps, state[name] = run_distributed(timed, 4, name)[0]
+            steps, state[name] = run_distributed(timed, DEVICES, name)[0]
             times[name] += steps
     adamw, muon = (statistics.median(times[k]) for k in ("adamw", "muon"))
-    print(f"median step on 4 CPU processes, tp2 x dp2, ZeRO-1, {DIM}-wide {LAYERS}-layer Llama: AdamW "
-          f"{adamw * 1e3:.1f} ms, Muon {muon * 1e3:.1f} ms")
+    print(f"median step on {DEVICES} CPU processes, tp2 x dp{DEVICES // 2}, ZeRO-1, {DIM}-wide {LAYERS}-layer Llama: "
+          f"AdamW {adamw * 1e3:.1f} ms, Muon {muon * 1e3:.1f} ms")
     print(f"optimizer state on rank 0: AdamW {state['adamw'] / 1e6:.3f} MB, Muon {state['muon'] / 1e6:.3f} MB")
     print(f"ratio Muon / AdamW: {muon / adamw:.3f} (goal <= 1.2)")
     if not SMOKE:
