@@ -20,7 +20,8 @@ emergency checkpoint of step 3 (the same rank is sent SIGUSR2 inside the backwar
 restore while the first restart restores step 2 (rank 1 - r is SIGKILLed as step 3 begins, to end the first attempt).
 
 ``--smoke`` runs the fault-free run and one entry (SIGSEGV inside a collective on rank 1; an exception in a
-background writer, which the other ranks see only at the collective timeout, costs the suite too long). ``--only KIND@PHASE:RANK,...`` runs the chosen entries.
+background writer, which the other ranks see only at the collective timeout, costs the suite too much time).
+``--only KIND@PHASE:RANK,...`` runs the chosen entries.
 """
 
 from __future__ import annotations
