@@ -327,3 +327,11 @@ def make_document_token_file(directory: Path, eod: int, n_tokens: int = 20_000, 
     path = Path(directory) / "documents.u16"
     tokens.astype(np.uint16).tofile(path)
     return path
+
+
+def in_turn(rank: int, calls: dict[str, tuple]) -> dict[str, Any]:
+    """Each ``name: (fn, args, kwargs)`` run as ``fn(rank, *args, **kwargs)`` one after the other on this rank, each
+    building its own Trainer; what each returned, by name. One launch of ``run_distributed`` then serves many runs of
+    one world size: a launch's first run pays the rank's start (its first collectives, first kernels, pages copied
+    from the parent), which the runs after it do not pay again."""
+    return {name: fn(rank, *args, **kwargs) for name, (fn, args, kwargs) in calls.items()}
