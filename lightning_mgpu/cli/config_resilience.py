@@ -37,6 +37,7 @@ class BadStepsConfig:
 class SilentCorruptionConfig:
     """:class:`lightning_mgpu.resilience.SilentCorruptionCheck`: the ranks' copies of the weights compared every N
     steps; on a mismatch the rank is named, the checkpoints since the copies last agreed are set aside and the run
-    exits with 75 for a restart (docs: concepts, "When things fail")."""
+    exits with 75 for a restart, whose rerun of those steps tells a transient fault from a persistent one (exit 77)
+    (docs: concepts, "When things fail")."""
 
     every_n_steps: Optional[int] = None  #: null = off; needs parallel.zero_stage 0-2 and more than one copy

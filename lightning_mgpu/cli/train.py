@@ -30,7 +30,7 @@ from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.quiet import quiet_known_warnings
 from lightning_mgpu.cli.memory_check import memory_problems
 from lightning_mgpu.resilience.elastic import run_local_job
-from lightning_mgpu.resilience.restarts import RestartRecord, attempt
+from lightning_mgpu.resilience.restarts import EXIT_FAULTY_DEVICE, RestartRecord, attempt
 from lightning_mgpu.cli.spec import RunSpec, run_spec
 from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
@@ -209,6 +209,8 @@ def _fit(spec: RunSpec, run_dir: Path, trainer: L.Trainer, strategy, module, dat
     preempted = next((c.preempted for c in trainer.callbacks if isinstance(c, Preemption)), None)
     stopped_to_go_back = [c for c in trainer.callbacks if isinstance(c, SilentCorruptionCheck) and c.corruption
                           or isinstance(c, RollbackOnSkips) and c.rollback]
+    if any(isinstance(c, SilentCorruptionCheck) and c.corruption and c.corruption.persistent for c in trainer.callbacks):
+        raise SystemExit(EXIT_FAULTY_DEVICE)  # found again on the rerun: not restarted on these machines
     if preempted is not None or stopped_to_go_back:  # resume with checkpoint.resume=auto (the launcher or scheduler
         raise SystemExit(REQUEUE_EXIT)  # starts it again): after a corruption or a rollback, from before it
     if cfg.checkpoint.save_last:

@@ -12,7 +12,8 @@ to the ranks and ends the job; after SIGTERM, SIGUSR1 or SIGUSR2 they stop after
 checkpoint and the job exits with the requeue status.
 
 The agent stops restarting where a restart cannot help, with an exit status of its own: an attempt that was refused
-(:data:`EXIT_REFUSED`: a checkpoint it may not read) and a crash loop (:data:`EXIT_CRASH_LOOP`: attempts in a row that
+(:data:`EXIT_REFUSED`: a checkpoint it may not read), a rank whose device corrupts its weights again on a rerun
+(:data:`EXIT_FAULTY_DEVICE`) and a crash loop (:data:`EXIT_CRASH_LOOP`: attempts in a row that
 failed without a new optimizer step, :class:`~lightning_mgpu.resilience.restarts.CrashLoop`). Out of restarts, it
 exits with the last failure's own status (128 + the signal's number for a rank killed by one).
 """
@@ -39,7 +40,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
 from lightning_mgpu.resilience.preemption import REQUEUE_EXIT
-from lightning_mgpu.resilience.restarts import EXIT_CRASH_LOOP, EXIT_REFUSED, CrashLoop, read_restarts
+from lightning_mgpu.resilience.restarts import (EXIT_CRASH_LOOP, EXIT_FAULTY_DEVICE, EXIT_REFUSED, CrashLoop,
+                                                read_restarts)
 
 #: The agent's record of the attempts that failed, in the run directory: one JSON line each.
 ATTEMPTS = "attempts.jsonl"
@@ -114,9 +116,9 @@ class LocalJobAgent(LocalElasticAgent):
         status, looping = exit_status(failure.exitcode), self.crash_loop.failed()
         said = f"mgpu-train: attempt {self.attempts} failed: rank {rank} exited with status {status}"
         then = "out of restarts"
-        if status == EXIT_REFUSED:
-            self.stopped_with, then = EXIT_REFUSED, "refused"
-            said = f"{said} (refused); not restarted"
+        if status in (EXIT_REFUSED, EXIT_FAULTY_DEVICE):
+            self.stopped_with, then = status, "refused" if status == EXIT_REFUSED else "faulty device"
+            said = f"{said} ({then}); not restarted"
         elif looping:
             self.stopped_with, then = EXIT_CRASH_LOOP, "crash loop"
             said = (f"{said}; {self.crash_loop.in_a_row} attempts in a row ended without a new optimizer step (none "
@@ -140,7 +142,8 @@ def run_local_job(entry: Callable[[], object], run_dir: Path, processes: int, ma
     """Run the job's ``processes`` ranks under the agent until they succeed, are refused, loop or use up
     ``max_restarts``; return the job's exit status. Without ``worker``, ranks are forked and run ``entry()``; with
     it, each is a fresh interpreter run with those arguments (``mgpu-train``'s worker module and ``run_dir``, which
-    trains from the config written there). A rank that exits with :data:`EXIT_REFUSED` is not restarted."""
+    trains from the config written there). A rank that exits with :data:`EXIT_REFUSED` or :data:`EXIT_FAULTY_DEVICE`
+    is not restarted."""
     port = find_free_network_port()
     spec = WorkerSpec(
         role="mgpu-train", local_world_size=processes, max_restarts=max_restarts, monitor_interval=MONITOR_S,

@@ -12,6 +12,14 @@ checkpoints written after the last step whose fingerprints agreed may hold the c
 ``<name>.corrupt``), and the run exits with the requeue status, so that a restart with ``checkpoint.resume=auto``
 resumes from the newest checkpoint that predates it (a torch elastic or SLURM restart does it by itself).
 
+The restart reruns the steps since the copies last agreed, on the same ranks: that rerun tells a transient fault from
+a persistent one, as Megatron's rerun state machine does for a step, but over the whole interval and without a job
+restart (torch elastic restarts the workers in place). What was found is kept in the checkpoint directory
+(``sdc-suspect.json``: the step, the ranks and their hosts). If the copies agree when the rerun reaches that step, the
+fault was transient: said, the record removed, training goes on. If the same rank on the same host is named again, its
+device corrupts what it holds: the run stops with :data:`EXIT_FAULTY_DEVICE`, which neither the agent nor a requeue
+script should restart on that host.
+
 What it sees: a copy that changed at rest between two steps. Under ZeRO-0 every rank keeps its whole copy, and a flip
 stays until caught; under ZeRO 1-2 the engine rebuilds each rank's copy from the partitions after every step, so a
 flip lasts at most one step and is caught only when a check falls in it; ZeRO-3 holds no copies to compare (refused).
@@ -21,8 +29,11 @@ step instead, and needs a job restart to run it elsewhere).
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -31,7 +42,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mgpu.resilience.rollback import complete_checkpoints
+from lightning_mgpu.resilience.restarts import EXIT_FAULTY_DEVICE
+from lightning_mgpu.resilience.rollback import complete_checkpoints, set_aside
 
 #: integer views of the same width as each float dtype, whose bit patterns are summed
 _BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
@@ -59,31 +71,49 @@ def odd_ranks(rows: list[list[int]], ranks: list[int]) -> tuple[list[int], list[
     return sorted(odd), differing
 
 
+#: what a check found, kept in the checkpoint directory until a rerun of the same steps tells what it was
+SUSPECT = "sdc-suspect.json"
+
+
 @dataclass(frozen=True)
 class Corruption:
-    """What a check found: the step it ran at, the last step whose fingerprints agreed, the ranks named, the
-    parameters that differ and the checkpoints set aside."""
+    """What a check found: the step it ran at, the last step whose fingerprints agreed, the ranks named (with every
+    rank's host), the parameters that differ and the checkpoints set aside; ``persistent``: found again on a rerun,
+    the same rank on the same host."""
 
     step: int
     last_good_step: int
     ranks: list[int]
     parameters: list[str]
     set_aside: list[Path]
+    hosts: list[str] = field(default_factory=list)
+    persistent: bool = False
 
     def describe(self) -> str:
         who = f"rank {self.ranks[0]}" if len(self.ranks) == 1 else f"one of ranks {self.ranks} (no majority of copies)"
         shown = ", ".join(self.parameters[:3]) + (f" and {len(self.parameters) - 3} more" if len(self.parameters) > 3
                                                   else "")
         aside = ", ".join(p.name for p in self.set_aside) or "none"
-        return (f"silent data corruption: {who} holds a copy of {shown} that differs from its data-parallel peers at "
-                f"step {self.step} (the copies agreed at step {self.last_good_step}); checkpoints set aside: {aside}. "
-                "Every rank stops; resume with checkpoint.resume=auto from the newest checkpoint before it")
+        found = (f"silent data corruption: {who} holds a copy of {shown} that differs from its data-parallel peers at "
+                 f"step {self.step} (the copies agreed at step {self.last_good_step}); checkpoints set aside: {aside}.")
+        if not self.persistent:
+            return f"{found} Every rank stops; resume with checkpoint.resume=auto from the newest checkpoint before it"
+        hosts = sorted({self.hosts[r] for r in self.ranks}) if self.hosts else []
+        return (f"{found} Found again on the rerun of these steps, on the same host(s) {hosts}: a persistent fault of "
+                f"that device. Every rank stops with exit status {EXIT_FAULTY_DEVICE}; do not restart on "
+                f"{', '.join(hosts)} (e.g. sbatch --exclude={','.join(hosts)})")
+
+    def record(self) -> dict:
+        """What the rerun compares against: the step, the ranks named and their hosts."""
+        return {"step": self.step, "last_good_step": self.last_good_step,
+                "ranks": {str(r): self.hosts[r] if self.hosts else "" for r in self.ranks}}
 
 
 class SilentCorruptionCheck(L.Callback):
     """Compare the ranks' copies of the weights every ``every_n_steps`` steps (under ``MGPUStrategy``); on a
     mismatch, set aside the checkpoints of ``checkpoint_dir`` written since the copies last agreed and stop.
-    :attr:`corruption` says what was found (None: nothing)."""
+    :attr:`corruption` says what was found (None: nothing); :attr:`transient` the record of a corruption that a
+    rerun of its steps did not meet again (None: none)."""
 
     def __init__(self, every_n_steps: int, checkpoint_dir: Optional[str | Path] = None) -> None:
         if every_n_steps < 1:
@@ -91,8 +121,10 @@ class SilentCorruptionCheck(L.Callback):
         self.every_n_steps = every_n_steps
         self.checkpoint_dir = None if checkpoint_dir is None else Path(checkpoint_dir)
         self.corruption: Optional[Corruption] = None
+        self.transient: Optional[dict] = None
         self.last_good_step = 0
-        self._found: Optional[tuple[int, list[int], list[str]]] = None
+        self._suspect: Optional[dict] = None  # a corruption an earlier attempt found, until its step is rerun
+        self._found: Optional[tuple[int, list[int], list[str], list[str]]] = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if getattr(getattr(trainer.strategy, "layout", None), "zero_stage", 0) == 3:
@@ -101,30 +133,48 @@ class SilentCorruptionCheck(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.last_good_step = trainer.global_step  # a resumed checkpoint's copies were checksummed when read
+        path = self._suspect_path()
+        self._suspect = json.loads(path.read_text()) if path is not None and path.is_file() else None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         step = trainer.global_step
         if step == 0 or step % self.every_n_steps or self._found is not None:
             return
-        ranks, names = self._compare(trainer)
-        if not ranks:
-            self.last_good_step = step
+        ranks, names, hosts = self._compare(trainer)
+        if ranks:
+            self._found = (step, ranks, names, hosts)
+            trainer.should_stop = True  # after this step, on every rank: they compared the same fingerprints
             return
-        self._found = (step, ranks, names)
-        trainer.should_stop = True  # after this step, on every rank: they compared the same fingerprints
+        self.last_good_step = step
+        if self._suspect is not None and step >= self._suspect["step"]:
+            self.transient, self._suspect = self._suspect, None
+            rank_zero_info(f"silent data corruption: the rerun of steps {self.transient['last_good_step'] + 1}-"
+                           f"{self.transient['step']} left every copy equal at step {step}: the fault found there on "
+                           f"rank(s) {sorted(int(r) for r in self.transient['ranks'])} was transient; training goes on")
+            if trainer.is_global_zero:
+                self._suspect_path().unlink(missing_ok=True)
 
     def on_train_end(self, trainer: L.Trainer, *args: Any) -> None:
         """Set the suspect checkpoints aside once the periodic checkpoint (before this callback in the list) has
-        published every save in flight."""
+        published every save in flight, and keep what was found for the rerun."""
         if self._found is None:
             return
-        step, ranks, names = self._found
-        set_aside = self._set_aside() if trainer.is_global_zero else []
-        self.corruption = Corruption(step, self.last_good_step, ranks, names, set_aside)
+        step, ranks, names, hosts = self._found
+        again = self._suspect is not None and any(self._suspect["ranks"].get(str(r)) == hosts[r] for r in ranks)
+        aside = self._set_aside() if trainer.is_global_zero else []
+        self.corruption = Corruption(step, self.last_good_step, ranks, names, aside, hosts, persistent=again)
+        path = self._suspect_path()
+        if trainer.is_global_zero and path is not None:
+            path.with_suffix(".tmp").write_text(json.dumps(self.corruption.record()))
+            os.replace(path.with_suffix(".tmp"), path)
         rank_zero_info(self.corruption.describe())
 
-    def _compare(self, trainer: L.Trainer) -> tuple[list[int], list[str]]:
-        """(the ranks named, the parameters that differ) over this rank's groups of copies; the same on every rank."""
+    def _suspect_path(self) -> Optional[Path]:
+        return None if self.checkpoint_dir is None else self.checkpoint_dir / SUSPECT
+
+    def _compare(self, trainer: L.Trainer) -> tuple[list[int], list[str], list[str]]:
+        """(the ranks named, the parameters that differ, every rank's host) over this rank's groups of copies; the
+        same on every rank."""
         layout, module = trainer.strategy.layout, trainer.strategy.model.module
         named = list(module.named_parameters())
         odd: set[int] = set()
@@ -150,14 +200,14 @@ class SilentCorruptionCheck(L.Callback):
         moved = []
         for path in complete_checkpoints(self.checkpoint_dir):
             if int(path.name.split("-")[1]) > self.last_good_step:
-                target = path.with_name(path.name + ".corrupt")
-                path.rename(target)
-                moved.append(target)
+                moved.append(set_aside(path, ".corrupt"))
         return moved
 
 
-def _agreed(ranks: list[int], names: list[str]) -> tuple[list[int], list[str]]:
-    """Each rank compared within its own groups: the union over every rank, so that all stop together."""
+def _agreed(ranks: list[int], names: list[str]) -> tuple[list[int], list[str], list[str]]:
+    """Each rank compared within its own groups: the union over every rank, so that all stop together, with every
+    rank's host (a persistent fault is a device's, named by its host)."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ranks, names))
-    return sorted({r for rs, _ in gathered for r in rs}), sorted({n for _, ns in gathered for n in ns})
+    dist.all_gather_object(gathered, (ranks, names, socket.gethostname()))
+    return (sorted({r for rs, _, _ in gathered for r in rs}), sorted({n for _, ns, _ in gathered for n in ns}),
+            [host for _, _, host in gathered])

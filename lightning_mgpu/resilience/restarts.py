@@ -30,6 +30,10 @@ EXIT_REFUSED = 2
 #: Exit status of a job that failed again and again without a new optimizer step (a crash loop): restarting or
 #: requeueing it would repeat the failure. Not 75, the preemption status that asks a scheduler to requeue.
 EXIT_CRASH_LOOP = 76
+#: Exit status of a job whose rank corrupted its copy of the weights again when the steps since the copies last agreed
+#: were run again (a persistent fault of that rank's device, :mod:`lightning_mgpu.resilience.fingerprint`): a restart on
+#: the same machines would meet it again; requeue without the host named.
+EXIT_FAULTY_DEVICE = 77
 
 
 def attempt() -> int:

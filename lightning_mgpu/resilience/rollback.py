@@ -40,6 +40,17 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     return [p for _, p in sorted(steps, reverse=True)]
 
 
+def set_aside(path: Path, suffix: str) -> Path:
+    """Rename checkpoint ``path`` to ``<name><suffix>``, or ``<name><suffix>-2``, ``-3``... where a rerun's checkpoint of
+    the same step was set aside before; the new path."""
+    target = path.with_name(path.name + suffix)
+    again = 2
+    while target.exists():
+        target, again = path.with_name(f"{path.name}{suffix}-{again}"), again + 1
+    path.rename(target)
+    return target
+
+
 def read_skip_file(directory: str | Path) -> list[int]:
     """The batches :data:`SKIP_FILE` of ``directory`` lists (none when there is no file)."""
     path = Path(directory) / SKIP_FILE
@@ -103,17 +114,17 @@ class RollbackOnSkips(L.Callback):
         skip = frozenset(getattr(trainer.datamodule, "skip_batches", ()))
         batches = sorted({b for s in self._steps for b in batches_of_step(s, trainer.accumulate_grad_batches, skip)})
         first = min(self._steps)  # checkpoint step-N holds N steps: those with N <= first predate the region
-        set_aside, resume_from = [], None
+        suspect, resume_from = [], None
         for path in complete_checkpoints(self.checkpoint_dir):
             if int(path.name.split("-")[1]) > first:
-                set_aside.append(path.with_name(path.name + ".rolledback"))
+                suspect.append(path)
             elif resume_from is None:
                 resume_from = path
+        moved = [path.with_name(path.name + ".rolledback") for path in suspect]  # as named on every rank but 0
         if trainer.is_global_zero:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            for target in set_aside:
-                target.with_name(target.name.removesuffix(".rolledback")).rename(target)
+            moved = [set_aside(path, ".rolledback") for path in suspect]
             listed = sorted(set(read_skip_file(self.checkpoint_dir)) | set(batches))
             (self.checkpoint_dir / SKIP_FILE).write_text(json.dumps(listed))
-        self.rollback = Rollback(sorted(self._steps), batches, set_aside, resume_from)
+        self.rollback = Rollback(sorted(self._steps), batches, moved, resume_from)
         rank_zero_info(self.rollback.describe())
