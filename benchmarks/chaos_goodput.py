@@ -16,8 +16,8 @@ other rank, forking, process group, model and engine), restore (loading the chec
 lost, at the uninterrupted run's time per step) and other (the rest, the shared cores' noise included: it can be
 negative). The restart latency is from each SIGKILL to the restarted attempt's first optimizer step.
 
-The smoke mode runs one short job beside the chaos thread with no fault (and so no agent), as its own reference: it
-measures nothing.
+The smoke mode runs one short job beside the chaos thread with no fault (and so no agent), as its own reference,
+forked from this process rather than started as a fresh interpreter: it measures nothing.
 
 ``--record PATH`` writes the timeline of the uninterrupted run and the first chaos run as JSON: every fault (seconds
 from the start, signal), the step the job had reached and its attempt, read from its ``progress.json`` every half
@@ -48,6 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from cli_helpers import TINY_ARGS  # noqa: E402
+from forked_cli import popen_cli  # noqa: E402
 from helpers import make_token_file  # noqa: E402
 from smoke import SMOKE, sized  # noqa: E402
 
@@ -123,19 +124,29 @@ class Run:
     load: float
 
 
+def start_job(args: list[str], cwd: Path):
+    """The job in its own session, its output piped: a fresh interpreter, as a user starts it; the smoke mode forks it
+    from this process instead (``tests/forked_cli.py``, as ``fault_matrix.py`` runs its jobs), which has imported
+    torch, Lightning and DeepSpeed already (an interpreter's imports are most of a 10-step job's CPU time)."""
+    if SMOKE:
+        return popen_cli(args, cwd=cwd, start_new_session=True)
+    return subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
 def run(token_file: Path, run_dir: Path, mean_gap_s: Optional[float]) -> Run:
     """The job, with faults every ``mean_gap_s`` on average (None: none)."""
     start, done, samples = time.perf_counter(), [], []
     began = time.time()
-    proc = subprocess.Popen(command(token_file, run_dir, 50 if FAULTS else 0), cwd=run_dir.parent,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc = start_job(command(token_file, run_dir, 50 if FAULTS else 0), run_dir.parent)
     stop = threading.Event()
     thread = threading.Thread(target=chaos, args=(psutil.Process(proc.pid), mean_gap_s, stop, done), daemon=True)
     reader = threading.Thread(target=progress, args=(run_dir, began, stop, samples), daemon=True)
     reader.start()
     if mean_gap_s is not None and FAULTS:
         thread.start()
-    out, _ = proc.communicate(timeout=3600)
+    out, err = proc.communicate(timeout=3600)
+    out += err or ""
     stop.set()
     reader.join()
     if proc.returncode != 0:

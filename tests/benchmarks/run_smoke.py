@@ -10,9 +10,16 @@ import traceback
 from pathlib import Path
 
 if __name__ == "__main__":
+    import torch
+
+    torch.set_num_threads(1)  # before any tensor work: a forked rank deadlocks on a parent's OpenMP pool
+    from lightning_mgpu.engine import preload
     from lightning_mgpu.testing import use_free_port_for_lightning
 
     use_free_port_for_lightning()  # ports out of the kernel's ephemeral range, this pytest worker's share
+    # DeepSpeed and the modules its engines import, once here: every rank the scripts fork inherits them instead of
+    # importing them itself (about 6 s of CPU a rank, as tests/conftest.py does for the suite's own ranks)
+    preload()
     for path in sys.argv[1:]:
         print(f"=== start {Path(path).name}", flush=True)
         start = time.perf_counter()
