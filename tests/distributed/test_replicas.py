@@ -13,7 +13,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GLOBAL_BATCH, OPTIM, TINY, fit, global_batches, max_abs_diff
+from helpers import GLOBAL_BATCH, OPTIM, TINY, fit, global_batches, in_turn, max_abs_diff
 
 from lightning_mgpu import LLMModule
 from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
@@ -83,27 +83,69 @@ LAYOUTS = {"zero0": dict(zero_stage=0), "zero1": dict(zero_stage=1), "zero2": di
            "pp2": dict(pipeline_parallel_size=2, zero_stage=1)}
 
 
+#: The layouts of the DiLoCo comparison.
+DILOCO_LAYOUTS = ["zero1", "zero3", "tp2", "pp2"]
+#: The ZeRO stages whose traffic is traced.
+TRACED = ["zero1", "zero3"]
+
+
+def _four_rank_calls(token_file) -> dict:
+    """Every fit of this file on 4 processes, by name; the traced ones first (the Flight Recorder's size is set before
+    the first process group exists)."""
+    calls = {}
+    for name in TRACED:
+        calls[f"traced_local_{name}"] = (traced_fit, (token_file,), dict(
+            replicas=2, replica_update="local", sync_every=2, outer_optimizer=DILOCO, **LAYOUTS[name]))
+        calls[f"traced_sync_{name}"] = (traced_fit, (token_file,), LAYOUTS[name])
+    for name, layout in LAYOUTS.items():
+        calls[f"sync_{name}"] = (fit_weights, (token_file, 4, SGDModule), layout)
+        calls[f"local_{name}"] = (fit_weights, (token_file, 4, SGDModule), dict(
+            replicas=2, replica_update="local", sync_every=1, outer_optimizer=AVERAGING, **layout))
+    for name in DILOCO_LAYOUTS:
+        calls[f"diloco_{name}"] = (fit_weights, (token_file, 4), dict(
+            replicas=2, replica_update="local", sync_every=2, outer_optimizer=DILOCO, **LAYOUTS[name]))
+    calls["cut_short"] = (fit_weights, (token_file, 4), dict(
+        max_steps_=3, seeds_apart=True, replicas=2, replica_update="local", sync_every=2, zero_stage=1,
+        check_layout=False))
+    return calls
+
+
+@pytest.fixture(scope="module")
+def four(token_file) -> dict[str, list]:
+    """The 4-process fits of the tests below in one launch, each with a fresh Trainer (one launch per fit cost each
+    rank its start-up 21 times): each fit's results of every rank, by name."""
+    calls = _four_rank_calls(token_file)
+    results = run_distributed(in_turn, 4, calls, timeout=900)
+    return {name: [r[name] for r in results] for name in calls}
+
+
+@pytest.fixture(scope="module")
+def two(token_file) -> dict[str, list]:
+    """The 2-process fits of the tests below in one launch (as ``four``), the traced one first."""
+    kw = dict(zero_stage=1, replica_update="local", sync_every=2)
+    calls = {"other_ways": (other_ways_fit, (token_file,), {}),
+             "plain": (fit_weights, (token_file, 2), dict(zero_stage=1)),
+             "averaged": (fit_weights, (token_file, 2), dict(outer_optimizer=AVERAGING, **kw)),
+             "diloco": (fit_weights, (token_file, 2), dict(outer_optimizer=DILOCO, **kw))}
+    results = run_distributed(in_turn, 2, calls, timeout=600)
+    return {name: [r[name] for r in results] for name in calls}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_local_with_one_inner_step_and_averaging_equals_sync(token_file, name):
+def test_local_with_one_inner_step_and_averaging_equals_sync(four, name):
     """H=1, an SGD inner optimizer and an outer SGD of lr 1 without momentum: each outer step applies the mean of
     the replicas' SGD steps, which is the synchronous SGD step over the whole global batch."""
-    layout = LAYOUTS[name]
-    sync = run_distributed(fit_weights, 4, token_file, 4, SGDModule, **layout)
-    local = run_distributed(fit_weights, 4, token_file, 4, SGDModule, replicas=2, replica_update="local",
-                            sync_every=1, outer_optimizer=AVERAGING, **layout)
+    sync, local = four[f"sync_{name}"], four[f"local_{name}"]
     assert max_abs_diff(replica_means(local, 2), sync[0]["losses"]) < 1e-6
     for s, lo in zip(sync, local):  # the same place in the layout: the same share of the weights
         assert weight_diff(s["weights"], lo["weights"]) < 1e-6, (s["rank"], weight_diff(s["weights"], lo["weights"]))
     assert sync[0]["losses"][-1] < sync[0]["losses"][0]  # it trains: the comparison means something
 
 
-def test_one_replica_averaged_with_itself_is_plain_training_bit_for_bit(token_file):
+def test_one_replica_averaged_with_itself_is_plain_training_bit_for_bit(two):
     """``replicas=1`` under ``local`` with the averaging outer step (SGD, lr 1, no momentum) is plain training: the
     same losses and weights, bit for bit (the identity outer step is not computed); DiLoCo's outer step is not."""
-    plain = run_distributed(fit_weights, 2, token_file, 2, zero_stage=1)
-    kw = dict(zero_stage=1, replica_update="local", sync_every=2)
-    averaged = run_distributed(fit_weights, 2, token_file, 2, outer_optimizer=AVERAGING, **kw)
-    diloco = run_distributed(fit_weights, 2, token_file, 2, outer_optimizer=DILOCO, **kw)
+    plain, averaged, diloco = two["plain"], two["averaged"], two["diloco"]
     for p, a, d in zip(plain, averaged, diloco):
         assert a["losses"] == p["losses"] and weight_diff(p["weights"], a["weights"]) == 0.0
         assert weight_diff(p["weights"], d["weights"]) > 1e-4
@@ -162,14 +204,13 @@ def _average_adam_states(optimizers: list) -> None:
                     opt.state[groups[k][i]][key].copy_(mean)
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero3", "tp2", "pp2"])
-def test_diloco_equals_a_one_process_simulation_of_its_replicas(token_file, name):
+@pytest.mark.parametrize("name", DILOCO_LAYOUTS)
+def test_diloco_equals_a_one_process_simulation_of_its_replicas(token_file, four, name):
     """AdamW inner, Nesterov outer (lr 0.7, momentum 0.9), H=2 over 4 steps, 2 replicas (of 2 data-parallel ranks, or
     of one tp2 or pp2 model): the per-step loss over the global batch equals the simulation's, and the final weights
     too (a tp2 or pp2 model's put together from its shards or stages); a simulation that also averages Adam's moments, or uses
     another outer lr, does not."""
-    kw = dict(replicas=2, replica_update="local", sync_every=2, outer_optimizer=DILOCO, **LAYOUTS[name])
-    local = run_distributed(fit_weights, 4, token_file, 4, **kw)
+    local = four[f"diloco_{name}"]
     expected = diloco_reference(token_file, 2, 2, DILOCO)
     assert max_abs_diff(replica_means(local, 2), expected["losses"]) < 1e-6
     # every rank of every replica reads its own share of a user's DataLoader too
@@ -211,6 +252,9 @@ class CollectiveTrace(L.Callback):
         self.groups: dict[str, tuple[int, ...]] = {}  #: group name -> its global ranks
         self.boundaries: list[int] = []
         self.training, self.step_seen = False, 0
+        #: torch.distributed's own functions, put back when training ends: a later fit in the same process must see
+        #: them (``P2POp`` accepts only the very ``dist.isend`` and ``dist.irecv``)
+        self.originals = {name: getattr(dist, name) for name in (*COLLECTIVES, "new_group")}
         for name in COLLECTIVES:
             setattr(dist, name, self._traced(getattr(dist, name)))
         new_group = dist.new_group
@@ -247,7 +291,11 @@ class CollectiveTrace(L.Callback):
             self.boundaries.append(time.time_ns())
 
     def on_train_end(self, trainer, *args) -> None:
+        import torch.distributed as dist
+
         self.training, end = False, time.time_ns()
+        for name, original in self.originals.items():
+            setattr(dist, name, original)
         entries = collective_trace.recorded()
         assert len(entries) < TRACE_ENTRIES, "the Flight Recorder overflowed: raise TRACE_ENTRIES"
         for e in (e for e in entries if self.start_ns <= e["created_ns"] <= end):
@@ -286,8 +334,8 @@ def other_ways_fit(rank: int, token_file) -> list:
     return trace.calls
 
 
-def test_the_trace_sees_functional_collectives_and_a_groups_own_methods(token_file):
-    for calls in run_distributed(other_ways_fit, 2, token_file):
+def test_the_trace_sees_functional_collectives_and_a_groups_own_methods(two):
+    for calls in two["other_ways"]:
         unnamed = [(step, op, ranks, n) for step, op, ranks, n, callers in calls if not callers]
         assert unnamed == [(1, "all_reduce", (0, 1), 5), (1, "all_reduce", (0, 1), 3)], unnamed
         assert any(callers for *_, callers in calls)  # the engine's own, through torch.distributed
@@ -304,15 +352,13 @@ def crossing_elements(result: dict) -> int:
     return sum(n for _, _, ranks, n, _ in result["calls"] if len({x // 2 for x in ranks}) > 1)
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero3"])
-def test_replicas_talk_only_at_outer_steps_and_send_each_share_once(token_file, name):
+@pytest.mark.parametrize("name", TRACED)
+def test_replicas_talk_only_at_outer_steps_and_send_each_share_once(four, name):
     """2 replicas of 2 ranks, H=2 over 4 steps: the outer step is the only collective that reaches the other replica
     (besides ZeRO-3's order check after its first step), after steps 2 and 4 only: one all-reduce per master tensor
     over the ranks at the same place of each replica, together this rank's share of the weights; in all at most 1/H
     of the elements ``sync`` sends across the same halves of the ranks over the same steps."""
-    results = run_distributed(traced_fit, 4, token_file, replicas=2, replica_update="local", sync_every=2,
-                              outer_optimizer=DILOCO, **LAYOUTS[name])
-    sync = run_distributed(traced_fit, 4, token_file, **LAYOUTS[name])
+    results, sync = four[f"traced_local_{name}"], four[f"traced_sync_{name}"]
     for r, s in zip(results, sync):
         assert 0 < crossing_elements(r) <= crossing_elements(s) / 2, (crossing_elements(r), crossing_elements(s))
         crossing = [c for c in r["calls"] if len({x // 2 for x in c[2]}) > 1]
@@ -329,11 +375,10 @@ def test_replicas_talk_only_at_outer_steps_and_send_each_share_once(token_file, 
             assert sum(n for s, *_, n in outer if s == step) == r["share"]
 
 
-def test_replicas_start_together_and_a_round_cut_short_ends_with_its_outer_step(token_file):
+def test_replicas_start_together_and_a_round_cut_short_ends_with_its_outer_step(four):
     """Replicas whose modules were built from different seeds start from replica 0's weights; 3 steps at H=2 leave
     a last round of one inner step, which the last step ends with its outer step: both replicas end with the same
     weights (rank 0 and its counterpart, rank 2)."""
-    results = run_distributed(fit_weights, 4, token_file, 4, max_steps_=3, seeds_apart=True, replicas=2,
-                              replica_update="local", sync_every=2, zero_stage=1, check_layout=False)
+    results = four["cut_short"]
     assert weight_diff(results[0]["weights"], results[2]["weights"]) == 0.0
     assert weight_diff(results[1]["weights"], results[3]["weights"]) == 0.0
