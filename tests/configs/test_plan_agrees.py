@@ -32,9 +32,23 @@ MODEL_CASES = [[f"model={m}", f"trainer.num_nodes={n}", f"trainer.devices={g}"]
 RECIPE_CASES = [recipe_overrides(r) for r in RECIPES]
 
 
-def composed(overrides):
-    GlobalHydra.instance().clear()
+@functools.cache
+def _registered() -> None:
+    """The schema and the recipes, registered once per process (Hydra's config store keeps them; registering again
+    re-creates the same nodes, half the cost of a composition)."""
     register_configs()
+
+
+def composed(overrides):
+    """A fresh copy of the composed config; one composition per distinct command line (the model cases compose the
+    same line in both tests below)."""
+    return copy.deepcopy(_composed(tuple(overrides)))
+
+
+@functools.lru_cache(maxsize=None)
+def _composed(overrides: tuple):
+    _registered()
+    GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         return compose("config", overrides=list(overrides))
 
@@ -78,8 +92,9 @@ def _plan(overrides):
     cfg = composed(overrides)
     model = resolved(cfg).model
     cluster = ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices, GPUS[cfg.plan.gpu])
+    # the arguments exactly as plan_report passes them, so that its search is this one
     return cfg, _remembered_search(model, cluster, cfg.data.seq_len, cfg.data.global_batch_size,
-                                   str(cfg.trainer.precision), cfg.plan.achievable)
+                                   str(cfg.trainer.precision), cfg.plan.achievable, cfg.optim.name)
 
 
 #: The settings that split a mixture-of-experts model (what its experts' rules depend on).
