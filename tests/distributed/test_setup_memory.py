@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import OPTIM, TINY, fit, make_token_file
+from helpers import OPTIM, TINY, fit, in_turn, make_token_file
 
 from lightning_mgpu import LLMModule, engine, parameter_shape
 from lightning_mgpu.layout import canonical_name
@@ -60,9 +60,20 @@ def partition_while_filling(rank: int, world: int, tp: int):
             "partitions": partitions, "mismatched": mismatched}
 
 
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> dict[str, list]:
+    """The 2-process runs of this file in one launch: the partitioning (which makes the process group) and then the
+    strategy's fits on it. Each run's results of every rank, by name."""
+    tokens = make_token_file(tmp_path_factory.mktemp("setup_memory"))
+    calls = {"dp2": (partition_while_filling, (2, 1), {}), "fit": (fit_zero3, (str(tokens),), {})}
+    results = run_distributed(in_turn, 2, calls)
+    return {name: [r[name] for r in results] for name in calls}
+
+
 @pytest.mark.parametrize("world, tp", [(2, 1), (4, 2)], ids=["dp2", "tp2-dp2"])
-def test_zero3_ranks_partition_each_module_as_it_is_filled(world, tp):
-    for r in run_distributed(partition_while_filling, world, world, tp):
+def test_zero3_ranks_partition_each_module_as_it_is_filled(two, world, tp):
+    results = two["dp2"] if world == 2 else run_distributed(partition_while_filling, world, world, tp)
+    for r in results:
         assert r["mismatched"] == []
         # never more than one module's parameters whole: the whole shard would be r["materialized"] * 4 bytes
         assert r["held"] <= r["largest_module"] < r["materialized"] * 4 / 2
@@ -129,10 +140,9 @@ def fit_zero3(rank: int, token_file: str) -> dict:
             "norm_dtype": module.model.norm.weight.ds_tensor.dtype}
 
 
-def test_zero3_fit_partitions_before_configure_optimizers_and_refuses_groups_by_dim(tmp_path):
+def test_zero3_fit_partitions_before_configure_optimizers_and_refuses_groups_by_dim(two):
     """Through the strategy: every parameter is partitioned before configure_optimizers (also one the module built on
     a real device, which then takes the engine's dtype), and grouping by p.dim() is refused by name."""
-    tokens = make_token_file(tmp_path)
-    for r in run_distributed(fit_zero3, 2, str(tokens)):
+    for r in two["fit"]:
         assert r["partitioned"] and r["norm_dtype"] == torch.bfloat16 and len(r["losses"]) == 2
         assert "group(s) [0] of 2 with no parameters" in r["refusal"] and "parameter_shape" in r["refusal"]
