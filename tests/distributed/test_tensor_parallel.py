@@ -1,4 +1,7 @@
-"""Tensor (and sequence) parallelism, alone and with ZeRO over data-parallel replicas, against one process."""
+"""Tensor (and sequence) parallelism, alone and with ZeRO over data-parallel replicas, against one process.
+
+Every run of 2 ranks is one launch (``two_ranks``), every run of 4 ranks another (``four_ranks``): each builds its own
+Trainer in turn."""
 
 from dataclasses import replace
 
@@ -6,44 +9,66 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import STEPS, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, reference
+from helpers import STEPS, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, in_turn, reference
 
 from lightning_mgpu.testing import run_distributed
 
 # tp=4 needs 4 key/value heads; vocab 66 is not a multiple of 4, so the vocabulary is padded to 68.
 TINY_KV4 = replace(TINY, n_kv_heads=4, vocab_size=66)
+TIED = replace(TINY, tie_embeddings=True)
+SEQUENCE_PARALLEL = {"tp2": False, "tp2_sp": True}
 
 
+@pytest.fixture(scope="module")
+def two_ranks(token_file):
+    """Every run of this file on 2 ranks, in one launch: name -> each rank's result."""
+    calls = {name: (fit, (token_file, 2), dict(tensor_parallel_size=2, sequence_parallel=sp))
+             for name, sp in SEQUENCE_PARALLEL.items()}
+    calls["tied"] = (fit, (token_file, 2), dict(model=TIED, tensor_parallel_size=2))
+    calls["bf16"] = (fit, (token_file, 2), dict(precision="bf16-mixed", tensor_parallel_size=2,
+                                                sequence_parallel=True, zero_stage=1))
+    calls.update({f"count_{name}_{n}": (_count_one_step, (token_file, n, sp), {})
+                  for name, sp in SEQUENCE_PARALLEL.items() for n in (2, 3)})
+    results = run_distributed(in_turn, 2, calls)
+    return {name: [r[name] for r in results] for name in calls}
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_tp2_matches_single_process(token_file, ref, sequence_parallel):
-    results = run_distributed(fit, 2, token_file, 2, tensor_parallel_size=2, sequence_parallel=sequence_parallel)
-    assert_parity(results, ref)
+
+@pytest.fixture(scope="module")
+def four_ranks(token_file, tmp_path_factory):
+    """Every run of this file on 4 ranks, in one launch: name -> each rank's result."""
+    ckpt = str(tmp_path_factory.mktemp("tp_resume") / "ckpt")
+    kw = dict(tensor_parallel_size=2, zero_stage=2)
+    calls = {"tp4": (fit, (token_file, 4), dict(model=TINY_KV4, tensor_parallel_size=4))}
+    calls.update({f"zero{stage}": (fit, (token_file, 4), dict(tensor_parallel_size=2, zero_stage=stage))
+                  for stage in (1, 2, 3)})
+    calls["whole"] = (fit, (token_file, 4), dict(max_steps=6, callbacks=[SaveAtStep(3, ckpt)], **kw))
+    calls["resumed"] = (fit, (token_file, 4), dict(max_steps=6, ckpt_path=ckpt, **kw))
+    results = run_distributed(in_turn, 4, calls)
+    return {name: [r[name] for r in results] for name in calls}
 
 
-def test_tp2_keeps_tied_embeddings_tied(token_file):
-    tied = replace(TINY, tie_embeddings=True)
-    expected = reference(token_file, steps=STEPS, clip=0.3, model=tied)
-    assert_parity(run_distributed(fit, 2, token_file, 2, model=tied, tensor_parallel_size=2), expected)
+@pytest.mark.parametrize("name", SEQUENCE_PARALLEL)
+def test_tp2_matches_single_process(two_ranks, ref, name):
+    assert_parity(two_ranks[name], ref)
 
 
-def test_tp4_with_padded_vocabulary_matches_single_process(token_file):
+def test_tp2_keeps_tied_embeddings_tied(two_ranks, token_file):
+    expected = reference(token_file, steps=STEPS, clip=0.3, model=TIED)
+    assert_parity(two_ranks["tied"], expected)
+
+
+def test_tp4_with_padded_vocabulary_matches_single_process(four_ranks, token_file):
     expected = reference(token_file, steps=STEPS, clip=0.3, model=TINY_KV4)
-    results = run_distributed(fit, 4, token_file, 4, model=TINY_KV4, tensor_parallel_size=4)
-    assert_parity(results, expected)
+    assert_parity(four_ranks["tp4"], expected)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_tp2_dp2_zero_matches_single_process(token_file, ref, zero_stage):
-    results = run_distributed(fit, 4, token_file, 4, tensor_parallel_size=2, zero_stage=zero_stage)
-    assert_parity(results, ref)
+def test_tp2_dp2_zero_matches_single_process(four_ranks, ref, zero_stage):
+    assert_parity(four_ranks[f"zero{zero_stage}"], ref)
 
 
-def test_save_resume_tp2_dp2_zero2_is_bit_identical(token_file, tmp_path):
-    kw = dict(tensor_parallel_size=2, zero_stage=2)
-    ckpt = str(tmp_path / "ckpt")
-    whole = run_distributed(fit, 4, token_file, 4, max_steps=6, callbacks=[SaveAtStep(3, ckpt)], **kw)[0]["losses"]
-    resumed = run_distributed(fit, 4, token_file, 4, max_steps=6, ckpt_path=ckpt, **kw)[0]["losses"]
+def test_save_resume_tp2_dp2_zero2_is_bit_identical(four_ranks):
+    whole, resumed = four_ranks["whole"][0]["losses"], four_ranks["resumed"][0]["losses"]
     assert resumed == whole[3:]
 
 
@@ -83,10 +108,11 @@ def _count_one_step(rank, token_file, n_layers, sequence_parallel):
     return counter.counts
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2_sp"])
-def test_collectives_per_block_are_megatrons_minimum(token_file, sequence_parallel):
+@pytest.mark.parametrize("name", SEQUENCE_PARALLEL)
+def test_collectives_per_block_are_megatrons_minimum(two_ranks, name):
+    sequence_parallel = SEQUENCE_PARALLEL[name]
     micro_batches = 4  # global batch 8 / micro-batch 2, one data-parallel replica
-    per_layers = {n: run_distributed(_count_one_step, 2, token_file, n, sequence_parallel)[0] for n in (2, 3)}
+    per_layers = {n: two_ranks[f"count_{name}_{n}"][0] for n in (2, 3)}
     # Exact per step: every count is the micro-batch count times a whole number per micro-batch.
     per_block = {key: per_layers[3].get(key, 0) - per_layers[2].get(key, 0)
                  for key in set(per_layers[2]) | set(per_layers[3])}
@@ -108,6 +134,5 @@ def test_collectives_per_block_are_megatrons_minimum(token_file, sequence_parall
     assert per_layers[2] == {k: micro_batches * (outside.get(k, 0) + 2 * expected_block.get(k, 0)) for k in keys}
 
 
-def test_tp2_sp_bf16_mixed_follows_fp32(token_file, ref):
-    assert_bf16_curve(run_distributed(fit, 2, token_file, 2, precision="bf16-mixed", tensor_parallel_size=2,
-                                      sequence_parallel=True, zero_stage=1), ref)
+def test_tp2_sp_bf16_mixed_follows_fp32(two_ranks, ref):
+    assert_bf16_curve(two_ranks["bf16"], ref)
