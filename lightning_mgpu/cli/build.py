@@ -10,7 +10,7 @@ import lightning as L
 from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_mgpu.cli.quiet import quiet_a_new_run_directory
+from lightning_mgpu.cli.metrics_history import ResumableCSVLogger
 from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.data import StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
 from lightning_mgpu.layout import LayoutRequest
@@ -68,11 +68,8 @@ def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:
     W&B: ``wandb/``; MLflow: a file store in ``mlruns/`` unless ``logger.mlflow.tracking_uri`` names another)."""
     chosen, out = cfg.logger, []
     if chosen.csv is not None:
-        from lightning.pytorch.loggers import CSVLogger
-
         flush = chosen.csv.flush_logs_every_n_steps or cfg.trainer.log_every_n_steps
-        quiet_a_new_run_directory(run_dir)
-        out.append(CSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=flush))
+        out.append(ResumableCSVLogger(save_dir=str(run_dir), name="", version="", flush_logs_every_n_steps=flush))
     if chosen.tensorboard is not None:
         from lightning.pytorch.loggers import TensorBoardLogger
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import warnings
-from pathlib import Path
 
 #: (message pattern, category, why it is harmless here)
 KNOWN_HARMLESS = (
@@ -48,11 +47,3 @@ def quiet_known_warnings() -> None:
         logger = logging.getLogger(name)
         if _not_an_advertisement not in logger.filters:
             logger.addFilter(_not_an_advertisement)
-
-
-def quiet_a_new_run_directory(run_dir: Path) -> None:
-    """Lightning's CSV logger warns that a non-empty directory's earlier logs will be deleted; a new run's directory
-    holds Hydra's own files (``.hydra/``, the job's log) and no metrics, so there is nothing to lose. A directory that
-    already holds ``metrics.csv`` (a run written there before) keeps the warning."""
-    if not (run_dir / "metrics.csv").exists():
-        warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")

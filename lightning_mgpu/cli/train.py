@@ -27,6 +27,7 @@ from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.dry_run import dry_run_report
 from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits, run_rank
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
+from lightning_mgpu.cli.metrics_history import KeepMetricsBeforeResume
 from lightning_mgpu.cli.quiet import quiet_known_warnings
 from lightning_mgpu.cli.memory_check import memory_problems
 from lightning_mgpu.resilience.elastic import run_local_job
@@ -154,6 +155,7 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
     if cfg.throughput.enabled:
         out.append(ThroughputCallback(cfg.throughput.peak_flops))
     out.append(RestartRecord(run_dir))  # the last step finished, for what a restart loses: before its save
+    out.append(KeepMetricsBeforeResume())  # metrics.csv keeps the steps before a resumed checkpoint
     saver = PeriodicCheckpoint(checkpoint_dir(cfg, run_dir), cfg.checkpoint.every_n_steps or 1, cfg.checkpoint.keep_last,
                                cfg.checkpoint.async_save)
     if cfg.checkpoint.every_n_steps:

@@ -1,7 +1,9 @@
-"""Restarts: a job whose rank is killed completes by itself with the uninterrupted run's losses, under
-``cluster=local`` (``cluster.max_restarts``, on torch's elastic agent) and under torchrun (``--max-restarts``); the
-restart and the steps it lost are logged and recorded; a failure that repeats without progress stops with its own exit
-status; a signal to the launching process reaches the ranks, which stop with an emergency checkpoint."""
+"""Restarts and preemption through ``mgpu-train``: a job whose rank is killed completes by itself with the uninterrupted
+run's losses under ``cluster=local`` (``cluster.max_restarts``, on torch's elastic agent; torchrun's
+``--max-restarts``: tests/cli/test_launch.py); the restart and the steps it lost are logged and recorded; a failure
+that repeats without progress stops with its own exit status; a signal to the launching process reaches the ranks,
+which stop with an emergency checkpoint; a preempted run exits for a requeue and resumes with no step lost. In one
+file: they share the uninterrupted run (a session fixture, made once per pytest worker)."""
 
 import json
 import os
@@ -14,7 +16,6 @@ from cli_helpers import BIN, RESTARTABLE, cli_args, read_losses, run
 from forked_cli import popen_cli, run_cli
 
 from lightning_mgpu.resilience.preemption import REQUEUE_EXIT
-from lightning_mgpu.testing import free_port
 
 CRASH_LOOP_EXIT = 76  # docs/reference/refusals.md
 
@@ -42,7 +43,8 @@ def test_local_job_with_a_killed_rank_restarts_and_completes(token_file, tmp_pat
         {"attempt": 2, "resumed_at": 2, "previous_reached": 3, "lost_steps": 1}
     killed = float(re.search(r"kills itself \(SIGKILL\) at step 3 at time ([\d.]+)", out).group(1))
     assert killed < ended["ended"] < restart["set_up"] < restart["restored"] < restart["stepped"]
-    assert read_losses(again / "metrics.csv")[-2:] == uninterrupted_losses[-2:]
+    # every step once: metrics.csv kept the first attempt's steps 0-1, and the restart's 2-5 equal the uninterrupted run's
+    assert read_losses(again / "metrics.csv") == uninterrupted_losses
     # nothing of the killed attempt is left (its rank 1, blocked in a collective, was killed by the agent)
     left = subprocess.run(["pgrep", "-f", f"hydra.run.dir={again}"], capture_output=True, text=True).stdout
     assert left.strip() == "", left
@@ -80,18 +82,19 @@ def test_a_signal_to_the_launching_process_stops_every_rank_with_a_checkpoint(to
     assert "mgpu-train: 0 restart(s), 0 step(s) lost; exit status 75" in out + err
 
 
-def test_torchrun_restarts_a_job_whose_rank_was_killed(token_file, tmp_path, uninterrupted_losses):
-    """``torchrun --max-restarts=1``: rank 1 killed as step 4 begins, torchrun starts both ranks again (its restart
-    count tells the attempt), and the job resumes from step 2 and completes with the uninterrupted run's losses."""
-    # torchrun keeps its store across restarts: the strategy sees it through a prefix of the restart count
-    # (lightning_mgpu.parallel.process_group.attempt_store), or the restarted ranks could read the failed attempt's
-    # addresses
-    args = [str(BIN / "torchrun"), "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "lightning_mgpu.train", "cluster=torchrun",
-            *cli_args(token_file, 6), *RESTARTABLE, f"hydra.run.dir={tmp_path / 'run'}"]
-    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=100,
-                          env=dict(os.environ, MGPU_KILL_RANK_AT="1:3", OMP_NUM_THREADS="1"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    assert "Restart 1: resumed at step 2; the attempt before reached step 3: 1 step(s) lost" in out, out[-3000:]
-    assert read_losses(tmp_path / "run" / "metrics.csv")[-2:] == uninterrupted_losses[-2:]
+def test_cli_preempted_run_exits_for_a_requeue_and_resumes_with_no_step_lost(token_file, tmp_path,
+                                                                             uninterrupted_losses):
+    """SIGUSR2 (SLURM's warning before a time limit) to rank 1 in the middle of a step, without periodic checkpoints:
+    the job exits with the requeue status after an emergency checkpoint, the only one, and ``checkpoint.resume=auto``
+    in the same run directory finishes with the uninterrupted run's losses."""
+    args = [str(BIN / "mgpu-train"), *cli_args(token_file, 6), "parallel.zero_stage=1", "checkpoint.resume=auto"]
+    again = tmp_path / "again"
+    env = dict(os.environ, MGPU_SIGNAL_RANK_AT="1:3")
+    first = run_cli([*args, f"hydra.run.dir={again}"], cwd=tmp_path, timeout=240, env=env)
+    out = first.stdout + first.stderr
+    assert first.returncode == REQUEUE_EXIT, out[-3000:]
+    assert "Preempted: SIGUSR2 reached rank 1; every rank stopped after step 4; emergency checkpoint" in out
+    assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["step-00000004"]
+    second = run([*args, f"hydra.run.dir={again}"], tmp_path)  # the requeued job: same command, same directory
+    assert "Loaded the checkpoint of step 4" in second.stdout + second.stderr
+    assert read_losses(again / "metrics.csv") == uninterrupted_losses  # steps 0-3 kept from the first run
