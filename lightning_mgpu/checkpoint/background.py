@@ -157,13 +157,18 @@ def _finish(written: Future, done: Future, path: Path, group: Any, step: int) ->
     from lightning_mgpu.resilience.faults import kill_job_at
     from lightning_mgpu.resilience.strikes import strike_at
 
+    failure: Optional[BaseException] = None
     try:
         written.result()
         kill_job_at("written", step, dist.get_rank())
         strike_at("flush", step, dist.get_rank())
+    except BaseException as error:  # noqa: BLE001 - this rank's own: the others hear it in the checksums' gathers
+        failure = error
+    try:  # every rank joins the gathers, a failed one with its error, so that none waits for the collective timeout
         rank, world = dist.get_rank(group), dist.get_world_size(group)
-        record_checksums(path, rank, world, gather=lambda value: gather_objects(value, group))
+        record_checksums(path, rank, world, gather=lambda value: gather_objects(value, group),
+                         failure=None if failure is None else _one_line(failure))
         done.set_result(None)
     except BaseException as error:  # noqa: BLE001 - handed to the training thread, which reports it
-        done.set_exception(error)
+        done.set_exception(failure or error)
 

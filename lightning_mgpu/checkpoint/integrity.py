@@ -51,15 +51,22 @@ def _share(directory: Path, names: list[str], rank: int, world: int) -> list[str
     return by_size[rank::world]
 
 
-def record_checksums(directory: str | Path, rank: int = 0, world: int = 1, gather: Gather = single_process) -> None:
+def record_checksums(directory: str | Path, rank: int = 0, world: int = 1, gather: Gather = single_process,
+                     failure: Optional[str] = None) -> None:
     """Write ``checksums.json`` for the files in ``directory`` (collective: every rank calls it once its files are
-    written; each checksums a share). A rank that fails (an unreadable file, a full disk) still takes part in every
-    gather, so that all ranks raise :class:`ChecksumRecordError` together instead of leaving the others waiting."""
+    written; each checksums a share). A rank that fails (an unreadable file, a full disk, or ``failure``: what went
+    wrong before, as one line) still takes part in every gather, so that all ranks raise :class:`ChecksumRecordError`
+    together instead of leaving the others waiting."""
     directory = Path(directory)
-    names = _attempt(lambda: checkpoint_files(directory)) if rank == 0 else None
+    names = (failure or _attempt(lambda: checkpoint_files(directory))) if rank == 0 else None
     names = gather(names)[0]
-    mine = _attempt(lambda: {n: {"bytes": (directory / n).stat().st_size, ALGORITHM: file_checksum(directory / n)}
-                             for n in _share(directory, names, rank, world)}) if isinstance(names, list) else names
+    if failure is not None:
+        mine = failure
+    elif isinstance(names, list):
+        mine = _attempt(lambda: {n: {"bytes": (directory / n).stat().st_size, ALGORITHM: file_checksum(directory / n)}
+                                 for n in _share(directory, names, rank, world)})
+    else:
+        mine = names if rank == 0 else None  # rank 0 could not list the files: said once, by rank 0
     parts = gather(mine)
     failed = [f"rank {r}: {part}" for r, part in enumerate(parts) if isinstance(part, str)]
     written = None
