@@ -3,9 +3,11 @@ tensor (with sequence parallelism), pipeline (1F1B and zero-bubble) and ZeRO par
 against one process running the same model on the same global batches -- loss and gradient norm each step, the
 user's ``labels=`` loss -- and the split asserted applied (local shard sizes, stages held)."""
 
+import functools
+
 import pytest
 from hf_helpers import MICRO, fit_hf, global_batches, single_process, tiny_model, token_ids
-from helpers import max_abs_diff
+from helpers import in_turn, max_abs_diff
 
 from lightning_mgpu.testing import run_distributed
 
@@ -54,11 +56,22 @@ def assert_split(results: list[dict], family: str, n_layers: int, kw: dict) -> N
             assert shapes["model.embed_tokens.weight"][0] == whole["model.embed_tokens.weight"][0] // T
 
 
+@functools.cache
+def every_family(layout: str) -> dict[str, list[dict]]:
+    """Every family's run on ``layout``, in one launch of its ranks (a fresh Trainer each); each rank's results, by
+    family."""
+    ranks, n_layers, kw = LAYOUTS[layout]
+    calls = {family: (fit_hf, (family, ranks), dict(n_layers=n_layers, validate=layout.endswith("validated"), **kw))
+             for family in FAMILIES if (family, layout) not in SKIPPED}
+    results = run_distributed(in_turn, ranks, calls)
+    return {family: [r[family] for r in results] for family in calls}
+
+
 @pytest.mark.parametrize("family, layout", CASES)
 def test_parity_with_one_process(family, layout):
     ranks, n_layers, kw = LAYOUTS[layout]
     validate = layout.endswith("validated")
-    results = run_distributed(fit_hf, ranks, family, ranks, n_layers=n_layers, validate=validate, **kw)
+    results = every_family(layout)[family]
     expected = single_process(family, global_batches(results), n_layers,
                               validation=token_ids(8)[:MICRO] if validate else None)
     assert_split(results, family, n_layers, kw)
@@ -70,18 +83,32 @@ def test_parity_with_one_process(family, layout):
             assert abs(r["val_loss"] - expected["val_loss"]) < 1e-5, (r["val_loss"], expected["val_loss"])
 
 
-@pytest.mark.parametrize("saved, resumed", [
-    (dict(tensor_parallel_size=2, sequence_parallel=True), dict(zero_stage=1)),
-    (dict(pipeline_parallel_size=2, num_microbatches=2), dict(tensor_parallel_size=2, zero_stage=3))],
-    ids=["tp2_sp->dp2_zero1", "pp2->tp2_zero3"])
-def test_a_universal_checkpoint_resumes_on_another_layout(tmp_path, saved, resumed):
+#: name -> (the layout that saves after 2 steps, the layout that resumes for 2 more)
+RESUMES = {
+    "tp2_sp->dp2_zero1": (dict(tensor_parallel_size=2, sequence_parallel=True), dict(zero_stage=1)),
+    "pp2->tp2_zero3": (dict(pipeline_parallel_size=2, num_microbatches=2), dict(tensor_parallel_size=2, zero_stage=3)),
+}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Each case's saving runs in one launch of 2 ranks, then its resuming runs in another: name -> (first, second)."""
+    directory = tmp_path_factory.mktemp("hf_resumes")
+    paths = {name: str(directory / f"saved{i}") for i, name in enumerate(RESUMES)}
+    first = run_distributed(in_turn, 2, {name: (fit_hf, ("qwen3", 2), dict(steps=2, save_to=paths[name], **saved))
+                                         for name, (saved, _) in RESUMES.items()})
+    second = run_distributed(in_turn, 2, {name: (fit_hf, ("qwen3", 2), dict(steps=4, ckpt_path=paths[name], **kw))
+                                          for name, (_, kw) in RESUMES.items()})
+    return {name: ([r[name] for r in first], [r[name] for r in second]) for name in RESUMES}
+
+
+@pytest.mark.parametrize("name", RESUMES)
+def test_a_universal_checkpoint_resumes_on_another_layout(resumed, name):
     """Qwen3 (its q/k norms whole on every rank): 2 steps on one layout, saved; 2 more steps on another from that
     checkpoint. The 4 steps equal one process training on the batches each part was given: the weights and AdamW's
     moments came back whole from the shards and stages, under the names the model has without stages (a run that
     ignored the checkpoint fails it)."""
-    checkpoint = str(tmp_path / "saved")
-    first = run_distributed(fit_hf, 2, "qwen3", 2, steps=2, save_to=checkpoint, **saved)
-    second = run_distributed(fit_hf, 2, "qwen3", 2, steps=4, ckpt_path=checkpoint, **resumed)
+    first, second = resumed[name]
     assert [len(r["losses"]) for r in first + second] == [2, 2, 2, 2]
     expected = single_process("qwen3", global_batches(first) + global_batches(second))
     # 2e-5: pp2 -> tp2 ZeRO-3 sums in another order over 4 steps at LR 1e-2 and parts from one process by 1.1e-5 in
