@@ -14,7 +14,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import GLOBAL_BATCH, OPTIM, TINY, assert_parity, datamodule, fit, reference
+from helpers import GLOBAL_BATCH, OPTIM, TINY, assert_parity, datamodule, fit, in_turn, reference
 from hf_helpers import fit_hf, global_batches, single_process
 from moe_helpers import TINY_MOE, moe_reference
 from torch import nn
@@ -44,22 +44,44 @@ def segment(rank, token_file, devices, directory, max_steps, ckpt_path, **layout
                callbacks=[PeriodicCheckpoint(directory, every_n_steps=STEPS, keep_last=1)], **layout)
 
 
+def segments(rank, token_file, devices, directory, indices):
+    """The chain's segments ``indices`` (one world size) in turn on this rank, each resuming the newest checkpoint in
+    ``directory``; each one's result."""
+    out = []
+    for i in indices:
+        layout = dict(CHAIN[i])
+        layout.pop("devices")
+        if torch.distributed.is_initialized():  # every rank sees the checkpoint the segment before published
+            torch.distributed.barrier()
+        resume = newest_checkpoint(directory)
+        out.append(segment(rank, token_file, devices, directory, (i + 1) * STEPS,
+                           None if resume is None else str(resume), **layout))
+    return out
+
+
 class Chain(list):
-    """Each segment's results, and the directory of the checkpoints they wrote."""
+    """Each segment's results, the directory of the checkpoints they wrote, and what the other tests of 2 ranks ran
+    in the launch of the chain's 2-rank segments (``others``: name -> each rank's result)."""
 
     directory = None
+    others: dict = {}
 
 
 @pytest.fixture(scope="module")
 def chain(token_file, tmp_path_factory):
+    """The chain's segments of 2 ranks (the first four) in one launch, with every other run of 2 ranks of this file
+    after them; then the last segment's 4 ranks."""
     results = Chain()
     results.directory = directory = tmp_path_factory.mktemp("muon")
-    for i, layout in enumerate(CHAIN):
-        layout = dict(layout)
-        devices = layout.pop("devices")
-        resume = newest_checkpoint(directory)
-        results.append(run_distributed(segment, devices, token_file, devices, directory, (i + 1) * STEPS,
-                                       None if resume is None else str(resume), **layout))
+    two = [i for i, layout in enumerate(CHAIN) if layout["devices"] == 2]
+    assert two == list(range(len(two))), "the chain's 2-rank segments come first"
+    calls = {"chain": (segments, (token_file, 2, directory, two), {}), **others(token_file)}
+    first = run_distributed(in_turn, 2, calls)
+    results.extend([r["chain"][k] for r in first] for k in range(len(two)))
+    results.others = {name: [r[name] for r in first] for name in calls if name != "chain"}
+    for i in range(len(two), len(CHAIN)):
+        devices = CHAIN[i]["devices"]
+        results.append([r[0] for r in run_distributed(segments, devices, token_file, devices, directory, [i])])
     return results
 
 
@@ -94,41 +116,53 @@ def test_a_muon_checkpoint_validates_and_refuses_another_optimizer(chain, token_
         assert refusal is not None and "holds no optimizer state 'exp_avg'" in refusal and "Muon" in refusal, refusal
 
 
-def test_tensor_parallel_shards_at_zero0_in_bf16_are_assembled(token_file):
+class Bound(L.Callback):
+    def on_train_end(self, trainer, module):
+        optimizer = trainer.strategy.model.optimizer.optimizer
+        stepped = [t for g in optimizer.param_groups if g.get("muon") for t in g["params"]]
+        self.kinds = sorted({type(optimizer.matrices_of(t)).__name__ for t in stepped})
+
+
+def bf16_shards(rank, token_file):
+    bound = Bound()
+    fit(rank, token_file, 2, max_steps=2, precision="bf16-mixed", callbacks=[bound],
+        module=LLMModule(TINY, **MUON, global_batch_size=GLOBAL_BATCH), tensor_parallel_size=2, zero_stage=0)
+    return bound.kinds
+
+
+def experts(rank, token_file):
+    module = LLMModule(TINY_MOE, **MUON, global_batch_size=GLOBAL_BATCH)
+    return fit(rank, token_file, 2, max_steps=3, module=module, check_layout=False, expert_parallel_size=2,
+               zero_stage=3)
+
+
+PLAIN = {"zero3": dict(zero_stage=3), "tp2": dict(tensor_parallel_size=2, zero_stage=1)}
+
+
+def others(token_file) -> dict:
+    """The runs of 2 ranks of the tests below the chain's, for the chain's first launch."""
+    calls = {"bf16_shards": (bf16_shards, (token_file,), {}), "experts": (experts, (token_file,), {}),
+             "hf": (fit_hf, ("llama", 2), dict(steps=3, optimizer="muon", tensor_parallel_size=2, zero_stage=1))}
+    calls.update({f"plain_{name}": (plain_run, (layout, 4), {}) for name, layout in PLAIN.items()})
+    return calls
+
+
+def test_tensor_parallel_shards_at_zero0_in_bf16_are_assembled(chain):
     """bf16 at ZeRO-0: DeepSpeed's unfused optimizer steps fp32 clones of the parameters; each split weight's clone is
     known as a tensor-parallel shard (unknown tensors are refused, never taken as whole)."""
-
-    class Bound(L.Callback):
-        def on_train_end(self, trainer, module):
-            optimizer = trainer.strategy.model.optimizer.optimizer
-            stepped = [t for g in optimizer.param_groups if g.get("muon") for t in g["params"]]
-            self.kinds = sorted({type(optimizer.matrices_of(t)).__name__ for t in stepped})
-
-    def run(rank, token_file):
-        bound = Bound()
-        fit(rank, token_file, 2, max_steps=2, precision="bf16-mixed", callbacks=[bound],
-            module=LLMModule(TINY, **MUON, global_batch_size=GLOBAL_BATCH), tensor_parallel_size=2, zero_stage=0)
-        return bound.kinds
-
-    assert run_distributed(run, 2, token_file) == [["TensorParallelShard"]] * 2
+    assert chain.others["bf16_shards"] == [["TensorParallelShard"]] * 2
 
 
-def test_stacked_experts_are_orthogonalised_one_matrix_each(token_file):
+def test_stacked_experts_are_orthogonalised_one_matrix_each(chain, token_file):
     """ep2 at ZeRO-3: each rank holds half the experts, each expert's matrices partitioned over its data ranks."""
-    def run(rank):
-        module = LLMModule(TINY_MOE, **MUON, global_batch_size=GLOBAL_BATCH)
-        return fit(rank, token_file, 2, max_steps=3, module=module, check_layout=False, expert_parallel_size=2,
-                   zero_stage=3)
-
     ref = moe_reference(token_file, 3, optim=MUON)
-    assert_parity(run_distributed(run, 2), ref, tol=2e-6)
+    assert_parity(chain.others["experts"], ref, tol=2e-6)
 
 
-def test_a_hugging_face_model_as_it_is_with_muon():
+def test_a_hugging_face_model_as_it_is_with_muon(chain):
     """A ``transformers`` Llama in a plain LightningModule, its plan from its own config, Muon on its blocks'
     matrices: tp2 x dp1 at ZeRO-1 against a plain loop of the same optimizer over the same batches."""
-    results = run_distributed(fit_hf, 2, "llama", 2, steps=3, optimizer="muon", tensor_parallel_size=2,
-                              zero_stage=1)
+    results = chain.others["hf"]
     want = single_process("llama", global_batches(results), optimizer="muon")
     assert_parity(results, want, tol=2e-6)
 
@@ -226,13 +260,12 @@ def plain_reference(batches) -> torch.Tensor:
     return module.net[2].weight.detach()
 
 
-@pytest.mark.parametrize("layout", [dict(zero_stage=3), dict(tensor_parallel_size=2, zero_stage=1)],
-                         ids=["zero3", "tp2"])
-def test_plain_module_returning_torch_muon(layout):
+@pytest.mark.parametrize("layout", PLAIN)
+def test_plain_module_returning_torch_muon(chain, layout):
     """The run that failed ("Param gradient must be a 2D matrix" at ZeRO 1-3) or silently differed (tp2, each rank
     orthogonalising its own shard) before: torch's own Muon, bf16 Newton-Schulz, against a plain loop of it, in the
     weights after 4 steps (its loss does not see Muon's update until the second step)."""
-    got = run_distributed(plain_run, 2, layout, 4)
+    got = chain.others[f"plain_{layout}"]
     want = plain_reference(got[0]["batches"])
     for rank in got:
         assert (rank["weight"] - want).abs().max() < 1e-5, (rank["weight"] - want).abs().max()
