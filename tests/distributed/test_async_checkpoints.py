@@ -6,6 +6,8 @@ failed write is reported with its rank and path. The kills at each stage, throug
 import time
 
 import pytest
+import torch
+from helpers import in_turn
 from test_replicas import fit_weights, weight_diff
 
 import lightning as L
@@ -73,34 +75,40 @@ def background_fit(rank: int, token_file, directory, slow_rank: int = -1, fail: 
     except CheckpointWriteError as error:
         return {"error": str(error), "published": sorted(p.name for p in directory.iterdir()),
                 "raised_after": boundaries.seen[-1][0]}
+    finally:  # the runs after this one in the same rank write as usual
+        background.record_checksums, dcp.FileSystemWriter.write_data = record, write
+        integrity.file_checksum = checksum
     return {**out, "seen": boundaries.seen, "write_ends": ends, "blocked_s": saver.blocked_s,
             "in_flight": saver.in_flight}
 
 
-@pytest.fixture(scope="module")
-def synchronous(token_file, tmp_path_factory):
-    def fit(rank, token_file, directory):
-        return fit_weights(rank, token_file, 2, max_steps_=STEPS, zero_stage=1,
-                           callbacks=(PeriodicCheckpoint(directory, every_n_steps=2),))
-    return run_distributed(fit, 2, token_file, tmp_path_factory.mktemp("sync"))
+def synchronous_fit(rank, token_file, directory):
+    return fit_weights(rank, token_file, 2, max_steps_=STEPS, zero_stage=1,
+                       callbacks=(PeriodicCheckpoint(directory, every_n_steps=2),))
 
 
-def test_published_only_after_every_rank_has_written_while_training_goes_on(token_file, tmp_path, synchronous):
+def test_published_only_after_every_rank_has_written_while_training_goes_on(token_file, tmp_path):
     """Rank 1's writes end 1.5 s late: steps go on meanwhile (the checkpoint of step 2 is not published at step 3),
     rank 0 publishes it only after rank 1's write has ended, the end of fit waits for the last one, and the weights
     are those of the run that saved synchronously; resumed from the background checkpoint of step 4, the run ends
-    on the same weights, bit for bit."""
-    results = run_distributed(background_fit, 2, token_file, tmp_path, slow_rank=1)
+    on the same weights, bit for bit. The three runs share one launch."""
+    directory = tmp_path / "background"
+    calls = {"synchronous": (synchronous_fit, (token_file, tmp_path / "sync"), {}),
+             "background": (background_fit, (token_file, directory), dict(slow_rank=1)),
+             "published": (lambda rank: torch.distributed.barrier(), (), {}),  # rank 0 has published step 4
+             "resumed": (background_fit, (token_file, tmp_path / "again"),
+                         dict(ckpt_path=str(directory / "step-00000004")))}
+    runs = run_distributed(in_turn, 2, calls)
+    synchronous, results, resumed = ([r[name] for r in runs] for name in ("synchronous", "background", "resumed"))
     seen, rank1_ends = results[0]["seen"], results[1]["write_ends"]
     assert len(rank1_ends) == 3 and all(r["in_flight"] is None for r in results)
     first_with_2 = next((step, t) for step, t, published in seen if "step-00000002" in published)
     assert first_with_2[0] >= 4  # steps 3.. trained while the checkpoint of step 2 was written
     assert first_with_2[1] >= rank1_ends[0]  # ... and it appeared only once rank 1 had finished writing it
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004", "step-00000006"]  # the end waited for 6
+    # the end waited for 6 (the resumed run wrote elsewhere)
+    assert sorted(p.name for p in directory.iterdir()) == ["step-00000004", "step-00000006"]
     for whole, mine in zip(synchronous, results):
         assert mine["losses"] == whole["losses"] and weight_diff(whole["weights"], mine["weights"]) == 0.0
-    resumed = run_distributed(background_fit, 2, token_file, tmp_path / "again",
-                              ckpt_path=str(tmp_path / "step-00000004"))
     for whole, again in zip(synchronous, resumed):
         assert again["losses"] == whole["losses"][4:] and weight_diff(whole["weights"], again["weights"]) == 0.0
 
@@ -128,7 +136,9 @@ def test_tensor_parallel_pieces_are_assembled_over_each_data_parallel_group(toke
         return fit_weights(rank, token_file, 4, max_steps_=4, zero_stage=2, tensor_parallel_size=2,
                            callbacks=(saver,), ckpt_path=ckpt_path)
 
-    whole = run_distributed(fit, 4, token_file, tmp_path / "whole")
-    again = run_distributed(fit, 4, token_file, tmp_path / "again", ckpt_path=str(tmp_path / "whole" / "step-00000002"))
+    runs = run_distributed(in_turn, 4, {
+        "whole": (fit, (token_file, tmp_path / "whole"), {}),
+        "again": (fit, (token_file, tmp_path / "again"), dict(ckpt_path=str(tmp_path / "whole" / "step-00000002")))})
+    whole, again = [r["whole"] for r in runs], [r["again"] for r in runs]
     for w, a in zip(whole, again):
         assert a["losses"] == w["losses"][2:] and weight_diff(w["weights"], a["weights"]) == 0.0
