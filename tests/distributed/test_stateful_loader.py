@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from helpers import SaveAtStep
+from helpers import SaveAtStep, in_turn
 from test_bring_your_own_model import GPTModule
 
 from lightning_mgpu import MGPUStrategy
@@ -77,10 +77,19 @@ def fits(rank: int, tmp: str, stateful: bool, own_shards: bool = False, **strate
     return {"whole": whole.seen, "resumed": resumed.seen}
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """The runs of 2 ranks, a StatefulDataLoader's and a plain DataLoader's, in one launch: name -> each rank's."""
+    root = tmp_path_factory.mktemp("loaders")
+    results = run_distributed(in_turn, 2, {"stateful": (fits, (str(root / "stateful"), True), {}),
+                                           "plain": (fits, (str(root / "plain"), False), {})})
+    return {name: [r[name] for r in results] for name in ("stateful", "plain")}
+
+
 @pytest.mark.parametrize("strategy", [{}, dict(tensor_parallel_size=2, own_shards=True)],
                          ids=["dp2_distributed_sampler", "tp2_dp2_own_shards"])
-def test_stateful_dataloader_resumes_with_the_next_samples(tmp_path, strategy):
-    results = run_distributed(fits, 4 if strategy else 2, str(tmp_path), True, **strategy)
+def test_stateful_dataloader_resumes_with_the_next_samples(two_ranks, tmp_path, strategy):
+    results = run_distributed(fits, 4, str(tmp_path), True, **strategy) if strategy else two_ranks["stateful"]
     data_ranks = [results[0], results[2]] if strategy else results  # tp2: ranks 0-1 are data rank 0, 2-3 rank 1
     # A DistributedSampler orders each epoch by seed and epoch: exact to the end. A loader's own shuffling generator
     # is restored by torchdata (0.11) for the rest of its epoch only; the next epochs are drawn differently (as in one
@@ -94,8 +103,8 @@ def test_stateful_dataloader_resumes_with_the_next_samples(tmp_path, strategy):
     assert sorted(first_epoch[0] + first_epoch[1]) == list(range(SAMPLES))  # the two data ranks split the epoch
 
 
-def test_a_plain_dataloader_starts_its_epoch_again(tmp_path):
-    results = run_distributed(fits, 2, str(tmp_path), False)
+def test_a_plain_dataloader_starts_its_epoch_again(two_ranks):
+    results = two_ranks["plain"]
     for r in results:
         # the resumed run replays the epoch from its first batch: what the uninterrupted run saw at steps 1-3
         assert r["resumed"][:3] == r["whole"][:3] and r["resumed"] != r["whole"][SAVE_AT:]
