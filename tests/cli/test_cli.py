@@ -36,9 +36,8 @@ def test_cli_schedules_train_and_validate_at_parity(token_file, tmp_path, schedu
     args = [str(BIN / "mgpu-train"), f"parallel.pipeline_schedule={schedule}", *extra,
             *cli_args(token_file, 5, n_layers=4), "parallel.pipeline_parallel_size=2", "parallel.zero_stage=1",
             "data.val_batches=2", f"hydra.run.dir={run_dir}"]
-    # the installed entry point through a fresh interpreter once; the other schedule forked (tests/forked_cli.py)
-    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=240) if one_stage else \
-        run_cli(args, cwd=tmp_path)
+    # forked (tests/forked_cli.py): a fresh interpreter trains in test_cli_after_non_editable_install below
+    proc = run_cli(args, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     ref = cli_reference(token_file, 5, n_layers=4, val_batches=2)
     applied = [line for line in (proc.stdout + proc.stderr).splitlines() if "applied layout: rank 0" in line]
