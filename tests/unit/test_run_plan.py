@@ -1,6 +1,7 @@
 """mgpu-plan's whole run: the time, GPU-hours, energy and cost formulas against hand-computed numbers, the ranking for
 a deadline, the scaling curve (its picture and its efficiency) and the refusals of bad whole-run settings."""
 
+import functools
 import math
 import re
 
@@ -15,6 +16,23 @@ from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
 from lightning_mgpu.planner.goodput import plan_goodput
 from lightning_mgpu.planner.run_cost import (RunSettings, node_counts, rank_for_deadline, run_cost,
                                              scaling_efficiency)
+
+#: Where mgpu-plan's report looks the search up.
+WHERE = ("lightning_mgpu.cli.plan.plan_layouts", "lightning_mgpu.cli.plan_run.plan_layouts")
+
+
+@functools.lru_cache(maxsize=None)
+def _searched(*args) -> tuple:
+    return tuple(plan_layouts(*args))
+
+
+@pytest.fixture(autouse=True)
+def one_search_per_shape(monkeypatch):
+    """The planner's search, once per set of arguments: the reports below differ in settings it does not read
+    (checkpointing, deadlines), and a search of the same shape returns the same rows."""
+    for where in WHERE:
+        monkeypatch.setattr(where, lambda *args: list(_searched(*args)))
+
 
 #: llama3_8b on 8-GPU nodes at the default data (sequence 128, global batch 16): a plan of well under a second.
 SMALL = ("model=llama3_8b", "trainer.devices=8", "trainer.num_nodes=4")
