@@ -90,13 +90,8 @@ TRACED = ["zero1", "zero3"]
 
 
 def _four_rank_calls(token_file) -> dict:
-    """Every fit of this file on 4 processes, by name; the traced ones first (the Flight Recorder's size is set before
-    the first process group exists)."""
+    """Every untraced fit of this file on 4 processes, by name."""
     calls = {}
-    for name in TRACED:
-        calls[f"traced_local_{name}"] = (traced_fit, (token_file,), dict(
-            replicas=2, replica_update="local", sync_every=2, outer_optimizer=DILOCO, **LAYOUTS[name]))
-        calls[f"traced_sync_{name}"] = (traced_fit, (token_file,), LAYOUTS[name])
     for name, layout in LAYOUTS.items():
         calls[f"sync_{name}"] = (fit_weights, (token_file, 4, SGDModule), layout)
         calls[f"local_{name}"] = (fit_weights, (token_file, 4, SGDModule), dict(
@@ -112,19 +107,32 @@ def _four_rank_calls(token_file) -> dict:
 
 @pytest.fixture(scope="module")
 def four(token_file) -> dict[str, list]:
-    """The 4-process fits of the tests below in one launch, each with a fresh Trainer (one launch per fit cost each
-    rank its start-up 21 times): each fit's results of every rank, by name."""
+    """The untraced 4-process fits of the tests below in one launch, each with a fresh Trainer (one launch per fit
+    cost each rank its start-up 17 times): each fit's results of every rank, by name. The traced fits have launches of
+    their own: their Flight Recorder of 100,000 entries, once set, stays for the process, and the liveness thread
+    reads all of it every 0.5 s (this file took 325 s of CPU with them in this launch, 88 s without)."""
     calls = _four_rank_calls(token_file)
     results = run_distributed(in_turn, 4, calls, timeout=900)
     return {name: [r[name] for r in results] for name in calls}
 
 
 @pytest.fixture(scope="module")
+def traced(token_file) -> dict[str, list]:
+    """The traced 4-process fits in one launch of their own (as ``four``)."""
+    calls = {}
+    for name in TRACED:
+        calls[f"local_{name}"] = (traced_fit, (token_file,), dict(
+            replicas=2, replica_update="local", sync_every=2, outer_optimizer=DILOCO, **LAYOUTS[name]))
+        calls[f"sync_{name}"] = (traced_fit, (token_file,), LAYOUTS[name])
+    results = run_distributed(in_turn, 4, calls, timeout=600)
+    return {name: [r[name] for r in results] for name in calls}
+
+
+@pytest.fixture(scope="module")
 def two(token_file) -> dict[str, list]:
-    """The 2-process fits of the tests below in one launch (as ``four``), the traced one first."""
+    """The untraced 2-process fits of the tests below in one launch (as ``four``)."""
     kw = dict(zero_stage=1, replica_update="local", sync_every=2)
-    calls = {"other_ways": (other_ways_fit, (token_file,), {}),
-             "plain": (fit_weights, (token_file, 2), dict(zero_stage=1)),
+    calls = {"plain": (fit_weights, (token_file, 2), dict(zero_stage=1)),
              "averaged": (fit_weights, (token_file, 2), dict(outer_optimizer=AVERAGING, **kw)),
              "diloco": (fit_weights, (token_file, 2), dict(outer_optimizer=DILOCO, **kw))}
     results = run_distributed(in_turn, 2, calls, timeout=600)
@@ -334,8 +342,8 @@ def other_ways_fit(rank: int, token_file) -> list:
     return trace.calls
 
 
-def test_the_trace_sees_functional_collectives_and_a_groups_own_methods(two):
-    for calls in two["other_ways"]:
+def test_the_trace_sees_functional_collectives_and_a_groups_own_methods(token_file):
+    for calls in run_distributed(other_ways_fit, 2, token_file):
         unnamed = [(step, op, ranks, n) for step, op, ranks, n, callers in calls if not callers]
         assert unnamed == [(1, "all_reduce", (0, 1), 5), (1, "all_reduce", (0, 1), 3)], unnamed
         assert any(callers for *_, callers in calls)  # the engine's own, through torch.distributed
@@ -353,12 +361,12 @@ def crossing_elements(result: dict) -> int:
 
 
 @pytest.mark.parametrize("name", TRACED)
-def test_replicas_talk_only_at_outer_steps_and_send_each_share_once(four, name):
+def test_replicas_talk_only_at_outer_steps_and_send_each_share_once(traced, name):
     """2 replicas of 2 ranks, H=2 over 4 steps: the outer step is the only collective that reaches the other replica
     (besides ZeRO-3's order check after its first step), after steps 2 and 4 only: one all-reduce per master tensor
     over the ranks at the same place of each replica, together this rank's share of the weights; in all at most 1/H
     of the elements ``sync`` sends across the same halves of the ranks over the same steps."""
-    results, sync = four[f"traced_local_{name}"], four[f"traced_sync_{name}"]
+    results, sync = traced[f"local_{name}"], traced[f"sync_{name}"]
     for r, s in zip(results, sync):
         assert 0 < crossing_elements(r) <= crossing_elements(s) / 2, (crossing_elements(r), crossing_elements(s))
         crossing = [c for c in r["calls"] if len({x // 2 for x in c[2]}) > 1]
