@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import (
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from helpers import assert_layout_applied, in_turn
+from helpers import assert_layout_applied
 
 from lightning_mgpu import MGPUStrategy
 from lightning_mgpu.testing import run_distributed
@@ -173,44 +173,27 @@ def assert_same_training(got: list[dict], ddp: list[dict], tol: float = 1e-5) ->
         assert g["lrs"] == pytest.approx(d["lrs"], rel=1e-12)
 
 
+@pytest.fixture(scope="module")
+def ddp():
+    return run_distributed(train, 2, "ddp", max_steps=10)
+
+
 #: Epochs of 7 batches per rank with accumulate_grad_batches=2: the last batch of each epoch steps alone, as Lightning
 #: does under DDP (it never carries gradients into the next epoch).
 ACCUMULATE = dict(trainer_kw=dict(accumulate_grad_batches=2), n_samples=112)
-PLAIN, ACCUMULATED, MANUAL = ["zero0", "zero2", "zero3_offload"], ["zero0", "zero2", "zero3"], ["zero0", "zero3"]
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    """Every run of this file on 2 ranks, DDP's and MGPUStrategy's, in one launch (a fresh Trainer each): name -> each
-    rank's result. The runs that are refused come last."""
-    root = tmp_path_factory.mktemp("conformance")
-    calls = {"ddp": (train, ("ddp",), dict(max_steps=10)), "ddp_accumulate": (train, ("ddp",), ACCUMULATE),
-             "ddp_manual": (train, ("ddp",), dict(max_steps=6, module_kw=dict(manual=True)))}
-    calls.update({f"plain_{stage}": (train, (ZERO[stage],), dict(max_steps=10)) for stage in PLAIN})
-    calls.update({f"accumulate_{stage}": (train, (ZERO[stage],), ACCUMULATE) for stage in ACCUMULATED})
-    calls.update({f"manual_{stage}": (train, (ZERO[stage],), dict(max_steps=6, module_kw=dict(manual=True)))
-                  for stage in MANUAL})
-    calls["epoch_ddp"] = (epoch_scheduler_run, ("ddp", str(root / "ddp")), {})
-    calls["epoch_mgpu"] = (epoch_scheduler_run, (dict(zero_stage=2), str(root / "mgpu")), {})
-    calls["ckpt_whole"] = (checkpoint_run, (root, "whole", 3), {})
-    calls["ckpt_first"] = (checkpoint_run, (root, "first", 1), dict(after="validate"))
-    calls["ckpt_files"] = (lambda rank: sorted(p.name for p in (root / "first").iterdir()), (), {})
-    calls["ckpt_resumed"] = (checkpoint_run, (root, "first", 3), dict(resume="last", after="test"))
-    calls.update({f"replicas_{update}": (train, (dict(zero_stage=1, replicas=2, replica_update=update, sync_every=2),),
-                                         dict(trainer_kw=dict(limit_val_batches=2))) for update in ("local", "async")})
-    calls["refused_two"] = (refused, (), dict(strategy=dict(zero_stage=2), module_kw=dict(optimizers=2, manual=True)))
-    calls["refused_swa"] = (refused, (), dict(strategy=dict(zero_stage=1),
-                                              callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)]))
-    results = run_distributed(in_turn, 2, calls)
-    return dict({name: [r[name] for r in results] for name in calls}, root=root)
+def ddp_accumulate():
+    return run_distributed(train, 2, "ddp", **ACCUMULATE)
 
 
 # ZeRO-1 and plain ZeRO-3 rows of the table in docs/how-to/own-model.md come from the script run (see
 # conformance_table); the tests run
 # the stages that differ most in how gradients and parameters are held.
-@pytest.mark.parametrize("stage", PLAIN)
-def test_plain_module_trains_as_under_ddp(two_ranks, stage):
-    ddp, got = two_ranks["ddp"], two_ranks[f"plain_{stage}"]
+@pytest.mark.parametrize("stage", ["zero0", "zero2", "zero3_offload"])
+def test_plain_module_trains_as_under_ddp(ddp, stage):
+    got = run_distributed(train, 2, ZERO[stage], max_steps=10)
     assert_same_training(got, ddp)
     # The DistributedSampler shards over the data-parallel group: the ranks see disjoint samples, 8 batches each.
     first_epoch = [set(r["seen"][:8 * BATCH]) for r in got]
@@ -219,12 +202,11 @@ def test_plain_module_trains_as_under_ddp(two_ranks, stage):
     assert got[0]["metrics"]["train_loss"] == pytest.approx(ddp[0]["metrics"]["train_loss"], abs=1e-5)  # sync_dist
 
 
-def test_tensor_parallel_ranks_share_their_replicas_samples(two_ranks):
+def test_tensor_parallel_ranks_share_their_replicas_samples(ddp):
     """tp2 x dp2 on 4 processes against DDP on 2: both ranks of a tensor-parallel pair see DDP rank d's samples and
     losses; predict shards over the data-parallel group too."""
     got = run_distributed(train, 4, dict(tensor_parallel_size=2, zero_stage=1), max_steps=10, devices=4,
                           module_cls=TensorParallelClassifier, after="predict")
-    ddp = two_ranks["ddp"]
     assert_same_training(got, [ddp[0], ddp[0], ddp[1], ddp[1]])
     assert all(r["shapes"] == {"net.0.weight": (16, 16), "net.0.bias": (16,), "net.2.weight": (4, 16),
                                "net.2.bias": (4,)} for r in got)  # each rank holds half of each split layer
@@ -233,33 +215,40 @@ def test_tensor_parallel_ranks_share_their_replicas_samples(two_ranks):
     assert not set(predicted[0]) & set(predicted[2]) and len(predicted[0]) + len(predicted[2]) == N_SAMPLES
 
 
-@pytest.mark.parametrize("stage", ACCUMULATED)
-def test_accumulate_grad_batches_steps_once_per_n_batches_as_under_ddp(two_ranks, stage):
-    got = two_ranks[f"accumulate_{stage}"]
-    assert_same_training(got, two_ranks["ddp_accumulate"])
+@pytest.mark.parametrize("stage", ["zero0", "zero2", "zero3"])
+def test_accumulate_grad_batches_steps_once_per_n_batches_as_under_ddp(ddp_accumulate, stage):
+    got = run_distributed(train, 2, ZERO[stage], **ACCUMULATE)
+    assert_same_training(got, ddp_accumulate)
     assert got[0]["global_step"] == 8  # 2 epochs x (3 pairs + the odd last batch)
 
 
-@pytest.mark.parametrize("stage", MANUAL)
-def test_manual_optimization_as_under_ddp(two_ranks, stage):
-    assert_same_training(two_ranks[f"manual_{stage}"], two_ranks["ddp_manual"])
+@pytest.fixture(scope="module")
+def ddp_manual():
+    return run_distributed(train, 2, "ddp", max_steps=6, module_kw=dict(manual=True))
 
 
-def epoch_scheduler_run(rank, strategy, log_dir):
-    lr_monitor = LearningRateMonitor(logging_interval="step", log_momentum=True, log_weight_decay=True)
-    stop = EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)  # stops after the second validation
-    out = train(rank, strategy, max_epochs=5, callbacks=[lr_monitor, stop], module_kw=dict(interval="epoch"),
-                trainer_kw=dict(use_distributed_sampler=False, log_every_n_steps=1,
-                                logger=L.pytorch.loggers.CSVLogger(log_dir)))
-    rows = list(csv.DictReader(next(Path(log_dir).rglob("metrics.csv")).open())) if rank == 0 else []
-    out["lr-logged"] = [[r[k] for k in ("lr-AdamW", "lr-AdamW-momentum", "lr-AdamW-weight_decay")]
-                        for r in rows if r.get("lr-AdamW")]
-    return out
+@pytest.mark.parametrize("stage", ["zero0", "zero3"])
+def test_manual_optimization_as_under_ddp(ddp_manual, stage):
+    ddp = ddp_manual
+    got = run_distributed(train, 2, ZERO[stage], max_steps=6, module_kw=dict(manual=True))
+    assert_same_training(got, ddp)
 
 
-def test_epoch_scheduler_lr_monitor_early_stopping_and_own_sampler(two_ranks):
+def test_epoch_scheduler_lr_monitor_early_stopping_and_own_sampler(tmp_path):
+    def run(rank, strategy, log_dir):
+        lr_monitor = LearningRateMonitor(logging_interval="step", log_momentum=True, log_weight_decay=True)
+        stop = EarlyStopping(monitor="val_loss", patience=0, min_delta=10.0)  # stops after the second validation
+        out = train(rank, strategy, max_epochs=5, callbacks=[lr_monitor, stop], module_kw=dict(interval="epoch"),
+                    trainer_kw=dict(use_distributed_sampler=False, log_every_n_steps=1,
+                                    logger=L.pytorch.loggers.CSVLogger(log_dir)))
+        rows = list(csv.DictReader(next(Path(log_dir).rglob("metrics.csv")).open())) if rank == 0 else []
+        out["lr-logged"] = [[r[k] for k in ("lr-AdamW", "lr-AdamW-momentum", "lr-AdamW-weight_decay")]
+                            for r in rows if r.get("lr-AdamW")]
+        return out
+
     # use_distributed_sampler=False: every rank iterates the whole dataset with the user's own (random) sampler
-    ddp, got = two_ranks["epoch_ddp"], two_ranks["epoch_mgpu"]
+    ddp = run_distributed(run, 2, "ddp", str(tmp_path / "ddp"))
+    got = run_distributed(run, 2, dict(zero_stage=2), str(tmp_path / "mgpu"))
     assert_same_training(got, ddp)
     assert len(got[0]["seen"]) == 2 * N_SAMPLES  # two epochs, all samples each: early stopping ended the fit
     assert got[0]["lrs"][0] == 1e-2 and got[0]["lrs"][-1] < 1e-2  # interval="epoch": the LR fell at an epoch end
@@ -288,29 +277,28 @@ class LogLines(logging.Handler):
             logging.getLogger(name).removeHandler(self)
 
 
-def checkpoint_run(rank, root: Path, name: str, max_epochs: int, resume: Optional[str] = None,
-                   after: Optional[str] = None) -> dict:
-    # mode="max": the best checkpoint is the earliest (highest loss), never the weights fit ends with
-    ckpt = ModelCheckpoint(dirpath=str(root / name), monitor="val_loss", mode="max", save_top_k=1,
-                           save_last=True, every_n_train_steps=4)
-    with LogLines() as log:
-        out = train(rank, dict(zero_stage=3), max_epochs=max_epochs, callbacks=[ckpt], root=str(root),
-                    after=after, fit_kw=dict(ckpt_path=resume) if resume else None,
-                    trainer_kw=dict(enable_checkpointing=True, val_check_interval=4))
-    out["best_score"] = float(ckpt.best_model_score)
-    out["resumed_lines"] = [line for line in log.lines if line.startswith("Resumed at step")]
-    return out
+def test_model_checkpoint_top_k_last_and_resume(tmp_path):
+    def run(rank, name, max_epochs, resume=None, after=None):
+        # mode="max": the best checkpoint is the earliest (highest loss), never the weights fit ends with
+        ckpt = ModelCheckpoint(dirpath=str(tmp_path / name), monitor="val_loss", mode="max", save_top_k=1,
+                               save_last=True, every_n_train_steps=4)
+        with LogLines() as log:
+            out = train(rank, dict(zero_stage=3), max_epochs=max_epochs, callbacks=[ckpt], root=str(tmp_path),
+                        after=after, fit_kw=dict(ckpt_path=resume) if resume else None,
+                        trainer_kw=dict(enable_checkpointing=True, val_check_interval=4))
+        out["best_score"] = float(ckpt.best_model_score)
+        out["resumed_lines"] = [line for line in log.lines if line.startswith("Resumed at step")]
+        return out
 
-
-def test_model_checkpoint_top_k_last_and_resume(two_ranks):
-    tmp_path = two_ranks["root"]
-    whole, first, resumed = two_ranks["ckpt_whole"], two_ranks["ckpt_first"], two_ranks["ckpt_resumed"]
-    files = two_ranks["ckpt_files"][0]  # as the first run left them, before the resumed run wrote more
+    whole = run_distributed(run, 2, "whole", 3)
+    first = run_distributed(run, 2, "first", 1, after="validate")
+    files = sorted(p.name for p in (tmp_path / "first").iterdir())
     assert len(files) == 2 and "last.ckpt" in files, files  # top-1 by val_loss, plus last
     assert (tmp_path / "first" / "last.ckpt" / "trainer_state.pt").is_file()  # this project's (universal) format
     # validate(ckpt_path="best") loaded the best (step-4) weights, not the ones fit ended with
     assert first[0]["after"] == pytest.approx(first[0]["best_score"], abs=1e-6)
     assert abs(first[0]["after"] - first[0]["metrics"]["val_loss"]) > 1e-3
+    resumed = run_distributed(run, 2, "first", 3, resume="last", after="test")
     # one line on rank 0 (none elsewhere) names the step and the file, without a PeriodicCheckpoint in the run
     assert resumed[0]["resumed_lines"] == [f"Resumed at step 8 from {tmp_path / 'first' / 'last.ckpt'}"]
     assert resumed[1]["resumed_lines"] == [] and whole[0]["resumed_lines"] == []
@@ -320,28 +308,29 @@ def test_model_checkpoint_top_k_last_and_resume(two_ranks):
     assert math.isfinite(resumed[0]["after"])  # test(ckpt_path="best")
 
 
-def refused(rank, **kw):
-    try:
-        train(rank, **kw)
-    except (ValueError, NotImplementedError) as err:
-        return str(err)
-    return "trained"
+def test_refused_at_setup_with_what_to_do_instead():
+    def refused(rank, **kw):
+        try:
+            train(rank, **kw)
+        except (ValueError, NotImplementedError) as err:
+            return str(err)
+        return "trained"
 
-
-def test_refused_at_setup_with_what_to_do_instead(two_ranks):
     # (with automatic optimization Lightning itself refuses a second optimizer)
-    two = two_ranks["refused_two"][0]
+    two = run_distributed(refused, 2, strategy=dict(zero_stage=2), module_kw=dict(optimizers=2, manual=True))[0]
     assert "configure_optimizers returned 2 optimizers" in two
-    swa = two_ranks["refused_swa"][0]
+    swa = run_distributed(refused, 2, strategy=dict(zero_stage=1),
+                          callbacks=[StochasticWeightAveraging(swa_lrs=1e-2)])[0]
     assert "StochasticWeightAveraging" in swa and "not supported" in swa
 
 
 @pytest.mark.parametrize("update", ["local", "async"])
-def test_plain_module_trains_with_replicas_stepping_apart(two_ranks, update):
+def test_plain_module_trains_with_replicas_stepping_apart(update):
     """The Classifier with its own DataLoaders, 2 epochs with validation after each, as 2 replicas of one rank that
     step apart (H=2): each epoch the replicas read disjoint halves of the data, the loss falls, and the validation
     loss after the last (outer) step is logged."""
-    results = two_ranks[f"replicas_{update}"]
+    results = run_distributed(train, 2, dict(zero_stage=1, replicas=2, replica_update=update, sync_every=2),
+                              trainer_kw=dict(limit_val_batches=2))
     half = N_SAMPLES // 2
     for epoch in range(2):
         shards = [set(r["seen"][epoch * half:(epoch + 1) * half]) for r in results]
