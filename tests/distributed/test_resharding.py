@@ -5,8 +5,7 @@ counters (global step, ``tokens_seen``, the learning rate of each step) continue
 each step's global batch (its token windows over every rank) is the one the uninterrupted run draws, whether the
 number of data-parallel ranks grew (1 -> 2, 1 -> 4) or shrank (2 -> 1) at the resume.
 
-A chain needs one launch per layout where independent save/resume pairs need two per target layout, and consecutive
-segments of one world size share a launch (six launches for the nine segments). Every segment
+A chain needs one launch per layout where independent save/resume pairs need two per target layout. Every segment
 after the first is a resume target: pp2 1F1B -> pp2 interleaved (V=2) ZeRO-3 with one replica -> dp2 -> tp2 ZeRO-3
 with one replica -> tp2 x dp2 ZeRO-2 -> one process -> cp2 ZeRO-3 (context parallel) -> pp2 x tp2 + SP -> dp4
 ZeRO-3."""
@@ -15,7 +14,6 @@ from dataclasses import replace
 
 import lightning as L
 import pytest
-import torch.distributed as dist
 from helpers import GLOBAL_BATCH, OPTIM, SEQ_LEN, TINY, assert_parity, fit, global_batches, reference
 
 from lightning_mgpu import LLMModule
@@ -68,40 +66,8 @@ def segment(rank, token_file, devices, directory, max_steps, ckpt_path, **layout
     return dict(result, counters=counters.rows, batches=counters.batches)
 
 
-def segments(rank, token_file, devices, directory, indices):
-    """The chain's segments ``indices`` (one world size) in turn on this rank, each resuming the newest checkpoint in
-    ``directory``; by index, each result and the name of the checkpoint it resumed."""
-    out = {}
-    for i in indices:
-        layout = dict(CHAIN[i])
-        layout.pop("devices")
-        if dist.is_initialized():  # every rank sees the checkpoint the segment before published
-            dist.barrier()
-        resume = newest_checkpoint(directory)
-        result = segment(rank, token_file, devices, directory, (i + 1) * STEPS,
-                         None if resume is None else str(resume), **layout)
-        out[i] = dict(result, resumed_from=resume.name if resume else None)
-    return out
-
-
-def launches() -> list[list[int]]:
-    """The segments' indices, consecutive ones of one world size together, except after a pipelined ZeRO-3 segment:
-    DeepSpeed numbers the modules it registers with one counter per process, and pipeline ranks register different
-    numbers of modules, so a later ZeRO-3 engine in the same ranks would number its modules differently on each rank
-    (and refuses to step: "disagreement on list contents")."""
-    groups: list[list[int]] = []
-    for i, layout in enumerate(CHAIN):
-        before = CHAIN[groups[-1][-1]] if groups else None
-        if before and before["devices"] == layout["devices"] and not (
-                before.get("zero_stage") == 3 and before.get("pipeline_parallel_size", 1) > 1):
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
-
-
 class Chain:
-    """Runs the segments in order, once, as the tests ask for them: a launch for each of :func:`launches`."""
+    """Runs the segments in order, once, as the tests ask for them."""
 
     def __init__(self, token_file, directory) -> None:
         self.token_file, self.directory = token_file, directory
@@ -112,18 +78,21 @@ class Chain:
             failed = [i for i, r in enumerate(self.results) if isinstance(r, BaseException)]
             if failed:
                 raise RuntimeError(f"segment {failed[0]} ({describe(CHAIN[failed[0]])}) failed: nothing to resume from")
-            self.results.extend(self._run(next(g for g in launches() if g[0] == len(self.results))))
+            self.results.append(self._run(len(self.results)))
         if isinstance(self.results[index], BaseException):
             raise self.results[index]
         return self.results[index]
 
-    def _run(self, indices: list[int]) -> list:
-        devices = CHAIN[indices[0]]["devices"]
+    def _run(self, i: int):
+        layout = dict(CHAIN[i])
+        devices = layout.pop("devices")
+        resume = newest_checkpoint(self.directory)
         try:
-            results = run_distributed(segments, devices, self.token_file, devices, self.directory, indices)
-            return [[r[i] for r in results] for i in indices]
+            assert (resume.name if resume else None) == (f"step-{i * STEPS:08d}" if i else None), resume
+            return run_distributed(segment, devices, self.token_file, devices, self.directory, (i + 1) * STEPS,
+                                   None if resume is None else str(resume), **layout)
         except Exception as error:  # kept, so that the later segments report that they have nothing to resume from
-            return [error] * len(indices)
+            return error
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +123,6 @@ def ref(token_file):
                              [f"{describe(a)}->{describe(b)}" for a, b in zip(CHAIN, CHAIN[1:])])
 def test_resume_on_another_layout_continues_the_run(chain, ref, index):
     results = chain[index]
-    assert {r["resumed_from"] for r in results} == {f"step-{index * STEPS:08d}" if index else None}, \
-        [r["resumed_from"] for r in results]
     steps = range(index * STEPS, (index + 1) * STEPS)
     assert_parity(results, {k: [ref[k][s] for s in steps] for k in ("losses", "grad_norms")})
     expected = [(s + 1, (s + 1) * GLOBAL_BATCH * SEQ_LEN, ref["lrs"][s]) for s in steps]
