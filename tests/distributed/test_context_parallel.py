@@ -1,8 +1,8 @@
 """Context parallelism: sequences split over ranks, alone and with tensor, pipeline and ZeRO data parallelism, against
-one process (loss and gradient norm, 1e-5 fp32, 4 steps, then the validation loss)."""
+one process (loss and gradient norm, 1e-5 fp32, 10 steps, then the validation loss)."""
 
 import pytest
-from helpers import assert_parity, fit, in_turn
+from helpers import assert_parity, fit
 
 from lightning_mgpu.testing import run_distributed
 
@@ -19,26 +19,11 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(token_file) -> dict[str, list]:
-    """Every layout's fit, one launch per world size, each fit with a fresh Trainer (one launch per layout cost every
-    rank its start-up again); on 2 processes also the activation measurement below, first (it makes and ends its own
-    process group). Each run's results of every rank, by name."""
-    out = {}
-    for devices in sorted({d for d, _ in LAYOUTS.values()}):
-        calls = {name: (fit, (token_file, devices), dict(validate=True, **kw))
-                 for name, (d, kw) in LAYOUTS.items() if d == devices}
-        if devices == 2:
-            calls = {"saved_bytes": (_saved_bytes_whole_and_split, (2,), {}), **calls}
-        results = run_distributed(in_turn, devices, calls, timeout=600)
-        out.update({name: [r[name] for r in results] for name in calls})
-    return out
-
-
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_context_parallel_matches_single_process(runs, ref, name):
-    """Loss and gradient norm of 4 steps, then the validation loss (a forward of whole sequences split the same way)."""
-    results = runs[name]
+def test_context_parallel_matches_single_process(token_file, ref, name):
+    """Loss and gradient norm of 10 steps, then the validation loss (a forward of whole sequences split the same way)."""
+    devices, kw = LAYOUTS[name]
+    results = run_distributed(fit, devices, token_file, devices, validate=True, **kw)
     assert_parity(results, ref)
     for r in results:
         assert abs(r["val_loss"] - ref["val_loss"]) < 1e-5, (r["rank"], r["val_loss"], ref["val_loss"])
@@ -63,9 +48,9 @@ def _saved_bytes_whole_and_split(rank: int, size: int) -> tuple[int, int]:
     return whole, split
 
 
-def test_cp2_halves_the_activations_each_rank_saves(runs):
+def test_cp2_halves_the_activations_each_rank_saves():
     """Measured on what autograd saves for backward: each of 2 context ranks keeps about half of what one process keeps
     for the same 512-token sequence. Not exactly half: each block also keeps the gathered keys and values of the whole
     sequence (2 of 8 heads here), and on CPU the masks of the query chunks (one set, shared by the blocks)."""
-    for whole, split in runs["saved_bytes"]:
+    for whole, split in run_distributed(_saved_bytes_whole_and_split, 2, 2):
         assert 0.45 < split / whole < 0.56, (split, whole, split / whole)  # 0.535 measured

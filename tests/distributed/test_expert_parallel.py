@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import lightning as L
 import pytest
-from helpers import GLOBAL_BATCH, OPTIM, assert_parity, fit, in_turn
+from helpers import GLOBAL_BATCH, OPTIM, assert_parity, fit
 from moe_helpers import TINY_MOE, RouteRecorder, assert_routes_equal, moe_reference
 
 from lightning_mgpu import LLMModule
@@ -65,45 +65,11 @@ def assert_experts_split(results, Ep, T=1, E=4, hidden=64, model=TINY_MOE):
             assert len(ep) == Ep and r["first_expert"] == {ep.index(r["rank"]) * E // Ep}
 
 
-COMPOSED = {"tp2_sp": dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1),
-            "cp2": dict(context_parallel_size=2, zero_stage=2),
-            # ZeRO-3 sums expert norms over the tensor x pipeline ranks only when told to
-            "tp2_zero3": dict(tensor_parallel_size=2, zero_stage=3), "pp2_zero3": dict(pipeline_parallel_size=2, zero_stage=3)}
-SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": dict(virtual_pipeline_size=2),
-             "looped_bfs": dict(virtual_pipeline_size=2), "interleaved_zero_bubble": dict(virtual_pipeline_size=2),
-             "zbv": dict(virtual_pipeline_size=2), "dualpipev": dict(virtual_pipeline_size=2)}
-#: DeepSeek's style: sigmoid scores with a selection bias, shared experts, a dense first layer, sequence-wise
-#: balancing statistics.
-DEEPSEEK_STYLE = replace(TINY_MOE, n_layers=3, dense_layers=1, router_score="sigmoid", router_bias_rate=0.01,
-                         aux_loss="sequence", shared_experts=1, router_scale=2.0)
-
-
-def _four_rank_calls(token_file) -> dict:
-    """Every fit of this file on 4 processes (each layout below has 4 ranks), by its test's case name."""
-    calls = {f"zero{z}": (fit_moe, (token_file, 4), dict(expert_parallel_size=2, zero_stage=z)) for z in range(4)}
-    calls.update({name: (fit_moe, (token_file, 4), dict(expert_parallel_size=2, **kw)) for name, kw in COMPOSED.items()})
-    for name, kw in SCHEDULES.items():
-        data = dict(micro_batch_size=1) if name == "dualpipev" else None
-        calls[name] = (fit_moe, (token_file, 4), dict(model=DEEP_MOE, expert_parallel_size=2, pipeline_parallel_size=2,
-                                                      zero_stage=1, pipeline_schedule=name, data=data, **kw))
-    calls["deepseek"] = (fit_moe, (token_file, 4), dict(model=DEEPSEEK_STYLE, expert_parallel_size=4, zero_stage=1))
-    return calls
-
-
-@pytest.fixture(scope="module")
-def four(token_file) -> dict[str, list[dict]]:
-    """The 4-process fits of every test below, in one launch: each rank builds a fresh Trainer for each in turn (one
-    launch per fit cost a rank's start-up 16 times). Each case's ranks' results, by case name."""
-    calls = _four_rank_calls(token_file)
-    results = run_distributed(in_turn, 4, calls, timeout=900)
-    return {name: [r[name] for r in results] for name in calls}
-
-
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_expert_parallel_matches_single_process(four, moe_ref, zero_stage):
+def test_expert_parallel_matches_single_process(token_file, moe_ref, zero_stage):
     """Four data-parallel ranks, two expert-parallel groups: each expert's gradient is reduced, and ZeRO partitions
     it, over the two ranks that hold it (ranks 0 and 2 hold experts 0-1)."""
-    results = four[f"zero{zero_stage}"]
+    results = run_distributed(fit_moe, 4, token_file, 4, expert_parallel_size=2, zero_stage=zero_stage)
     assert_experts_split(results, Ep=2)
     assert results[0]["groups"] == {"ep": [0, 1], "edp": [0, 2]}
     assert_routes_equal(results, moe_ref)  # first: a flipped near-tie would explain any difference below
@@ -111,14 +77,23 @@ def test_expert_parallel_matches_single_process(four, moe_ref, zero_stage):
     assert moe_ref["losses"][-1] < moe_ref["losses"][0] - 0.1
 
 
-@pytest.mark.parametrize("name", list(COMPOSED))
-def test_expert_parallel_composes_with_tensor_context_and_pipeline_parallel(four, moe_ref, name):
-    """Each on 4 ranks: 2 expert-parallel ranks times tp2, cp2 (over context and data ranks) or pp2."""
-    kw = COMPOSED[name]
-    results = four[name]
+@pytest.mark.parametrize("kw", [dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1),
+                                dict(context_parallel_size=2, zero_stage=2),
+                                # ZeRO-3 sums expert norms over the tensor x pipeline ranks only when told to
+                                dict(tensor_parallel_size=2, zero_stage=3), dict(pipeline_parallel_size=2, zero_stage=3)],
+                         ids=["tp2_sp", "cp2", "tp2_zero3", "pp2_zero3"])
+def test_expert_parallel_composes_with_tensor_context_and_pipeline_parallel(token_file, moe_ref, kw):
+    devices = 2 * kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1) * \
+        kw.get("context_parallel_size", 1)  # cp2: over context and data ranks
+    results = run_distributed(fit_moe, devices, token_file, devices, expert_parallel_size=2, **kw)
     assert_experts_split(results, Ep=2, T=kw.get("tensor_parallel_size", 1))
     assert_routes_equal(results, moe_ref)
     assert_parity(results, moe_ref)
+
+
+SCHEDULES = {"gpipe": {}, "1f1b": {}, "interleaved_1f1b": dict(virtual_pipeline_size=2),
+             "looped_bfs": dict(virtual_pipeline_size=2), "interleaved_zero_bubble": dict(virtual_pipeline_size=2),
+             "zbv": dict(virtual_pipeline_size=2), "dualpipev": dict(virtual_pipeline_size=2)}
 
 
 @pytest.fixture(scope="module")
@@ -128,38 +103,29 @@ def deep_ref_single(token_file):
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
-def test_expert_parallel_under_every_pipeline_schedule(four, deep_ref, deep_ref_single, schedule):
+def test_expert_parallel_under_every_pipeline_schedule(token_file, deep_ref, deep_ref_single, schedule):
     """The balancing losses reach the routers of both stages under every schedule (the grad norm sees their
     gradients; zero-bubble schedules split the backward) and the bias moves alike on every rank (the routes of later
     steps depend on it)."""
     single = schedule == "dualpipev"
-    results = four[schedule]
+    results = run_distributed(fit_moe, 4, token_file, 4, model=DEEP_MOE, expert_parallel_size=2,
+                              pipeline_parallel_size=2, zero_stage=1, pipeline_schedule=schedule,
+                              data=dict(micro_batch_size=1) if single else None, **SCHEDULES[schedule])
     assert_experts_split(results, Ep=2, model=DEEP_MOE)
     ref = deep_ref_single if single else deep_ref
     assert_routes_equal(results, ref)
     assert_parity(results, ref)
 
 
-#: Balancing statistics summed over the data-parallel ranks of each micro-batch.
-GLOBAL_AUX = replace(TINY_MOE, aux_loss="global_batch", aux_loss_coeff=0.5)
-
-
-@pytest.fixture(scope="module")
-def two(token_file) -> dict[str, list[dict]]:
-    """The 2-process fits of the tests below, in one launch (as ``four``)."""
-    calls = {"global_batch": (fit_moe, (token_file, 2), dict(model=GLOBAL_AUX, expert_parallel_size=2, zero_stage=1)),
-             "bf16": (fit_moe, (token_file, 2), dict(expert_parallel_size=2, zero_stage=2, precision="bf16-mixed"))}
-    results = run_distributed(in_turn, 2, calls)
-    return {name: [r[name] for r in results] for name in calls}
-
-
-def test_global_batch_balancing_statistics_span_the_data_parallel_ranks(token_file, two):
+def test_global_batch_balancing_statistics_span_the_data_parallel_ranks(token_file):
     """``aux_loss="global_batch"``: each micro-batch's statistics are summed over both data-parallel ranks, as one
     process computing them over the union of the two ranks' micro-batches (samples 0-1 with 4-5, 2-3 with 6-7)."""
-    ref = moe_reference(token_file, STEPS, model=GLOBAL_AUX, groups=[[0, 1, 4, 5], [2, 3, 6, 7]])
-    per_rank = moe_reference(token_file, STEPS, model=GLOBAL_AUX)  # statistics per rank instead: a different run
+    model = replace(TINY_MOE, aux_loss="global_batch", aux_loss_coeff=0.5)
+    ref = moe_reference(token_file, STEPS, model=model, groups=[[0, 1, 4, 5], [2, 3, 6, 7]])
+    per_rank = moe_reference(token_file, STEPS, model=model)  # statistics per rank instead: a different run
     assert abs(ref["grad_norms"][0] - per_rank["grad_norms"][0]) > 1e-4
-    assert_parity(two["global_batch"], ref)
+    results = run_distributed(fit_moe, 2, token_file, 2, model=model, expert_parallel_size=2, zero_stage=1)
+    assert_parity(results, ref)
 
 
 def test_eight_processes_tensor_pipeline_data_and_expert_parallel(token_file, deep_ref):
@@ -179,31 +145,12 @@ CHAIN = [dict(devices=4, expert_parallel_size=2, zero_stage=2),  # each expert o
          dict(devices=4, expert_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)]
 
 
-#: The launches of the chain: segments 3-5 share their 4 processes, each with a fresh Trainer.
-LAUNCHES = [[0], [1], [2, 3, 4]]
+def segment(rank, token_file, devices, directory, max_steps, ckpt_path, **layout):
+    from lightning_mgpu.callbacks import PeriodicCheckpoint
 
-
-def segments(rank, token_file, directory, chain: list[tuple[int, dict]]) -> list[dict]:
-    """The segments ``(max_steps, layout)`` of one world size in turn on these ranks, each resuming the newest
-    checkpoint, looked up after a barrier (every rank has left the previous fit, so its checkpoint is complete); with
-    the experts' weights read back from the checkpoint each wrote (rank 0)."""
-    import torch.distributed as dist
-
-    from lightning_mgpu.callbacks import PeriodicCheckpoint, newest_checkpoint
-    from lightning_mgpu.checkpoint.universal import read_model_weights
-
-    out = []
-    for max_steps, layout in chain:
-        if dist.is_initialized():
-            dist.barrier()
-        resume, devices = newest_checkpoint(directory), layout.pop("devices")
-        module = LLMModule(BIASED, **OPTIM, global_batch_size=GLOBAL_BATCH)
-        result = fit(rank, token_file, devices, max_steps=max_steps, module=module, check_layout=False,
-                     ckpt_path=None if resume is None else str(resume),
-                     callbacks=[PeriodicCheckpoint(directory, every_n_steps=2, keep_last=1)], **layout)
-        dist.barrier()
-        out.append({**result, "weights": read_model_weights(newest_checkpoint(directory))[1] if rank == 0 else None})
-    return out
+    module = LLMModule(BIASED, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    return fit(rank, token_file, devices, max_steps=max_steps, ckpt_path=ckpt_path, module=module, check_layout=False,
+               callbacks=[PeriodicCheckpoint(directory, every_n_steps=2, keep_last=1)], **layout)
 
 
 BIASED = replace(TINY_MOE, router_bias_rate=0.01)
@@ -214,37 +161,47 @@ def test_universal_checkpoints_reshard_experts_2_1_4_and_other_axes(token_file, 
     (read back from its checkpoint), each expert distinct from the others. The router bias is saved with them."""
     import torch
 
+    from lightning_mgpu.callbacks import newest_checkpoint
+    from lightning_mgpu.checkpoint.universal import read_model_weights
+
     ref = moe_reference(token_file, 2 * len(CHAIN), model=BIASED)
-    for launch in LAUNCHES:
-        chain = [(2 * (i + 1), dict(CHAIN[i])) for i in launch]
-        devices = CHAIN[launch[0]]["devices"]
-        per_rank = run_distributed(segments, devices, token_file, tmp_path, chain, timeout=600)
-        for j, i in enumerate(launch):
-            assert_parity([r[j] for r in per_rank], {k: ref_k[2 * i:2 * i + 2] for k, ref_k in
-                                                      (("losses", ref["losses"]), ("grad_norms", ref["grad_norms"]))})
-            weights = per_rank[0][j]["weights"]
-            at_step = moe_reference(token_file, 2 * (i + 1), model=BIASED)["experts"]
-            for name, want in at_step.items():
-                got = weights[name]
-                assert torch.allclose(got, want, atol=1e-5), (i, name, (got - want).abs().max())
-                flat = got.flatten(1)
-                assert all(not torch.equal(flat[a], flat[b]) for a in range(len(flat)) for b in range(a)), name
+    for i, layout in enumerate(CHAIN):
+        layout = dict(layout)
+        devices = layout.pop("devices")
+        resume = newest_checkpoint(tmp_path)
+        results = run_distributed(segment, devices, token_file, devices, tmp_path, 2 * (i + 1),
+                                  None if resume is None else str(resume), **layout)
+        assert_parity(results, {k: ref_k[2 * i:2 * i + 2] for k, ref_k in
+                                (("losses", ref["losses"]), ("grad_norms", ref["grad_norms"]))})
+        _, weights = read_model_weights(newest_checkpoint(tmp_path))
+        at_step = moe_reference(token_file, 2 * (i + 1), model=BIASED)["experts"]
+        for name, want in at_step.items():
+            got = weights[name]
+            assert torch.allclose(got, want, atol=1e-5), (i, name, (got - want).abs().max())
+            flat = got.flatten(1)
+            assert all(not torch.equal(flat[a], flat[b]) for a in range(len(flat)) for b in range(a)), name
 
 
-def test_deepseek_style_routing_matches_single_process(token_file, four):
+#: DeepSeek's style: sigmoid scores with a selection bias, shared experts, a dense first layer, sequence-wise
+#: balancing statistics.
+DEEPSEEK_STYLE = replace(TINY_MOE, n_layers=3, dense_layers=1, router_score="sigmoid", router_bias_rate=0.01,
+                         aux_loss="sequence", shared_experts=1, router_scale=2.0)
+
+
+def test_deepseek_style_routing_matches_single_process(token_file):
     ref = moe_reference(token_file, STEPS, model=DEEPSEEK_STYLE)
-    results = four["deepseek"]
+    results = run_distributed(fit_moe, 4, token_file, 4, model=DEEPSEEK_STYLE, expert_parallel_size=4, zero_stage=1)
     assert_experts_split(results, Ep=4, model=DEEPSEEK_STYLE)
     assert_routes_equal(results, ref)
     assert_parity(results, ref)
 
 
-def test_bf16_mixed_follows_fp32(two, moe_ref):
+def test_bf16_mixed_follows_fp32(token_file, moe_ref):
     """Experts in bf16 (the grouped matmul's dtype on GPUs), the router in fp32: the curve stays within bf16's
     rounding of the fp32 one."""
     from helpers import assert_bf16_curve
 
-    results = two["bf16"]
+    results = run_distributed(fit_moe, 2, token_file, 2, expert_parallel_size=2, zero_stage=2, precision="bf16-mixed")
     for r in results:
         assert r["dtypes"] == {"expert_weights": {"torch.bfloat16"}, "expert_output": "torch.bfloat16",
                                "router_weight": "torch.bfloat16", "router_output": "torch.float32"}, r["dtypes"]

@@ -5,8 +5,7 @@ from dataclasses import replace
 import lightning as L
 
 import pytest
-from helpers import (GLOBAL_BATCH, MICRO_BATCH, OPTIM, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, in_turn,
-                     reference)
+from helpers import GLOBAL_BATCH, MICRO_BATCH, OPTIM, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, reference
 
 from lightning_mgpu import LLMModule
 from lightning_mgpu.layout import V_SCHEDULES, theoretical_bubble
@@ -51,103 +50,19 @@ def fit_with_schedule(rank, token_file, devices, **kw):
     return {**fit(rank, token_file, devices, callbacks=[probe], **kw), "schedule": probe.name}
 
 
-class Checkpointed(L.Callback):
-    """Asserts that this rank's blocks recompute as ``checkpointing`` asks (``"none"``: not at all)."""
-
-    def __init__(self, checkpointing: str) -> None:
-        self.checkpointing = checkpointing
-
-    def on_train_start(self, trainer, *args):
-        blocks = trainer.lightning_module.checkpointed_blocks()[1]
-        assert blocks and all(getattr(b, "activation_checkpointing", None) == (
-            None if self.checkpointing == "none" else self.checkpointing) for b in blocks)
-
-
-class ManualLLMModule(LLMModule):
-    """An LLMModule that asks for manual optimization (which a pipeline schedule cannot give it)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.automatic_optimization = False
-
-
-def _refusal(rank, token_file, **kw):
-    try:
-        fit(rank, token_file, 2, max_steps=1, model=DEEP, **kw)
-    except ValueError as err:
-        return str(err)
-    return "trained"
-
-
-def _two_rank_calls(token_file) -> dict:
-    """Every fit of this file on 2 processes, by name; the refusals last (they stop a fit part-way)."""
-    calls = {schedule: (fit_with_schedule, (token_file, 2), dict(
-        max_steps=STEPS, model=replace(TINY, n_layers=4), validate=True, pipeline_parallel_size=2, zero_stage=1,
-        pipeline_schedule=schedule, virtual_pipeline_size=virtual(schedule))) for schedule in SCHEDULE_CLASSES}
-    deep = dict(max_steps=STEPS, model=DEEP, pipeline_parallel_size=2)
-    calls["boundaries"] = (fit, (token_file, 2), dict(pipeline_boundaries=[0, 2, 8], **deep))
-    calls["validation"] = (fit, (token_file, 2), dict(deep, max_steps=3, validate=True))
-    calls["timeline"] = (fit, (token_file, 2), dict(pipeline_timeline=True, **deep))
-    calls["bf16"] = (fit, (token_file, 2), dict(zero_stage=1, precision="bf16-mixed", **deep))
-    calls["accumulate"] = (_refusal, (token_file,), dict(pipeline_parallel_size=2, accumulate=2))
-    # (Lightning itself refuses clipping and accumulation with manual optimization, so neither is asked for here)
-    calls["manual"] = (_refusal, (token_file,), dict(pipeline_parallel_size=2, clip=None,
-                                                     module=ManualLLMModule(DEEP, **OPTIM, global_batch_size=8)))
-    return calls
-
-
-def _four_rank_calls(token_file, ckpt: str) -> dict:
-    """Every fit of this file on 4 processes, by name; the resume after the run that saves its checkpoint."""
-    deep = dict(max_steps=STEPS, model=DEEP)
-    calls = {f"pp4_{s}": (fit, (token_file, 4), dict(pipeline_parallel_size=4, pipeline_schedule=s,
-                                                     virtual_pipeline_size=virtual(s), pipeline_timeline=True, **deep))
-             for s in ("1f1b", "interleaved_1f1b")}
-    calls.update({f"pp2_dp2_zero{z}": (fit, (token_file, 4), dict(pipeline_parallel_size=2, zero_stage=z, **deep))
-                  for z in (1, 2, 3)})
-    calls.update({f"pp2_tp2_sp_{c}": (fit, (token_file, 4), dict(
-        max_steps=STEPS, model=replace(DEEP, activation_checkpointing=c), pipeline_parallel_size=2,
-        tensor_parallel_size=2, sequence_parallel=True, pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2,
-        callbacks=[Checkpointed(c)])) for c in ("none", "selective")})
-    resume = dict(max_steps=6, model=DEEP, pipeline_parallel_size=2, zero_stage=2, checkpoint_format="deepspeed",
-                  trust_deepspeed_checkpoints=True)
-    calls["saved"] = (fit, (token_file, 4), dict(callbacks=[SaveAtStep(3, ckpt)], **resume))
-    calls["resumed"] = (fit, (token_file, 4), dict(ckpt_path=ckpt, **resume))
-    return calls
-
-
-@pytest.fixture(scope="module")
-def two(token_file) -> dict[str, list]:
-    """The 2-process runs of the tests below in one launch, each with a fresh Trainer (one launch per run cost each
-    rank its start-up 13 times): each run's results of every rank, by name."""
-    calls = _two_rank_calls(token_file)
-    results = run_distributed(in_turn, 2, calls, timeout=900)
-    return {name: [r[name] for r in results] for name in calls}
-
-
-@pytest.fixture(scope="module")
-def four_ckpt(tmp_path_factory):
-    return tmp_path_factory.mktemp("pp2_dp2") / "ckpt"
-
-
-@pytest.fixture(scope="module")
-def four(token_file, four_ckpt) -> dict[str, list]:
-    """The 4-process runs of the tests below in one launch (as ``two``)."""
-    calls = _four_rank_calls(token_file, str(four_ckpt))
-    results = run_distributed(in_turn, 4, calls, timeout=900)
-    return {name: [r[name] for r in results] for name in calls}
-
-
 @pytest.fixture(scope="module")
 def ref_validated(token_file):
     return reference(token_file, steps=STEPS, clip=0.3, model=replace(TINY, n_layers=4), val_batches=1)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULE_CLASSES))
-def test_every_schedule_trains_and_validates_at_parity(two, ref_validated, schedule):
+def test_every_schedule_trains_and_validates_at_parity(token_file, ref_validated, schedule):
     """pp2 with ZeRO-1 under each of the seven schedules: per-step loss and grad norm, and the validation loss after
     the last step, equal one process; the schedule that ran is the one asked for (mgpu-train runs two of them in
     tests/cli/test_cli.py)."""
-    results = two[schedule]
+    results = run_distributed(fit_with_schedule, 2, token_file, 2, max_steps=STEPS, model=replace(TINY, n_layers=4),
+                              validate=True, pipeline_parallel_size=2, zero_stage=1, pipeline_schedule=schedule,
+                              virtual_pipeline_size=virtual(schedule))
     assert_parity(results, ref_validated)
     for r in results:
         assert r["schedule"] == SCHEDULE_CLASSES[schedule]
@@ -157,11 +72,12 @@ def test_every_schedule_trains_and_validates_at_parity(two, ref_validated, sched
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
-def test_pp4_matches_single_process(four, ref, schedule):
+def test_pp4_matches_single_process(token_file, ref, schedule):
     """Parity, and the activations each rank held in flight are the planner's count for that rank
     (``planner.memory.in_flight_chunks``; 4 micro-batches: 1F1B 4, 3, 2, 1; interleaved 8, 8, 7, 5 chunks)."""
     V = virtual(schedule)
-    results = four[f"pp4_{schedule}"]
+    results = run(token_file, 4, pipeline_parallel_size=4, pipeline_schedule=schedule, virtual_pipeline_size=V,
+                  pipeline_timeline=True)
     assert_parity(results, ref)
     M = GLOBAL_BATCH // MICRO_BATCH
     measured = [chunks_in_flight(r["timeline"]) for r in results]
@@ -169,17 +85,28 @@ def test_pp4_matches_single_process(four, ref, schedule):
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
-def test_pp2_dp2_zero_matches_single_process(four, ref, zero_stage):
-    results = four[f"pp2_dp2_zero{zero_stage}"]
+def test_pp2_dp2_zero_matches_single_process(token_file, ref, zero_stage):
+    results = run(token_file, 4, pipeline_parallel_size=2, zero_stage=zero_stage)
     assert_parity(results, ref)
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "selective"])
-def test_pp2_tp2_with_sequence_parallel_matches_single_process(four, ref, checkpointing):
+def test_pp2_tp2_with_sequence_parallel_matches_single_process(token_file, ref, checkpointing):
     """Selective recomputation (projection outputs kept, the tensor-parallel collectives and attention recomputed),
     applied by ``parallelize`` to this rank's blocks after the stage split, gives the plain run's losses and grad
-    norms: ``ref`` recomputes nothing (``Checkpointed`` asserts the blocks recompute as asked)."""
-    assert_parity(four[f"pp2_tp2_sp_{checkpointing}"], ref)
+    norms: ``ref`` recomputes nothing."""
+    import lightning as L
+
+    class Checkpointed(L.Callback):
+        def on_train_start(self, trainer, *args):
+            blocks = trainer.lightning_module.checkpointed_blocks()[1]
+            assert blocks and all(getattr(b, "activation_checkpointing", None) == (
+                None if checkpointing == "none" else checkpointing) for b in blocks)
+
+    results = run(token_file, 4, model=replace(DEEP, activation_checkpointing=checkpointing), pipeline_parallel_size=2,
+                  tensor_parallel_size=2, sequence_parallel=True, pipeline_schedule="interleaved_1f1b",
+                  virtual_pipeline_size=2, callbacks=[Checkpointed()])
+    assert_parity(results, ref)
 
 
 def test_3d_pp2_tp2_dp2_zero1_matches_single_process(token_file, ref):
@@ -187,27 +114,36 @@ def test_3d_pp2_tp2_dp2_zero1_matches_single_process(token_file, ref):
     assert_parity(results, ref)
 
 
-def test_explicit_boundaries_give_the_same_function(two, ref):
-    assert_parity(two["boundaries"], ref)
+def test_explicit_boundaries_give_the_same_function(token_file, ref):
+    results = run(token_file, 2, pipeline_parallel_size=2, pipeline_boundaries=[0, 2, 8])
+    assert_parity(results, ref)
 
 
-def test_validation_runs_the_pipeline_forward_only(token_file, two):
-    whole = run_distributed(fit, 1, token_file, 1, max_steps=3, model=DEEP, validate=True)[0]
-    for r in two["validation"]:
+def test_validation_runs_the_pipeline_forward_only(token_file):
+    kw = dict(max_steps=3, model=DEEP, validate=True)
+    split = run_distributed(fit, 2, token_file, 2, pipeline_parallel_size=2, **kw)
+    whole = run_distributed(fit, 1, token_file, 1, **kw)[0]
+    for r in split:
         assert r["losses"] == pytest.approx(whole["losses"], abs=1e-5)  # and training went on after validation
         assert abs(r["val_loss"] - whole["val_loss"]) < 1e-5
 
 
 # The universal format at pp2 resumes in tests/distributed/test_resharding.py (pp2 1F1B -> pp2 interleaved ...).
-def test_save_resume_pp2_dp2_is_bit_identical(four, four_ckpt):
-    whole, resumed = four["saved"][0]["losses"], four["resumed"][0]["losses"]
-    # DeepSpeed names files by tp rank only: one directory per pipeline rank
-    assert sorted(p.name for p in four_ckpt.iterdir()) == ["checksums.json", "pipeline_rank_000", "pipeline_rank_001"]
+@pytest.mark.parametrize("checkpoint_format", ["deepspeed"])
+def test_save_resume_pp2_dp2_is_bit_identical(token_file, tmp_path, checkpoint_format):
+    kw = dict(pipeline_parallel_size=2, zero_stage=2, checkpoint_format=checkpoint_format,
+              trust_deepspeed_checkpoints=checkpoint_format == "deepspeed")
+    ckpt = tmp_path / "ckpt"
+    whole = run_distributed(fit, 4, token_file, 4, max_steps=6, model=DEEP, callbacks=[SaveAtStep(3, str(ckpt))],
+                            **kw)[0]["losses"]
+    if checkpoint_format == "deepspeed":  # DeepSpeed names files by tp rank only: one directory per pipeline rank
+        assert sorted(p.name for p in ckpt.iterdir()) == ["checksums.json", "pipeline_rank_000", "pipeline_rank_001"]
+    resumed = run_distributed(fit, 4, token_file, 4, max_steps=6, model=DEEP, ckpt_path=str(ckpt), **kw)[0]["losses"]
     assert resumed == whole[3:]
 
 
-def test_timeline_records_every_action_and_draws_a_gantt_chart(two, tmp_path):
-    results = two["timeline"]
+def test_timeline_records_every_action_and_draws_a_gantt_chart(token_file, tmp_path):
+    results = run(token_file, 2, pipeline_parallel_size=2, pipeline_timeline=True)
     last = STEPS - 1
     per_rank = [[a for a in r["timeline"] if a.step == last] for r in results]
     for rank, actions in enumerate(per_rank):  # 4 micro-batches: a forward and a backward each, on this rank's stage
@@ -229,13 +165,31 @@ def test_theoretical_bubbles():
         assert theoretical_bubble(schedule, P=2, M=4, V=1) == pytest.approx(1 / 25)
 
 
-def test_pp2_bf16_mixed_follows_fp32(two, ref):
-    assert_bf16_curve(two["bf16"], ref)
+def test_pp2_bf16_mixed_follows_fp32(token_file, ref):
+    assert_bf16_curve(run(token_file, 2, pipeline_parallel_size=2, zero_stage=1, precision="bf16-mixed"), ref)
 
 
-def test_pipeline_refuses_accumulation_and_manual_optimization(two):
-    accumulate = two["accumulate"][0]
+class ManualLLMModule(LLMModule):
+    """An LLMModule that asks for manual optimization (which a pipeline schedule cannot give it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+
+def _refusal(rank, token_file, **kw):
+    try:
+        fit(rank, token_file, 2, max_steps=1, model=DEEP, **kw)
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def test_pipeline_refuses_accumulation_and_manual_optimization(token_file):
+    accumulate = run_distributed(_refusal, 2, token_file, pipeline_parallel_size=2, accumulate=2)[0]
     assert "accumulate_grad_batches=2 is not supported with pipeline parallelism" in accumulate
-    manual = two["manual"][0]
+    # (Lightning itself refuses clipping and accumulation with manual optimization, so neither is asked for here)
+    manual = run_distributed(_refusal, 2, token_file, pipeline_parallel_size=2, clip=None,
+                             module=ManualLLMModule(DEEP, **OPTIM, global_batch_size=8))[0]
     assert "manual optimization (automatic_optimization=False) is not supported with pipeline" in manual
     assert "manual optimization runs one training_step per batch, but 4 micro-batches" in manual  # listed together
