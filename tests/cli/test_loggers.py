@@ -16,14 +16,18 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelSummary, Timer
 from lightning.pytorch.loggers import CSVLogger, MLFlowLogger, TensorBoardLogger, WandbLogger
+
 from forked_cli import run_cli
 from cli_helpers import TINY_ARGS, composed, read_losses
 
 from lightning_mgpu.cli.build import build_loggers
+from lightning_mgpu.cli.metrics_history import ResumableCSVLogger
 from lightning_mgpu.cli.train import trainer_arguments
 
 BIN = Path(sys.executable).parent
-LOGGER_TYPES = {"csv": CSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger, "mlflow": MLFlowLogger}
+#: csv: Lightning's CSVLogger, keeping metrics.csv across restarts
+LOGGER_TYPES = {"csv": ResumableCSVLogger, "tensorboard": TensorBoardLogger, "wandb": WandbLogger,
+                "mlflow": MLFlowLogger}
 
 
 @pytest.mark.parametrize("choice, expected", [
