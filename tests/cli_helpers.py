@@ -2,6 +2,7 @@
 tiny run on the test token file with its single-process reference, and reading a run's metrics."""
 
 import csv
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,18 @@ def composed_once_registered(*overrides, return_hydra_config=False):
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+
+
+@functools.lru_cache(maxsize=None)
+def _searched(*args) -> tuple:
+    from lightning_mgpu.planner import plan_layouts
+
+    return tuple(plan_layouts(*args))
+
+
+def search_once_per_shape(monkeypatch, *where: str) -> None:
+    """Make the planner's search, looked up at each of ``where`` (``module.plan_layouts``), run once per set of
+    arguments: reports that differ only in settings the search does not read (checkpointing, deadlines) share its
+    rows."""
+    for name in where:
+        monkeypatch.setattr(name, lambda *args: list(_searched(*args)))

@@ -1,30 +1,18 @@
 """The planner's goodput under failures (Young/Daly) against hand-computed numbers, and mgpu-plan's lines."""
 
-import functools
 import math
 
 import pytest
-from cli_helpers import composed_once_registered as composed
+from cli_helpers import composed_once_registered as composed, search_once_per_shape
 
 from lightning_mgpu.cli.plan import plan_report
-from lightning_mgpu.planner import plan_layouts
 from lightning_mgpu.planner.goodput import LLAMA3_GPU_MTBF_HOURS, goodput_fraction, plan_goodput, save_seconds
-
-#: Where mgpu-plan's report looks the search up.
-WHERE = ("lightning_mgpu.cli.plan.plan_layouts",)
-
-
-@functools.lru_cache(maxsize=None)
-def _searched(*args) -> tuple:
-    return tuple(plan_layouts(*args))
 
 
 @pytest.fixture(autouse=True)
 def one_search_per_shape(monkeypatch):
-    """The planner's search, once per set of arguments: the reports below differ in settings it does not read
-    (checkpointing, deadlines), and a search of the same shape returns the same rows."""
-    for where in WHERE:
-        monkeypatch.setattr(where, lambda *args: list(_searched(*args)))
+    """The reports below differ in settings the planner's search does not read: one search per shape."""
+    search_once_per_shape(monkeypatch, "lightning_mgpu.cli.plan.plan_layouts")
 
 
 def test_the_goodput_formula_and_the_young_daly_interval():

@@ -1,12 +1,11 @@
 """mgpu-plan's whole run: the time, GPU-hours, energy and cost formulas against hand-computed numbers, the ranking for
 a deadline, the scaling curve (its picture and its efficiency) and the refusals of bad whole-run settings."""
 
-import functools
 import math
 import re
 
 import pytest
-from cli_helpers import composed_once_registered as composed
+from cli_helpers import composed_once_registered as composed, search_once_per_shape
 
 from lightning_mgpu.cli.errors import ConfigError
 from lightning_mgpu.cli.plan import plan_report
@@ -17,21 +16,11 @@ from lightning_mgpu.planner.goodput import plan_goodput
 from lightning_mgpu.planner.run_cost import (RunSettings, node_counts, rank_for_deadline, run_cost,
                                              scaling_efficiency)
 
-#: Where mgpu-plan's report looks the search up.
-WHERE = ("lightning_mgpu.cli.plan.plan_layouts", "lightning_mgpu.cli.plan_run.plan_layouts")
-
-
-@functools.lru_cache(maxsize=None)
-def _searched(*args) -> tuple:
-    return tuple(plan_layouts(*args))
-
 
 @pytest.fixture(autouse=True)
 def one_search_per_shape(monkeypatch):
-    """The planner's search, once per set of arguments: the reports below differ in settings it does not read
-    (checkpointing, deadlines), and a search of the same shape returns the same rows."""
-    for where in WHERE:
-        monkeypatch.setattr(where, lambda *args: list(_searched(*args)))
+    """The reports below differ in settings the planner's search does not read: one search per shape."""
+    search_once_per_shape(monkeypatch, "lightning_mgpu.cli.plan.plan_layouts", "lightning_mgpu.cli.plan_run.plan_layouts")
 
 
 #: llama3_8b on 8-GPU nodes at the default data (sequence 128, global batch 16): a plan of well under a second.
