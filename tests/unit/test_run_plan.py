@@ -20,7 +20,8 @@ from lightning_mgpu.planner.run_cost import (RunSettings, node_counts, rank_for_
 @pytest.fixture(autouse=True)
 def one_search_per_shape(monkeypatch):
     """The reports below differ in settings the planner's search does not read: one search per shape."""
-    search_once_per_shape(monkeypatch, "lightning_mgpu.cli.plan.plan_layouts", "lightning_mgpu.cli.plan_run.plan_layouts")
+    search_once_per_shape(monkeypatch, "lightning_mgpu.cli.plan.plan_layouts",
+                          "lightning_mgpu.cli.plan_run.plan_layouts")
 
 
 #: llama3_8b on 8-GPU nodes at the default data (sequence 128, global batch 16): a plan of well under a second.
