@@ -211,7 +211,8 @@ def _fit(spec: RunSpec, run_dir: Path, trainer: L.Trainer, strategy, module, dat
     preempted = next((c.preempted for c in trainer.callbacks if isinstance(c, Preemption)), None)
     stopped_to_go_back = [c for c in trainer.callbacks if isinstance(c, SilentCorruptionCheck) and c.corruption
                           or isinstance(c, RollbackOnSkips) and c.rollback]
-    if any(isinstance(c, SilentCorruptionCheck) and c.corruption and c.corruption.persistent for c in trainer.callbacks):
+    checks = [c for c in trainer.callbacks if isinstance(c, SilentCorruptionCheck)]
+    if any(c.corruption and c.corruption.persistent for c in checks):
         raise SystemExit(EXIT_FAULTY_DEVICE)  # found again on the rerun: not restarted on these machines
     if preempted is not None or stopped_to_go_back:  # resume with checkpoint.resume=auto (the launcher or scheduler
         raise SystemExit(REQUEUE_EXIT)  # starts it again): after a corruption or a rollback, from before it

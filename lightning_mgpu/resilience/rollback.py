@@ -41,8 +41,8 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
 
 
 def set_aside(path: Path, suffix: str) -> Path:
-    """Rename checkpoint ``path`` to ``<name><suffix>``, or ``<name><suffix>-2``, ``-3``... where a rerun's checkpoint of
-    the same step was set aside before; the new path."""
+    """Rename checkpoint ``path`` to ``<name><suffix>``, or ``<name><suffix>-2``, ``-3``... where a rerun's checkpoint
+    of the same step was set aside before; the new path."""
     target = path.with_name(path.name + suffix)
     again = 2
     while target.exists():
