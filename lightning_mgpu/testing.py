@@ -20,6 +20,7 @@ import random
 import socket
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,6 +64,8 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ti
            kwargs: dict) -> None:
     # A hung child prints where every thread is, then exits, instead of hanging silently.
     faulthandler.dump_traceback_later(max(1.0, timeout - 5.0), exit=True)
+    # A fatal signal's stacks go to a file the parent reads back (stderr holds only their last lines in a long report).
+    faulthandler.enable(open(Path(out_dir, f"{rank}.fatal"), "w"), all_threads=True)
     torch.set_num_threads(1)
     # What the parent made (a test session's heap) stays out of this rank's garbage collections: each full collection
     # would walk all of it, and copy every page it touches out of the memory shared with the parent.
@@ -74,13 +77,33 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ti
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
+#: Signals a forked rank can die of in a crash of native code, where one more launch is made (see run_distributed).
+CRASH_SIGNALS = ("SIGSEGV", "SIGBUS", "SIGABRT", "SIGILL")
+
+
+class RankCrashed(RuntimeError):
+    """A forked rank died of a fatal signal; the message holds its stacks as faulthandler wrote them."""
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any) -> list[Any]:
     """Run ``fn(rank, *args, **kwargs)`` on ``world_size`` forked processes; return each rank's result.
 
     The environment variables of ``torch.distributed``'s env:// rendezvous (and Lightning's "processes
     created externally" mode) are set in each child. A child's exception is re-raised here with its
     traceback; a run longer than ``timeout`` seconds is killed and raises ``TimeoutError``.
+
+    A rank that dies of a fatal signal (:data:`CRASH_SIGNALS`) is reported with its stacks, and the launch is made once
+    more, with a warning that carries those stacks: the ranks are forked from a process that has run other work first
+    (a test session), whose native state they inherit; a second crash raises :class:`RankCrashed`.
     """
+    try:
+        return _launch(fn, world_size, args, kwargs, timeout)
+    except RankCrashed as crash:
+        warnings.warn(f"{crash}\nlaunched {getattr(fn, '__name__', fn)} once more", RuntimeWarning, stacklevel=2)
+        return _launch(fn, world_size, args, kwargs, timeout)
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(_child, args=(fn, world_size, free_port(), out_dir, timeout, args, kwargs),
                                  nprocs=world_size, join=False, start_method="fork")
@@ -90,6 +113,12 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world_size} processes did not finish "
                                        f"within {timeout:.0f} s")
+        except mp.ProcessExitedException as exited:
+            if exited.signal_name not in CRASH_SIGNALS:
+                raise
+            stacks = Path(out_dir, f"{exited.error_index}.fatal").read_text(errors="replace")
+            raise RankCrashed(f"rank {exited.error_index} of {getattr(fn, '__name__', fn)} on {world_size} processes "
+                              f"died of {exited.signal_name}; its stacks:\n{stacks}") from exited
         finally:
             for p in ctx.processes:
                 if p.is_alive():

@@ -1,0 +1,42 @@
+"""The multi-process test harness (``lightning_mgpu.testing.run_distributed``): a rank that dies of a fatal signal is
+reported with its own stacks, and one crash is launched once more, with a warning that carries them."""
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from lightning_mgpu.testing import RankCrashed, run_distributed
+
+
+def _crash_in_a_named_frame(rank: int, marker: str, crashes: int) -> int:
+    """Rank 1 sends itself SIGSEGV while ``marker`` holds fewer than ``crashes`` lines (one added per crash)."""
+    if rank == 1 and len(Path(marker).read_text().splitlines()) < crashes:
+        with open(marker, "a") as f:
+            f.write("crashed\n")
+        _this_frame_crashes()
+    return rank * 10
+
+
+def _this_frame_crashes() -> None:
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def test_one_crash_is_launched_again_with_a_warning_that_holds_its_stacks(tmp_path):
+    marker = tmp_path / "crashes"
+    marker.write_text("")
+    with pytest.warns(RuntimeWarning) as warned:
+        assert run_distributed(_crash_in_a_named_frame, 2, str(marker), 1) == [0, 10]
+    message = str(warned[0].message)
+    assert "rank 1 of _crash_in_a_named_frame on 2 processes died of SIGSEGV" in message
+    assert "_this_frame_crashes" in message and "launched _crash_in_a_named_frame once more" in message
+    assert len(marker.read_text().splitlines()) == 1
+
+
+def test_a_second_crash_raises_with_the_stacks_of_the_rank_that_died(tmp_path):
+    marker = tmp_path / "crashes"
+    marker.write_text("")
+    with pytest.warns(RuntimeWarning), pytest.raises(RankCrashed, match="(?s)died of SIGSEGV.*_this_frame_crashes"):
+        run_distributed(_crash_in_a_named_frame, 2, str(marker), 2)
+    assert len(marker.read_text().splitlines()) == 2
