@@ -5,7 +5,8 @@ What it runs, each as its own process (a failure of one does not hide the others
 
 * ``pytest -m gpu tests/gpu``: bf16 training with NCCL at ZeRO 0/2/3 (communication overlap on by default from ZeRO-2),
   the context-parallel CUDA attention kernel against whole causal attention, fp8's GEMMs against torchao's
-  ``Float8Linear`` and fp8 training with its size refusal;
+  ``Float8Linear`` and fp8 training with its size refusal, and (with two GPUs or more; skipped on one) a lost rank on
+  NCCL named by the survivor;
 * ``gpu_llama_mfu.py``: bf16-mixed MFU of llama3_1b, against the bf16 matmul peak measured in the same run;
 * ``gpu_planner_check.py``: the planner's peak memory and step time against measurement, with no, selective and
   full recomputation;
