@@ -3,8 +3,10 @@ process forked from the test process, instead of a fresh interpreter.
 
 The child is a separate process running the script's real ``main()`` with its own arguments, working directory,
 environment, standard streams and exit status, as ``subprocess.run`` gives them; what it skips is importing torch,
-Lightning and DeepSpeed again (about 5 s of the 7-10 s of a launch on two cores). ``tests/cli/test_cli.py`` still runs
-the installed console scripts through a fresh interpreter, so the entry points themselves stay tested.
+Lightning and DeepSpeed again (about 5 s of the 7-10 s of a launch on two cores). The installed ``mgpu-train`` console
+script still starts a fresh interpreter in ``tests/cli/test_cli_restarts.py`` (``fork=False``), and
+``tests/cli/test_cli.py::test_cli_after_non_editable_install`` trains from a non-editable install, so the entry points
+themselves stay tested.
 """
 
 from __future__ import annotations
