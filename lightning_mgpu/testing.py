@@ -65,6 +65,9 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ti
     # A hung child prints where every thread is, then exits, instead of hanging silently.
     faulthandler.dump_traceback_later(max(1.0, timeout - 5.0), exit=True)
     # A fatal signal's stacks go to a file the parent reads back (stderr holds only their last lines in a long report).
+    # enable() alone only changes the file when faulthandler is already on (pytest turns it on), keeping whatever
+    # handler a library installed for SIGSEGV since: disable() first, so enable() installs faulthandler's own again.
+    faulthandler.disable()
     faulthandler.enable(open(Path(out_dir, f"{rank}.fatal"), "w"), all_threads=True)
     torch.set_num_threads(1)
     # What the parent made (a test session's heap) stays out of this rank's garbage collections: each full collection

@@ -1,6 +1,7 @@
 """The multi-process test harness (``lightning_mgpu.testing.run_distributed``): a rank that dies of a fatal signal is
 reported with its own stacks, and one crash is launched once more, with a warning that carries them."""
 
+import faulthandler
 import os
 import signal
 from pathlib import Path
@@ -21,6 +22,17 @@ def _crash_in_a_named_frame(rank: int, marker: str, crashes: int) -> int:
 
 def _this_frame_crashes() -> None:
     os.kill(os.getpid(), signal.SIGSEGV)
+
+
+@pytest.fixture(autouse=True)
+def a_library_took_sigsegv_after_faulthandler():
+    """What a test session meets: pytest enabled faulthandler, then a library installed its own SIGSEGV disposition
+    (the forked ranks inherit it); faulthandler's handler is put back afterwards."""
+    faulthandler.enable()
+    signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+    yield
+    faulthandler.disable()
+    faulthandler.enable()
 
 
 def test_one_crash_is_launched_again_with_a_warning_that_holds_its_stacks(tmp_path):
