@@ -122,8 +122,8 @@ def trainer_arguments(cfg: DictConfig, run_dir: Path) -> dict:
         # the whole run, unless epochs are asked for (limit_train_batches + check_val_every_n_epoch).
         val_check_interval=val_check_interval, check_val_every_n_epoch=t.check_val_every_n_epoch,
         limit_train_batches=t.limit_train_batches, limit_val_batches=limit_val,
-        # a restarted attempt does not check again what its first attempt checked: its time is the restart's
-        num_sanity_val_steps=t.num_sanity_val_steps if attempt() == 0 else 0, log_every_n_steps=t.log_every_n_steps,
+        # (a restarted attempt skips them: RestartRecord)
+        num_sanity_val_steps=t.num_sanity_val_steps, log_every_n_steps=t.log_every_n_steps,
         deterministic=t.deterministic, benchmark=t.benchmark, detect_anomaly=t.detect_anomaly,
         enable_progress_bar=t.enable_progress_bar, enable_model_summary=t.enable_model_summary,
         enable_checkpointing=False, use_distributed_sampler=False,

@@ -14,21 +14,28 @@ from lightning.fabric.utilities.distributed import _get_default_process_group_ba
 from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.resilience import collective_trace
+from lightning_mgpu.resilience.attempts import agree_on_attempt
 from lightning_mgpu.resilience.liveness import Heartbeat
+from lightning_mgpu.resilience.restarts import RESTART_COUNT
 from lightning_mgpu.resilience.nccl import apply_nccl_settings
 
+
 def attempt_store(timeout: Optional[timedelta]) -> Optional[Any]:
-    """Under torchrun, the agent's store seen through a prefix of the restart count. torchrun keeps that store
-    across restarts, and a restarted rank could read the failed attempt's gloo addresses from it before its peer
-    wrote the new ones (with torch 2.13, 3 of 4 restarts tried here failed so: ``connectFullMesh ... Connection
-    refused``; 3 of 3 passed with the prefix); the prefix also keeps the failed attempt's heartbeats and failure records out of the new one's."""
+    """Under torchrun, the agent's store seen through a prefix that names this attempt alone: torchrun keeps that
+    store across restarts, where a restarted rank could read the failed attempt's gloo addresses, heartbeats and
+    failure records (``lightning_mgpu.resilience.attempts`` says how the ranks agree on the name). The attempt's
+    number the ranks agreed on replaces ``TORCHELASTIC_RESTART_COUNT`` in this process, which on a job of several
+    nodes can differ from node to node (a node whose ranks were healthy restarts them uncounted)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     import torch.distributed as dist
 
+    timeout = timeout or timedelta(minutes=30)
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                           is_master=False, timeout=timeout or timedelta(minutes=30))
-    return dist.PrefixStore(f"mgpu/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+                           is_master=False, timeout=timeout)
+    number, name = agree_on_attempt(client, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout)
+    os.environ[RESTART_COUNT] = str(number)
+    return dist.PrefixStore(f"mgpu/attempt/{name}/", client)
 
 
 def start_process_group(cluster_environment: Any, root_device: torch.device, backend: Optional[str],

@@ -93,7 +93,7 @@ def read_restarts(run_dir: Path) -> list[dict]:
 
 class RestartRecord(L.Callback):
     """Rank 0 writes the last finished step into ``run_dir`` after every optimizer step (``progress.json``, with the
-    time); a restarted attempt says at the start of training where it resumed, and at the end of its first optimizer
+    time); a restarted attempt skips the sanity check of validation, says at the start of training where it resumed, and at the end of its first optimizer
     step appends to ``restarts.jsonl`` what it lost and when it was set up (engine built), restored (checkpoint loaded)
     and stepping again (wall-clock seconds: what a restart costs, beside the time of the failure)."""
 
@@ -105,6 +105,8 @@ class RestartRecord(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, *args) -> None:
         self._set_up = time.time()  # the strategy restores a checkpoint after this: the engine exists
+        if attempt() > 0:  # asked now, when the ranks have agreed on the number: before, nodes may differ
+            trainer.num_sanity_val_steps = 0  # a restart does not check again what its first attempt checked
 
     def on_train_start(self, trainer: L.Trainer, *args) -> None:
         number = attempt()
