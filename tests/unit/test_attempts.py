@@ -8,25 +8,42 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from lightning_mgpu.resilience.attempts import HELLOS, agree_on_attempt
-from lightning_mgpu.testing import run_distributed
+from lightning_mgpu.testing import free_port, run_distributed
+
+#: The rank that arrives last at each attempt (after the others asked, or answered).
+LATE = [0, 2, 1]
+#: A failed attempt whose rank 0 died before it emptied the list: two questions nobody will ask again.
+STALE = "0123456789abcdef0123456789abcdef,fedcba9876543210fedcba9876543210,"
 
 
-def _agree(rank: int, port: int, late_rank: int) -> tuple[int, str]:
-    store = dist.TCPStore("127.0.0.1", port, 3, is_master=False, timeout=timedelta(seconds=30))
-    if rank == late_rank:
-        time.sleep(0.3)  # the others asked (or answered) before this rank came
-    return agree_on_attempt(store, rank, 3, timedelta(seconds=30))
+def _all_here(store: dist.Store, name: str) -> None:
+    if store.add(name, 1) == 4:
+        store.set(f"{name}/all", "1")
+    store.wait([f"{name}/all"])
 
 
-def test_every_attempt_gets_one_number_and_a_new_name_whatever_the_last_one_left(tcp_store):
-    port = tcp_store.port
-    first = run_distributed(_agree, 3, port, 0)  # rank 0 last: the others' questions wait for it
-    # a failed attempt whose rank 0 died before it emptied the list: two questions nobody will ask again
-    tcp_store.append(HELLOS, "0123456789abcdef0123456789abcdef,fedcba9876543210fedcba9876543210,")
-    second = run_distributed(_agree, 3, port, 2)  # rank 0 first: it answers what it finds, then the late rank
-    third = run_distributed(_agree, 3, port, 1)
-    for number, results in ((0, first), (1, second), (2, third)):
-        assert [n for n, _ in results] == [number] * 3
-        assert len({name for _, name in results}) == 1
-    assert len({first[0][1], second[0][1], third[0][1]}) == 3
-    assert not tcp_store.check([HELLOS])  # each attempt's rank 0 emptied the list once every rank had its answer
+def _three_attempts(rank: int, port: int) -> object:
+    """Ranks 0-2 are a job's ranks, started three times; rank 3 serves the store, as torchrun's agent does (created
+    after the fork, in the process that serves it: nothing forks while it serves)."""
+    store = dist.TCPStore("127.0.0.1", port, 4, is_master=rank == 3, timeout=timedelta(seconds=60),
+                          wait_for_workers=False)
+    agreed = []
+    for attempt, late in enumerate(LATE):
+        if rank < 3:
+            if rank == late:
+                time.sleep(0.3)
+            agreed.append(agree_on_attempt(store, rank, 3, timedelta(seconds=60)))
+        _all_here(store, f"after{attempt}")
+        if attempt == 0 and rank == 3:
+            store.append(HELLOS, STALE)
+        _all_here(store, f"ready{attempt}")
+    return agreed if rank < 3 else store.check([HELLOS])
+
+
+def test_every_attempt_gets_one_number_and_a_new_name_whatever_the_last_one_left():
+    *ranks, list_left = run_distributed(_three_attempts, 4, free_port(), timeout=120)
+    for number in range(3):
+        assert [agreed[number][0] for agreed in ranks] == [number] * 3
+        assert len({agreed[number][1] for agreed in ranks}) == 1
+    assert len({agreed[1] for agreed in ranks[0]}) == 3  # a new name each attempt
+    assert list_left is False  # each attempt's rank 0 emptied the list once every rank had its answer
