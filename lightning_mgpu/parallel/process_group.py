@@ -16,8 +16,8 @@ from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.resilience import collective_trace
 from lightning_mgpu.resilience.attempts import agree_on_attempt
 from lightning_mgpu.resilience.liveness import Heartbeat
-from lightning_mgpu.resilience.restarts import RESTART_COUNT
 from lightning_mgpu.resilience.nccl import apply_nccl_settings
+from lightning_mgpu.resilience.restarts import RESTART_COUNT
 
 
 def attempt_store(timeout: Optional[timedelta]) -> Optional[Any]:

@@ -93,9 +93,10 @@ def read_restarts(run_dir: Path) -> list[dict]:
 
 class RestartRecord(L.Callback):
     """Rank 0 writes the last finished step into ``run_dir`` after every optimizer step (``progress.json``, with the
-    time); a restarted attempt skips the sanity check of validation, says at the start of training where it resumed, and at the end of its first optimizer
-    step appends to ``restarts.jsonl`` what it lost and when it was set up (engine built), restored (checkpoint loaded)
-    and stepping again (wall-clock seconds: what a restart costs, beside the time of the failure)."""
+    time); a restarted attempt skips validation's sanity check, says at the start of training where it resumed, and at
+    the end of its first optimizer step appends to ``restarts.jsonl`` what it lost and when it was set up (engine
+    built), restored (checkpoint loaded) and stepping again (wall-clock seconds: what a restart costs, beside the time
+    of the failure)."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)

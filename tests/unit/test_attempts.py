@@ -47,3 +47,17 @@ def test_every_attempt_gets_one_number_and_a_new_name_whatever_the_last_one_left
         assert len({agreed[number][1] for agreed in ranks}) == 1
     assert len({agreed[1] for agreed in ranks[0]}) == 3  # a new name each attempt
     assert list_left is False  # each attempt's rank 0 emptied the list once every rank had its answer
+
+
+def test_a_restarted_attempt_skips_the_sanity_check_its_first_attempt_ran(monkeypatch, tmp_path):
+    """Decided when fit starts, after the ranks agreed on the attempt's number (it replaced the node's restart count),
+    not when the Trainer was built."""
+    from types import SimpleNamespace
+
+    from lightning_mgpu.resilience.restarts import RESTART_COUNT, RestartRecord
+
+    for count, steps in (("0", 2), ("1", 0), ("3", 0)):
+        trainer = SimpleNamespace(num_sanity_val_steps=2)
+        monkeypatch.setenv(RESTART_COUNT, count)
+        RestartRecord(tmp_path).on_fit_start(trainer, None)
+        assert trainer.num_sanity_val_steps == steps, count
