@@ -84,10 +84,11 @@ def test_slurm_cluster_writes_the_expected_sbatch_script(tmp_path):
 
 def test_two_torchrun_nodes_train_dp2_zero2_at_parity_through_a_restart(token_file, tmp_path):
     """Two torchrun "nodes" of one process each (c10d rendezvous, ``--max-restarts=1``), ZeRO-2 over the two
-    replicas, one on each node. Rank 1 is killed as step 3 begins: both agents start their ranks again (the restart
-    count tells the attempt; torchrun keeps its store across restarts, which the strategy sees through a prefix of
-    that count, ``lightning_mgpu.parallel.process_group.attempt_store``, or the restarted ranks could read the failed
-    attempt's addresses). They resume from step 2's checkpoint and finish at parity with one process; every rank uses
+    replicas, one on each node. Rank 1 is killed as step 3 begins: both agents start their ranks again, one counting a
+    restart, the other (its rank was healthy) a membership change it does not count, so the two ranks see different
+    ``TORCHELASTIC_RESTART_COUNT``s. torchrun keeps its store across restarts; the ranks agree on a name for the new
+    attempt and see the store through it (``lightning_mgpu.parallel.process_group.attempt_store``), or they could
+    read the failed attempt's addresses (or, keyed on the count, each other's wrong keys: the job hung). They resume from step 2's checkpoint and finish at parity with one process; every rank uses
     one run directory, whose metrics.csv keeps the steps before the restart; the per-step metrics of one step are on
     one row. (One process per node: every rank is a fresh interpreter, 8 s of imports on two cores each; the splits
     within a node are tested on forked ranks.)"""
