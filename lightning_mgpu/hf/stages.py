@@ -4,8 +4,10 @@ A ``transformers`` config's pipeline plan names the decoder's parts in order (``
 ``norm``, then the causal LM's ``lm_head``) with the names of what flows between them. A stage here is a *view* of
 the model: a shallow copy of the causal LM whose decoder holds only the stage's layers (under their original
 indices), its embeddings only on the first stage and its final norm and head only on the last. Each stage runs the
-model's own ``forward`` (so its masks, rotary tables and model-specific scaling are its own): the first stage from
-``input_ids``, the others from ``inputs_embeds=`` the hidden states received; the last stage returns the logits.
+decoder's own ``forward`` (so its masks, rotary tables and model-specific scaling are its own): the first stage from
+``input_ids``, the others from ``inputs_embeds=`` the hidden states received. The last stage runs the causal LM's own
+``forward``, whose logits may be more than the head's output (Cohere's ``logit_scale``, Granite's ``logits_scaling``,
+Gemma 2's ``final_logit_softcapping``).
 Written here because ``torch.distributed.pipelining``'s tracer-based split does not follow a ``transformers``
 forward's Python control flow (caches, mask functions), and its manual ``PipelineStage`` needs a module per stage.
 """
@@ -59,12 +61,15 @@ class HFStage(nn.Module):
         self.add_module(found.base_name, base)
         if self.last:
             self.add_module(self.head_name, view._modules[self.head_name])
+        self._view = [view]  # in a list: the view is not a submodule (its parameters are the stage's own)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        decoder = getattr(self, self.base_name)
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        hidden = decoder(**given, use_cache=False).last_hidden_state
-        return getattr(self, self.head_name)(hidden) if self.last else hidden
+        if not self.last:
+            return getattr(self, self.base_name)(**given, use_cache=False).last_hidden_state
+        view = self._view[0]
+        view._modules[self.head_name] = getattr(self, self.head_name)  # the head a tensor-parallel plan swapped in
+        return type(view).forward(view, **given, use_cache=False).logits
 
 
 def _head_name(found: HFModel) -> str:

@@ -38,6 +38,7 @@ from lightning_mgpu.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     VocabParallelOutput,
+    embedding_output_scale,
     padded_size,
     rank_and_size,
 )
@@ -86,12 +87,21 @@ def resolve_plan(module: nn.Module, plan: TensorParallelPlan) -> tuple[dict[str,
     return resolved, problems
 
 
+#: Styles that swap a module for a layer of :mod:`lightning_mgpu.parallel.tensor`, by the class they swap.
+SWAPPED_CLASS = {"colwise": nn.Linear, "colwise_enter": nn.Linear, "rowwise": nn.Linear, "vocab_output": nn.Linear,
+                 "vocab_output_enter": nn.Linear, "vocab_embedding": nn.Embedding,
+                 "vocab_embedding_allreduce": nn.Embedding}
+
+
 def _module_problem(name: str, style: str, m: nn.Module, T: int) -> list[str]:
-    if style in ("colwise", "colwise_enter", "rowwise", "vocab_output", "vocab_output_enter") and \
-            not isinstance(m, nn.Linear):
-        return [f"{name!r} is a {type(m).__name__}; style {style!r} needs an nn.Linear"]
-    if style in ("vocab_embedding", "vocab_embedding_allreduce") and not isinstance(m, nn.Embedding):
-        return [f"{name!r} is a {type(m).__name__}; style {style!r} needs an nn.Embedding"]
+    base = SWAPPED_CLASS.get(style)
+    if base is not None and not isinstance(m, base):
+        return [f"{name!r} is a {type(m).__name__}; style {style!r} needs an nn.{base.__name__}"]
+    if base is not None and type(m).forward is not base.forward and \
+            not (base is nn.Embedding and embedding_output_scale(m) is not None):
+        return [f"{name!r} is a {type(m).__name__}, whose own forward would be lost: style {style!r} swaps it for "
+                f"a tensor-parallel nn.{base.__name__}; leave it out of the plan (whole on every rank) or make it a "
+                f"plain nn.{base.__name__}"]
     if style == "norm":
         params = dict(m.named_parameters(recurse=True))
         weight = params.get("weight")

@@ -143,18 +143,24 @@ class RowParallelLinear(_TensorParallel):
 
 
 class VocabParallelEmbedding(_TensorParallel):
-    """``nn.Embedding`` split over the vocabulary (padded to a multiple of the group size)."""
+    """``nn.Embedding`` split over the vocabulary (padded to a multiple of the group size).
+
+    A ``padding_idx`` (most ``transformers`` configs set ``pad_token_id``) keeps its meaning: its row's gradient is zero
+    on the rank that holds it. A scaled word embedding (:func:`embedding_output_scale`) keeps its scale."""
 
     def __init__(self, embedding: nn.Embedding, group: Any, sequence_parallel: bool = False) -> None:
         super().__init__(group, sequence_parallel)
-        for option in ("padding_idx", "max_norm"):
-            if getattr(embedding, option) is not None:
-                raise ValueError(f"VocabParallelEmbedding does not support {option}="
-                                 f"{getattr(embedding, option)}; build the embedding without it")
+        if embedding.max_norm is not None:
+            raise ValueError(f"VocabParallelEmbedding does not support max_norm={embedding.max_norm}; build the "
+                             "embedding without it")
         self.vocab_size = embedding.num_embeddings
         self.padded_vocab_size = padded_size(self.vocab_size, self.tp_size)
         self.per_rank = self.padded_vocab_size // self.tp_size
         self.vocab_start = self.tp_rank * self.per_rank
+        local_padding = None if embedding.padding_idx is None else embedding.padding_idx - self.vocab_start
+        self.local_padding_idx = local_padding if local_padding is not None and 0 <= local_padding < self.per_rank \
+            else None
+        self.output_scale = embedding_output_scale(embedding)
         self.embedding_dim = embedding.embedding_dim
         self.weight = mark_tensor_parallel(
             _shard(embedding.weight, 0, self.tp_rank, self.tp_size, self.padded_vocab_size), 0, self.vocab_size,
@@ -163,9 +169,12 @@ class VocabParallelEmbedding(_TensorParallel):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.per_rank)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight, self.local_padding_idx)
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return leave_region(out, self.group, self.sequence_parallel)
+        out = leave_region(out, self.group, self.sequence_parallel)
+        if self.output_scale is None:
+            return out
+        return out * torch.tensor(self.output_scale, dtype=self.weight.dtype, device=out.device)
 
 
 class VocabParallelOutput(_TensorParallel):
@@ -234,6 +243,21 @@ class ParallelNorm(_TensorParallel):
                 norm.bias = torch.zeros_like(self.bias)
         x_hat = self.normalize(x)
         return ScaledGather.apply(x_hat, self.weight, self.bias, self.group, self.sequence_parallel)
+
+
+def embedding_output_scale(embedding: nn.Embedding) -> Optional[float]:
+    """The constant an ``nn.Embedding`` subclass multiplies its lookup by, or None for a plain embedding.
+
+    ``transformers``' scaled word embeddings (Gemma's ``sqrt(hidden_size)``) override ``forward`` only to multiply by
+    it; they keep it as the float ``scalar_embed_scale`` and as a buffer ``embed_scale``, which a meta-device build
+    leaves without a value, so the float is read first."""
+    if type(embedding).forward is nn.Embedding.forward:
+        return None
+    scale = getattr(embedding, "scalar_embed_scale", None)
+    if scale is None and isinstance(getattr(embedding, "embed_scale", None), torch.Tensor) \
+            and not embedding.embed_scale.is_meta:
+        scale = embedding.embed_scale.item()
+    return None if scale is None else float(scale)
 
 
 def padded_size(size: int, multiple: int) -> int:
