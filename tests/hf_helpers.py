@@ -25,6 +25,16 @@ FAMILIES = {
     "mistral": lambda **kw: transformers.MistralConfig(sliding_window=6, **kw),  # a window shorter than the sequence
     "qwen3_moe": lambda **kw: transformers.Qwen3MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                                           **kw),  # every layer routes over 4 experts
+    # Embeddings scaled by sqrt(hidden) in their own forward, a padding row (held by tensor rank 1 of 2), logits
+    # soft-capped by the causal LM's forward after the head (at 2.0, so that losing it moves the loss; at 1.0 one
+    # element of a gate_proj has a gradient near AdamW's eps, whose update then follows the rounding of a split sum),
+    # eager attention (transformers refuses sdpa with Gemma 2's attention soft-capping)
+    "gemma2": lambda **kw: transformers.Gemma2Config(**{**kw, "attn_implementation": "eager"}, pad_token_id=40,
+                                                     final_logit_softcapping=2.0),
+    # transformers' colwise_gather_output and rowwise_split_input styles: q/k/v and gate/up each one fused matmul
+    "phi3": lambda **kw: transformers.Phi3Config(pad_token_id=None, **kw),
+    # the same styles on separate q/k/v, whose norms span every head
+    "olmo2": lambda **kw: transformers.Olmo2Config(pad_token_id=None, **kw),
 }
 
 

@@ -11,6 +11,9 @@ both as ``_tp_plan`` under full names). Each entry becomes a style of :mod:`ligh
 ``embedding_rowwise``              ``vocab_embedding_allreduce`` (whole sequence out: the model reads positions off it)
 ``colwise_gather_output`` (head)   ``vocab_output_enter``: logits stay sharded over the vocabulary, and the model's
                                    ``labels=`` loss becomes the vocabulary-parallel one (:mod:`lightning_mgpu.hf.loss`)
+``colwise_gather_output`` (other)  ``colwise_gather``, and ``enter_region`` on the module holding it: the output is
+                                   whole on every rank (OLMo 2's q/k norms span every head; Phi-3's fused q/k/v)
+``rowwise_split_input``            ``rowwise_split``: each rank takes its chunk of the whole input
 ``moe_tp_experts``, ``packed_*``   nothing: the experts stay whole on every rank (no expert parallelism here)
 =================================  ===================================================================================
 
@@ -28,14 +31,19 @@ from lightning_mgpu.hf.model import HFModel
 from lightning_mgpu.parallel.plan import plan_pattern
 from lightning_mgpu.problems import format_problems
 
-#: transformers' style -> this package's style.
+#: transformers' style -> this package's style (the head's ``colwise_gather_output`` is :data:`HEAD_STYLE`).
 STYLE_OF = {
     "colwise": "colwise",
     "rowwise": "rowwise",
     "replicated_with_grad_allreduce": "grad_sum",
     "embedding_rowwise": "vocab_embedding_allreduce",
-    "colwise_gather_output": "vocab_output_enter",
+    "colwise_gather_output": "colwise_gather",
+    "rowwise_split_input": "rowwise_split",
 }
+#: The output embeddings' style: logits stay split over the vocabulary for the vocabulary-parallel loss.
+HEAD_STYLE = "vocab_output_enter"
+#: Styles whose module's holder (attention, MLP) enters the tensor-parallel region for them.
+ENTERED_BY_HOLDER = ("colwise", "colwise_gather_output")
 #: transformers' styles of mixture-of-experts weights: the experts stay whole on every tensor-parallel rank (each rank
 #: computes every expert for the whole sequence; under sequence parallelism for its shard, summing the gradients).
 KEPT_WHOLE = ("moe_tp_experts", "packed_colwise", "packed_rowwise")
@@ -57,11 +65,19 @@ def hf_tp_plan(found: HFModel) -> dict[str, str]:
     if unknown:
         raise ValueError(format_problems(f"Cannot translate {type(found.model).__name__}'s tensor-parallel plan",
                                          unknown))
-    plan = {found.prefix + key: STYLE_OF[style] for key, style in source.items() if style in STYLE_OF}
+    head = _head_name(found.model)
+    plan = {found.prefix + key: HEAD_STYLE if key == head else STYLE_OF[style] for key, style in source.items()
+            if style in STYLE_OF}
     for key, style in source.items():
-        if style == "colwise":
+        if style in ENTERED_BY_HOLDER and key != head:
             plan[found.prefix + key.rpartition(".")[0]] = "enter_region"
     return {**plan, **_sequence_parallel_entries(found, plan)}
+
+
+def _head_name(model: nn.Module) -> str:
+    """The name of the model's output embeddings (``lm_head``) among its modules."""
+    head = model.get_output_embeddings()
+    return next((name for name, module in model.named_modules() if module is head), "lm_head")
 
 
 def _matches_a_module(model: nn.Module, key: str) -> bool:

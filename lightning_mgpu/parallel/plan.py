@@ -11,6 +11,8 @@ Styles (see :mod:`lightning_mgpu.parallel.tensor` for where each puts its collec
 ``colwise``          ``nn.Linear`` split by output features, fed directly by a ``norm``
 ``colwise_enter``    the same, fed by anything else: enters the region itself
 ``rowwise``          ``nn.Linear`` split by input features; sums the partial products
+``colwise_gather``   ``colwise`` whose output is gathered whole on every rank (what follows runs whole)
+``rowwise_split``    ``rowwise`` whose input is whole on every rank: each takes its chunk first
 ``vocab_embedding``  ``nn.Embedding`` split by vocabulary rows
 ``vocab_output``     the LM head ``nn.Linear``, logits left sharded over the vocabulary (use
                      :func:`lightning_mgpu.parallel.cross_entropy.cross_entropy`), fed by a ``norm``
@@ -52,6 +54,8 @@ _BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "colwise": lambda m, g, sp: ColumnParallelLinear(m, g, sp),
     "colwise_enter": lambda m, g, sp: ColumnParallelLinear(m, g, sp, enters_region=True),
     "rowwise": lambda m, g, sp: RowParallelLinear(m, g, sp),
+    "colwise_gather": lambda m, g, sp: ColumnParallelLinear(m, g, sp, gather_output=True),
+    "rowwise_split": lambda m, g, sp: RowParallelLinear(m, g, sp, split_input=True),
     "vocab_embedding": lambda m, g, sp: VocabParallelEmbedding(m, g, sp),
     "vocab_output": lambda m, g, sp: VocabParallelOutput(m, g, sp),
     "vocab_output_enter": lambda m, g, sp: VocabParallelOutput(m, g, False, enters_region=True),
@@ -88,9 +92,9 @@ def resolve_plan(module: nn.Module, plan: TensorParallelPlan) -> tuple[dict[str,
 
 
 #: Styles that swap a module for a layer of :mod:`lightning_mgpu.parallel.tensor`, by the class they swap.
-SWAPPED_CLASS = {"colwise": nn.Linear, "colwise_enter": nn.Linear, "rowwise": nn.Linear, "vocab_output": nn.Linear,
-                 "vocab_output_enter": nn.Linear, "vocab_embedding": nn.Embedding,
-                 "vocab_embedding_allreduce": nn.Embedding}
+SWAPPED_CLASS = {"colwise": nn.Linear, "colwise_enter": nn.Linear, "rowwise": nn.Linear, "colwise_gather": nn.Linear,
+                 "rowwise_split": nn.Linear, "vocab_output": nn.Linear, "vocab_output_enter": nn.Linear,
+                 "vocab_embedding": nn.Embedding, "vocab_embedding_allreduce": nn.Embedding}
 
 
 def _module_problem(name: str, style: str, m: nn.Module, T: int) -> list[str]:
@@ -110,11 +114,11 @@ def _module_problem(name: str, style: str, m: nn.Module, T: int) -> list[str]:
                     f"'bias') and no other parameters, computing normalise(x) * weight + bias; it has "
                     f"{sorted(params) or 'no parameters'}"]
         return []
-    if style in ("colwise", "colwise_enter") and m.out_features % T:
+    if style in ("colwise", "colwise_enter", "colwise_gather") and m.out_features % T:
         return [f"tensor_parallel_size={T} does not divide {name}.out_features={m.out_features} (style {style!r} "
                 f"splits the output features); choose a tensor_parallel_size that divides it"]
-    if style == "rowwise" and m.in_features % T:
-        return [f"tensor_parallel_size={T} does not divide {name}.in_features={m.in_features} (style 'rowwise' "
+    if style in ("rowwise", "rowwise_split") and m.in_features % T:
+        return [f"tensor_parallel_size={T} does not divide {name}.in_features={m.in_features} (style {style!r} "
                 f"splits the input features); choose a tensor_parallel_size that divides it"]
     return []
 

@@ -80,6 +80,8 @@ ReduceFromRegion = _collective("ReduceFromRegion", lambda x, group: _all_reduce(
                                "Leave the region: all-reduce the partial sums forward, identity backward.")
 GatherSequence = _collective("GatherSequence", _gather_seq, _reduce_scatter_seq,
                              "Sequence shard -> whole sequence: all-gather forward, reduce-scatter backward.")
+
+
 def _split_seq(x: torch.Tensor, group: Any) -> torch.Tensor:
     """[b, s, ...] whole on each rank -> this rank's [b, s/T, ...] shard."""
     T = world(group)
@@ -94,6 +96,27 @@ SplitSequence = _collective("SplitSequence", _split_seq, _gather_seq,
 ReduceScatterSequence = _collective(
     "ReduceScatterSequence", _reduce_scatter_seq, _gather_seq,
     "Partial sums over the whole sequence -> summed sequence shard: reduce-scatter forward, all-gather backward.")
+
+
+def _gather_features(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """[..., n/T] on each rank -> [..., n] (rank order along the last dimension)."""
+    parts = [torch.empty_like(x) for _ in range(world(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def _split_features(x: torch.Tensor, group: Any) -> torch.Tensor:
+    """[..., n] whole on each rank -> this rank's [..., n/T] chunk of the last dimension."""
+    per = x.shape[-1] // world(group)
+    return x.narrow(-1, dist.get_rank(group) * per, per).contiguous()
+
+
+GatherFeatures = _collective("GatherFeatures", _gather_features, _split_features,
+                             "Feature shards -> whole features on every rank: all-gather along the last dimension "
+                             "forward, this rank's chunk of the gradient backward.")
+SplitFeatures = _collective("SplitFeatures", _split_features, _gather_features,
+                            "Whole features (the same on every rank) -> this rank's chunk: split forward, all-gather "
+                            "of the gradient backward.")
 
 
 class SharedBiasBeforeReduce(Function):

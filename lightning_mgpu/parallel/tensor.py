@@ -36,11 +36,13 @@ from torch import nn
 from lightning_mgpu.rank_grid import GroupCoordinates
 from lightning_mgpu.parallel.regions import (
     CopyToRegion,
+    GatherFeatures,
     GatherSequence,
     ReduceFromRegion,
     ReduceScatterSequence,
     ScaledGather,
     SharedBiasBeforeReduce,
+    SplitFeatures,
 )
 
 def rank_and_size(group: Any) -> tuple[int, int]:
@@ -104,13 +106,14 @@ class ColumnParallelLinear(_TensorParallel):
     """``nn.Linear`` whose output features are split over the group.
 
     Its input is already in the region (``enters_region=False``, fed by a ``ParallelNorm``), or it
-    enters the region itself.
+    enters the region itself. With ``gather_output`` every rank gets the whole output (what follows it runs whole on
+    every rank: a fused q/k/v projection whose heads a norm over all of them reads, as OLMo 2's).
     """
 
     def __init__(self, linear: nn.Linear, group: Any, sequence_parallel: bool = False,
-                 enters_region: bool = False) -> None:
+                 enters_region: bool = False, gather_output: bool = False) -> None:
         super().__init__(group, sequence_parallel)
-        self.enters_region = enters_region
+        self.enters_region, self.gather_output = enters_region, gather_output
         self.in_features, self.out_features = linear.in_features, linear.out_features // self.tp_size
         self.weight = mark_tensor_parallel(_shard(linear.weight, 0, self.tp_rank, self.tp_size), 0,
                                            linear.out_features, self.tp_rank)
@@ -120,20 +123,26 @@ class ColumnParallelLinear(_TensorParallel):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enters_region:
             x = enter_region(x, self.group, self.sequence_parallel)
-        return self.linear(x, self.weight, self.bias)
+        y = self.linear(x, self.weight, self.bias)
+        return GatherFeatures.apply(y, self.group) if self.gather_output else y
 
 
 class RowParallelLinear(_TensorParallel):
-    """``nn.Linear`` whose input features are split over the group; sums the partial products."""
+    """``nn.Linear`` whose input features are split over the group; sums the partial products. With ``split_input``
+    its input is whole on every rank and each takes its chunk (after a ``gather_output`` column-parallel layer)."""
 
-    def __init__(self, linear: nn.Linear, group: Any, sequence_parallel: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, group: Any, sequence_parallel: bool = False,
+                 split_input: bool = False) -> None:
         super().__init__(group, sequence_parallel)
+        self.split_input = split_input
         self.in_features, self.out_features = linear.in_features // self.tp_size, linear.out_features
         self.weight = mark_tensor_parallel(_shard(linear.weight, 1, self.tp_rank, self.tp_size), 1,
                                            linear.in_features, self.tp_rank)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            x = SplitFeatures.apply(x, self.group)
         partial = self.linear(x, self.weight, None)
         if self.bias is None:
             return leave_region(partial, self.group, self.sequence_parallel)

@@ -6,12 +6,12 @@ user's ``labels=`` loss -- and the split asserted applied (local shard sizes, st
 import functools
 
 import pytest
-from hf_helpers import MICRO, fit_hf, global_batches, single_process, tiny_model, token_ids
+from hf_helpers import MICRO, fit_hf, global_batches, single_process, tiny_config, tiny_model, token_ids
 from helpers import in_turn, max_abs_diff
 
 from lightning_mgpu.testing import run_distributed
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "phi3", "olmo2"]
 
 #: name -> (ranks, layers, strategy arguments). Each family runs every one.
 LAYOUTS = {
@@ -26,13 +26,17 @@ LAYOUTS = {
 #: Mistral's sliding window is refused context parallelism (tests/unit/test_hf_plans.py); the mixture of experts
 #: runs the layouts that split its attention, data and stages (its experts stay whole on every tensor-parallel rank).
 SKIPPED = {("mistral", "cp2_zero2"), *(("qwen3_moe", layout) for layout in ("pp2_1f1b_validated", "pp2_zbv",
-                                                                          "cp2_zero2"))}
+                                                                          "cp2_zero2")),
+           # Gemma 2 runs what its scaled embedding and padding row (tensor) and its capped logits (last stage) meet
+           *(("gemma2", layout) for layout in ("pp2_zbv", "tp2_pp2_dp2_zero1", "cp2_zero2")),
+           # Phi-3 and OLMo 2 run their plans' styles of gathered outputs and split inputs, with sequence parallelism
+           *((family, layout) for family in ("phi3", "olmo2") for layout in LAYOUTS if layout != "tp2_sp_zero3")}
 CASES = [(family, layout) for layout in LAYOUTS for family in FAMILIES if (family, layout) not in SKIPPED]
 
 
 def assert_split(results: list[dict], family: str, n_layers: int, kw: dict) -> None:
-    """Local shapes: a query projection keeps 1/T of its rows, the embedding 1/T of the vocabulary; a pipeline rank
-    holds its stages' layers only, the embedding on the first stage and the head on the last."""
+    """Local shapes: a query (or fused q/k/v) projection keeps 1/T of its rows, the embedding 1/T of the vocabulary;
+    a pipeline rank holds its stages' layers only, the embedding on the first stage and the head on the last."""
     whole = {name: tuple(p.shape) for name, p in tiny_model(family, n_layers).named_parameters()}
     T, P = kw.get("tensor_parallel_size", 1), kw.get("pipeline_parallel_size", 1)
     per_rank = n_layers // (P * kw.get("virtual_pipeline_size", 1))
@@ -42,7 +46,8 @@ def assert_split(results: list[dict], family: str, n_layers: int, kw: dict) -> N
         pp = r["coords"]["pp"]
         if P == 1:
             assert layers == list(range(n_layers))
-            assert r["attention"] == ("mgpu_context_parallel" if kw.get("context_parallel_size", 1) > 1 else "sdpa")
+            own = tiny_config(family)._attn_implementation
+            assert r["attention"] == ("mgpu_context_parallel" if kw.get("context_parallel_size", 1) > 1 else own)
         elif kw.get("pipeline_schedule") == "zbv":  # V placement: stages pp and 2P-1-pp
             assert layers == [pp, 2 * P - 1 - pp], (r["rank"], layers)
         else:
@@ -50,7 +55,8 @@ def assert_split(results: list[dict], family: str, n_layers: int, kw: dict) -> N
         holds_embedding, holds_head = "model.embed_tokens.weight" in shapes, "lm_head.weight" in shapes
         head_rank = 0 if kw.get("pipeline_schedule") == "zbv" else P - 1
         assert (holds_embedding, holds_head) == (pp == 0, pp == head_rank), (r["rank"], holds_embedding, holds_head)
-        q = f"model.layers.{layers[0]}.self_attn.q_proj.weight"
+        q = next(f"model.layers.{layers[0]}.self_attn.{name}.weight" for name in ("q_proj", "qkv_proj")
+                 if f"model.layers.{layers[0]}.self_attn.{name}.weight" in shapes)
         assert shapes[q] == (whole[q][0] // T, whole[q][1]), (q, shapes[q])
         if holds_embedding:
             assert shapes["model.embed_tokens.weight"][0] == whole["model.embed_tokens.weight"][0] // T

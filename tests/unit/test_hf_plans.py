@@ -28,6 +28,19 @@ def test_qwen3_plan_translates_onto_the_package_styles():
     assert plan == expected
 
 
+def test_gathered_outputs_and_split_inputs_translate_with_the_head_kept_split_over_the_vocabulary():
+    """Phi-3 marks its fused q/k/v and gate/up ``colwise_gather_output``, as the head is marked: the head's logits stay
+    split (the vocabulary-parallel loss), the others are gathered whole, and their holders enter the region."""
+    plan = hf_tp_plan(find_hf_model(CausalLM("phi3")))
+    layer = "llm.model.layers.*."
+    assert {key: plan[key] for key in plan if key.startswith(layer) or key == "llm.lm_head"} == {
+        "llm.lm_head": "vocab_output_enter",
+        layer + "self_attn": "enter_region", layer + "mlp": "enter_region",
+        layer + "self_attn.qkv_proj": "colwise_gather", layer + "self_attn.o_proj": "rowwise_split",
+        layer + "mlp.gate_up_proj": "colwise_gather", layer + "mlp.down_proj": "rowwise_split",
+        layer + "input_layernorm": "grad_sum_sp", layer + "post_attention_layernorm": "grad_sum_sp"}
+
+
 def test_experts_stay_whole_and_sum_their_gradients_under_sequence_parallelism():
     plan = hf_tp_plan(find_hf_model(CausalLM("qwen3_moe")))
     assert not any("experts" in key or "gate_proj" in key for key in plan), plan

@@ -1,10 +1,11 @@
 """Tensor-parallel plans checked without processes: every problem with a plan is reported at once."""
 
+import torch
 from torch import nn
 
 from lightning_mgpu.models import LLAMA_TP_PLAN, Llama, LlamaConfig, llama_tp_plan
 from lightning_mgpu.parallel.plan import STYLES, plan_problems, resolve_plan
-from lightning_mgpu.parallel.tensor import padded_size
+from lightning_mgpu.parallel.tensor import embedding_output_scale, padded_size
 
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=63)
 
@@ -42,3 +43,32 @@ def test_every_plan_problem_is_listed_at_once():
 
 def test_vocabulary_is_padded_to_a_multiple():
     assert [padded_size(v, 4) for v in (63, 64, 65)] == [64, 64, 68]
+
+
+class ScaledLinear(nn.Linear):
+    """A layer whose class does more than its base's matmul: swapping it would drop the doubling."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class ScaledEmbedding(nn.Embedding):
+    """The form of transformers' scaled word embeddings (Gemma): a constant kept as a float and as a buffer."""
+
+    def __init__(self, n: int, dim: int, scale: float) -> None:
+        super().__init__(n, dim)
+        self.scalar_embed_scale = scale
+        self.register_buffer("embed_scale", torch.tensor(scale), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale
+
+
+def test_a_module_whose_class_has_its_own_forward_is_refused_unless_a_scaled_embedding():
+    model = nn.Sequential(ScaledEmbedding(8, 4, 3.0), ScaledLinear(4, 4), nn.Linear(4, 4))
+    problems = plan_problems(model, {"0": "vocab_embedding", "1": "colwise_enter", "2": "rowwise"}, 2)
+    assert problems == ["'1' is a ScaledLinear, whose own forward would be lost: style 'colwise_enter' swaps it for a "
+                        "tensor-parallel nn.Linear; leave it out of the plan (whole on every rank) or make it a plain "
+                        "nn.Linear"]
+    assert embedding_output_scale(model[0]) == 3.0 and embedding_output_scale(nn.Embedding(8, 4)) is None
+
