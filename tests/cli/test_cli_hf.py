@@ -160,3 +160,17 @@ def test_context_parallelism_of_a_sliding_window_is_refused_before_launch(tmp_pa
     # what this machine lacks: the weights (a dry run, which asks nothing of the machine, lays out config.json alone)
     lacking = machine_problems(composed("trainer=cpu", "cluster=local", "model=hf", f"model.path={directory}"))
     assert any(f"model.path={str(directory)!r} has no *.safetensors weights" in p for p in lacking), lacking
+
+
+def test_a_tied_head_refused_pipeline_stages_names_the_directory_and_no_untying(tmp_path):
+    """A tied head is refused pipeline stages by the directory's own key; untying is not offered (its files hold no
+    head of their own)."""
+    directory = tmp_path / "gemma"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({**LLAMA_70B, "tie_word_embeddings": True}))
+    problems = config_problems(composed("trainer=gpu", "cluster=local", "model=hf", f"model.path={directory}",
+                                        "trainer.devices=8", "parallel.pipeline_parallel_size=2"), launching=False)
+    assert [p for p in problems if "tie" in p] == [
+        f"{directory}/config.json: tie_word_embeddings=True cannot be split into pipeline stages (the embedding lives "
+        "on the first stage, the head on the last); this model's head is its embedding; set "
+        "parallel.pipeline_parallel_size=1"], problems
