@@ -27,7 +27,8 @@ test: install
 # Every CPU benchmark in full (hours on 2 cores); `make test` runs each in its --smoke mode.
 CPU_BENCHMARKS := overhead zero_memory tp_vs_dtensor pipeline_bubble pipeline_in_flight checkpoint_io \
 	checkpoint_verify context_parallel activation_memory planner_calibration compile_blocks document_mask setup_memory \
-	replica_updates async_checkpoint chaos_goodput moe_throughput hf_step_time resilience_cost muon_step fault_matrix
+	replica_updates async_checkpoint chaos_goodput moe_throughput hf_step_time resilience_cost muon_step fault_matrix \
+	hf_families
 
 benchmarks: install
 	set -e; for b in $(CPU_BENCHMARKS); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py; done

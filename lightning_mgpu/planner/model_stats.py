@@ -26,7 +26,15 @@ def block_parameters(cfg: LlamaConfig, tp: int) -> int:
 def _attention_and_norms(cfg: LlamaConfig, tp: int) -> int:
     hd = cfg.head_dim
     qk_norms = 2 * hd if getattr(cfg, "qk_norm", False) else 0  # per-head query and key norms, replicated
-    return cfg.dim * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) // tp + 2 * cfg.dim + qk_norms
+    return cfg.dim * hd * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) // tp + 2 * cfg.dim + qk_norms + \
+        _layer_extra(cfg, tp)[0]
+
+
+def _layer_extra(cfg: LlamaConfig, tp: int) -> tuple[int, int]:
+    """(parameters, of them vectors) a ``transformers`` family's layer holds beyond Llama's on one tensor-parallel
+    rank (``TransformersShape``: Gemma 2's four norms, Qwen2's q/k/v biases); none for the package's model."""
+    whole, split = getattr(cfg, "layer_whole_extra", 0), getattr(cfg, "layer_split_extra", 0)
+    return whole + split // tp, whole + getattr(cfg, "layer_split_vectors", 0) // tp
 
 
 @dataclass(frozen=True)
@@ -73,7 +81,7 @@ def _rank_parameter_split(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: i
     ids = list(stage_ids) if stage_ids is not None else [pp_rank + k * pp for k in range(stages_per_rank)]
     vocab_rows = _padded(cfg.vocab_size, tp) // tp
     dense = experts = vectors = 0
-    norms = 2 * cfg.dim + (2 * cfg.head_dim if getattr(cfg, "qk_norm", False) else 0)
+    norms = 2 * cfg.dim + (2 * cfg.head_dim if getattr(cfg, "qk_norm", False) else 0) + _layer_extra(cfg, tp)[1]
     for s in ids:
         blocks = bounds[s + 1] - bounds[s]
         moe = moe_layer_count(cfg, range(bounds[s], bounds[s + 1]))

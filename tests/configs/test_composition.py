@@ -50,6 +50,39 @@ def test_typo_and_wrong_type_fail_at_composition():
         composed("model=nope")
 
 
+#: family -> a small config.json holding what the family adds to a Llama layer (hidden 256, 4 layers, 8 heads)
+FAMILY_CONFIGS = {
+    "qwen2": {"model_type": "qwen2"},  # q/k/v biases, split with their projections
+    "gemma2": {"model_type": "gemma2", "head_dim": 64, "tie_word_embeddings": False},  # four norms a layer
+    "olmo2": {"model_type": "olmo2"},  # q/k norms over every head
+    "phi3": {"model_type": "phi3"},  # fused q/k/v and gate/up
+}
+
+
+@pytest.mark.parametrize("family", FAMILY_CONFIGS)
+def test_a_transformers_family_dry_runs_as_planned_and_counts_its_own_parameters(family, tmp_path):
+    """The planner counts a family's layer as transformers builds it (``hf_layer_sizes``): every rank's built share on
+    the meta device equals the planner's, and the whole count equals the model transformers builds itself."""
+    import torch
+    import transformers
+
+    config = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "intermediate_size": 512, "vocab_size": 1000, "tie_word_embeddings": False, "pad_token_id": 0,
+              **FAMILY_CONFIGS[family]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    cfg = composed("model=hf", f"model.path={tmp_path}", "trainer=gpu", "trainer.devices=8", "data.seq_len=256",
+                   "parallel.tensor_parallel_size=4", "parallel.pipeline_parallel_size=2")
+    from lightning_mgpu.cli.dry_run import rank_shares
+
+    spec = run_spec(cfg, launching=False)
+    layout, shares = rank_shares(spec)
+    assert [(s.tp_rank, s.pp_rank) for s in shares if not s.as_planned] == [], [(s.parameters, s.planned)
+                                                                                for s in shares]
+    with torch.device("meta"):
+        whole = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    assert spec.model.num_parameters() == sum(p.numel() for p in whole.parameters())
+
+
 def test_named_model_and_overrides_build_the_shape():
     cfg = composed("model=llama3_8b", "model.n_layers=4")
     assert run_spec(cfg).model == LlamaConfig.from_name("llama3_8b", n_layers=4, activation_checkpointing="full")
