@@ -221,19 +221,10 @@ def _fit(spec: RunSpec, run_dir: Path, trainer: L.Trainer, strategy, module, dat
                                                                                           trainer.global_step)
     if cfg.parallel.pipeline_timeline and strategy.pipeline is not None:
         report_timeline(strategy, trainer.global_step - 1, run_dir)
-    lost = spec.data.lost_tokenizer
-    hf_sequence_parallel = cfg.model.name == "hf" and cfg.parallel.sequence_parallel
-    if cfg.parallel.pipeline_parallel_size > 1 or cfg.parallel.context_parallel_size > 1 or hf_sequence_parallel:
+    reason = no_sample_reason(spec)
+    if reason is not None:
         if trainer.is_global_zero:
-            split = "pipeline stages" if cfg.parallel.pipeline_parallel_size > 1 else \
-                "context-parallel sequence chunks" if cfg.parallel.context_parallel_size > 1 else \
-                "sequence-parallel shards (a transformers model's sample needs whole sequences)"
-            print(f"(no sample: generation needs the whole model and whole sequences on each rank, and this run splits "
-                  f"them into {split})")
-    elif lost is not None:
-        if trainer.is_global_zero:
-            print(f"(no sample: the tokens were prepared with the tokenizer {lost}, which is missing or changed; set "
-                  "data.tokenizer=PATH to decode them)")
+            print(f"(no sample: {reason})")
     else:
         sample = generate_sample(module, spec)
         if trainer.is_global_zero:
@@ -256,6 +247,25 @@ def report_timeline(strategy, step: int, run_dir: Path) -> None:
     path = plot_timeline(per_rank, run_dir / "timeline.png", title)
     save_actions(per_rank, run_dir / "timeline.json", title)
     print(f"pipeline timeline of step {step}: {path} ({title})")
+
+
+def no_sample_reason(spec: RunSpec) -> Optional[str]:
+    """Why the run prints no sample at its end, or None when it does."""
+    cfg, lost = spec.config, spec.data.lost_tokenizer
+    hf_sequence_parallel = cfg.model.name == "hf" and cfg.parallel.sequence_parallel
+    if cfg.parallel.pipeline_parallel_size > 1 or cfg.parallel.context_parallel_size > 1 or hf_sequence_parallel:
+        split = "pipeline stages" if cfg.parallel.pipeline_parallel_size > 1 else \
+            "context-parallel sequence chunks" if cfg.parallel.context_parallel_size > 1 else \
+            "sequence-parallel shards (a transformers model's sample needs whole sequences)"
+        return (f"generation needs the whole model and whole sequences on each rank, and this run splits them into "
+                f"{split}")
+    if lost is not None:
+        return (f"the tokens were prepared with the tokenizer {lost}, which is missing or changed; set "
+                "data.tokenizer=PATH to decode them")
+    if cfg.model.name == "hf" and spec.data.tokenizer is None:
+        return (f"{cfg.model.path} has no tokenizer.json and data.tokenizer is not set, so the prompt cannot be "
+                "written in this model's tokens")
+    return None
 
 
 def generate_sample(module, spec: RunSpec) -> str:

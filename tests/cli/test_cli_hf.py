@@ -174,3 +174,16 @@ def test_a_tied_head_refused_pipeline_stages_names_the_directory_and_no_untying(
         f"{directory}/config.json: tie_word_embeddings=True cannot be split into pipeline stages (the embedding lives "
         "on the first stage, the head on the last); this model's head is its embedding; set "
         "parallel.pipeline_parallel_size=1"], problems
+
+
+def test_a_directory_without_a_tokenizer_prints_no_sample_rather_than_bytes(tmp_path):
+    """The end-of-run sample encodes its prompt with the run's tokenizer; a transformers directory without one has no
+    way to write it in the model's tokens (bytes would be other tokens, or beyond a small vocabulary)."""
+    from lightning_mgpu.cli.spec import run_spec
+    from lightning_mgpu.cli.train import no_sample_reason
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    hf = run_spec(composed("model=hf", f"model.path={tmp_path}", "trainer=gpu", "trainer.devices=2"), launching=False)
+    assert no_sample_reason(hf) == (f"{tmp_path} has no tokenizer.json and data.tokenizer is not set, so the prompt "
+                                    "cannot be written in this model's tokens")
+    assert no_sample_reason(run_spec(composed(), launching=False)) is None  # the package's model, on byte tokens
