@@ -45,9 +45,14 @@ EXTRA_FAMILIES = {
     "seed_oss": lambda **kw: transformers.SeedOssConfig(pad_token_id=50, attention_dropout=0.0, residual_dropout=0.0,
                                                         **kw),
     "ernie4_5": lambda **kw: transformers.Ernie4_5Config(pad_token_id=0, **kw),
+    "mixtral": lambda **kw: transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **kw),
+    "qwen2_moe": lambda **kw: transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                                                          shared_expert_intermediate_size=32, **kw),
+    "olmoe": lambda **kw: transformers.OlmoeConfig(num_experts=4, num_experts_per_tok=2, **kw),
 }
 hf_helpers.FAMILIES.update(EXTRA_FAMILIES)
-FAMILIES = sized(["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "olmo2", *EXTRA_FAMILIES], ["gemma2"])
+FAMILIES = sized(["llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3", "olmo2", "qwen3_moe", "deepseek_v3",
+                  *EXTRA_FAMILIES], ["gemma2"])
 LAYOUTS = sized({"tp2 + SP": dict(tensor_parallel_size=2, sequence_parallel=True),
                  "pp2 1F1B": dict(pipeline_parallel_size=2, num_microbatches=2),
                  "cp2": dict(context_parallel_size=2)},

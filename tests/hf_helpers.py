@@ -35,6 +35,11 @@ FAMILIES = {
     "phi3": lambda **kw: transformers.Phi3Config(pad_token_id=None, **kw),
     # the same styles on separate q/k/v, whose norms span every head
     "olmo2": lambda **kw: transformers.Olmo2Config(pad_token_id=None, **kw),
+    # a dense first layer, then routed and shared experts; its attention (latent, MLA) left whole by its plan
+    "deepseek_v3": lambda **kw: transformers.DeepseekV3Config(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, n_group=1,
+        topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        **{**kw, "num_key_value_heads": kw["num_attention_heads"]}),
 }
 
 

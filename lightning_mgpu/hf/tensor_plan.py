@@ -18,9 +18,11 @@ both as ``_tp_plan`` under full names). Each entry becomes a style of :mod:`ligh
 =================================  ===================================================================================
 
 With sequence parallelism the residual stream between a run of decoder layers is cut along the sequence: the first
-layer's input is scattered (``sequence_scatter``), the last layer's output gathered (``sequence_gather``), and every
-other parameter of a layer that sees only a shard (its norms) sums its gradient (``grad_sum_sp``). Any other style is
-refused by module and name.
+layer's input is scattered (``sequence_scatter``), the last layer's output gathered (``sequence_gather``), every
+other part of a layer that computes each position on its own (its norms, a mixture of experts) sees only a shard and
+sums its gradients (``grad_sum_sp``), and a part that mixes positions and holds no split layer (DeepSeek's attention,
+which its plan leaves whole) runs on the whole sequence (``whole_sequence_sp``). Any other style is refused by module
+and name.
 """
 
 from __future__ import annotations
@@ -68,10 +70,21 @@ def hf_tp_plan(found: HFModel) -> dict[str, str]:
     head = _head_name(found.model)
     plan = {found.prefix + key: HEAD_STYLE if key == head else STYLE_OF[style] for key, style in source.items()
             if style in STYLE_OF}
+    names = [name for name, _ in found.model.named_modules()]
     for key, style in source.items():
         if style in ENTERED_BY_HOLDER and key != head:
-            plan[found.prefix + key.rpartition(".")[0]] = "enter_region"
+            holders = {name.rpartition(".")[0] for name in names if plan_pattern(key).fullmatch(name)}
+            plan.update({found.prefix + k: "enter_region" for k in _as_keys(key.rpartition(".")[0], holders, names)})
     return {**plan, **_sequence_parallel_entries(found, plan)}
+
+
+def _as_keys(pattern: str, matched: set[str], names: list[str]) -> list[str]:
+    """``pattern`` when it matches exactly the modules ``matched``, else their names one by one: a holder pattern
+    (``layers.*.mlp``) must not also match the mixture-of-experts blocks of a model whose first layers are dense
+    (DeepSeek's), which compute their experts whole and would sum their input gradient once per rank."""
+    if {name for name in names if plan_pattern(pattern).fullmatch(name)} == matched:
+        return [pattern]
+    return sorted(matched)
 
 
 def _head_name(model: nn.Module) -> str:
@@ -92,9 +105,29 @@ def _sequence_parallel_entries(found: HFModel, plan: dict[str, str]) -> dict[str
     layers = f"{found.base_prefix}layers"
     entries = {f"{layers}.0": "sequence_scatter", f"{layers}.{found.n_layers - 1}": "sequence_gather"}
     covered = [plan_pattern(key) for key in plan]
-    for child, module in found.base.layers[0].named_children():
-        name = f"{layers}.0.{child}"
-        if any(True for _ in module.parameters()) and not any(p.fullmatch(name) for p in covered):
-            entries[f"{layers}.*.{child}"] = "grad_sum_sp"
+    uncovered: dict[str, set[str]] = {}  # a layer's child -> the layers where it holds parameters outside the regions
+    names = []
+    for index, layer in found.base.layers.named_children():
+        for child, module in layer.named_children():
+            name = f"{layers}.{index}.{child}"
+            names.append(name)
+            if any(True for _ in module.parameters()) and not any(p.fullmatch(name) for p in covered):
+                uncovered.setdefault(child, set()).add(name)
+    for child, matched in uncovered.items():
+        module = dict(found.model.named_modules())[next(iter(matched)).removeprefix(found.prefix)]
+        style = "grad_sum_sp" if _token_wise(child, module) else "whole_sequence_sp"
+        entries.update({key: style for key in _as_keys(f"{layers}.*.{child}", matched, names)})
     return entries
+
+
+#: Parts of a name (the child's or its class's, lower case) that mark a module computing each position on its own.
+TOKEN_WISE = ("norm", "mlp", "moe", "expert", "feed_forward", "feedforward")
+
+
+def _token_wise(child: str, module: nn.Module) -> bool:
+    """Whether a layer's child computes each position on its own (a norm, an MLP, a mixture of experts), so that under
+    sequence parallelism it runs on this rank's shard and sums its gradients; anything else (an attention the plan
+    leaves whole, a convolution along the sequence) runs on the whole sequence on every rank."""
+    names = (child.lower(), type(module).__name__.lower())
+    return any(part in name for part in TOKEN_WISE for name in names)
 

@@ -18,6 +18,10 @@ decoder layers of a run:
                       (each rank saw only its heads or its sequence shard: ``transformers``'
                       ``replicated_with_grad_allreduce``, and norms under sequence parallelism)
 ``grad_sum_sp``       ``grad_sum`` under sequence parallelism only (a norm on the residual stream)
+``whole_sequence_sp`` under sequence parallelism, the module runs whole on every rank: its first input gathered
+                      (gradient: this rank's shard), its output cut back to this rank's shard (gradient
+                      all-gathered); for a module that mixes positions and holds no split layer (DeepSeek's
+                      attention, which the model's plan leaves whole); nothing otherwise
 ====================  =====================================================================================
 
 The hooks are ``torch.nn.Module`` forward hooks and tensor hooks, so parameter names, state-dict keys and the
@@ -32,6 +36,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.parallel.regions import CopyToRegion, GatherSequence, SplitSequence, _all_reduce, _gather_seq
+from lightning_mgpu.parallel.tensor import TensorParallelLayer
 
 #: Marks a module whose output the hooks gather along the sequence (read by the pipeline split of such models).
 SEQUENCE_GATHERED = "_mgpu_sequence_gathered"
@@ -86,12 +91,20 @@ def sequence_gather(module: nn.Module, group: Any, sequence_parallel: bool) -> n
     return module
 
 
-def _map_first(out: Any, group: Any) -> Any:
+def whole_sequence_sp(module: nn.Module, group: Any, sequence_parallel: bool) -> nn.Module:
+    if sequence_parallel:
+        module.register_forward_pre_hook(_on_first_input(lambda x: GatherReplicatedSequence.apply(x, group)),
+                                         with_kwargs=True)
+        module.register_forward_hook(lambda m, args, out: _map_first(out, group, SplitSequence))
+    return module
+
+
+def _map_first(out: Any, group: Any, function: type[torch.autograd.Function] = GatherReplicatedSequence) -> Any:
     if isinstance(out, torch.Tensor):
-        return GatherReplicatedSequence.apply(out, group)
+        return function.apply(out, group)
     if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (GatherReplicatedSequence.apply(out[0], group), *out[1:])
-    raise TypeError(f"cannot gather an output of type {type(out).__name__} along the sequence")
+        return (function.apply(out[0], group), *out[1:])
+    raise TypeError(f"cannot split or gather an output of type {type(out).__name__} along the sequence")
 
 
 #: Set on a parameter whose gradient :func:`grad_sum` sums, so it is hooked once.
@@ -104,13 +117,20 @@ def grad_sum(module: nn.Module, group: Any, sequence_parallel: bool = True) -> n
     has its parameters replaced by real ones after the plan is applied, and a hook on the meta one would be lost."""
 
     def hook_parameters(owner: nn.Module, args: tuple) -> None:
-        for param in owner.parameters():
+        for param in _whole_parameters(owner):
             if param.requires_grad and not param.is_meta and not getattr(param, GRAD_SUMMED, False):
                 param.register_hook(lambda grad: _all_reduce(grad.clone(), group))
                 setattr(param, GRAD_SUMMED, True)
 
     module.register_forward_pre_hook(hook_parameters)
     return module
+
+
+def _whole_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The module's parameters but those of the tensor-parallel layers inside it (a mixture of experts' shared experts,
+    split by the plan): their gradients are complete shards already, and summing them would mix different shards."""
+    return [param for sub in module.modules() if not isinstance(sub, TensorParallelLayer)
+            for param in sub.parameters(recurse=False)]
 
 
 def grad_sum_sp(module: nn.Module, group: Any, sequence_parallel: bool) -> nn.Module:
@@ -123,4 +143,5 @@ HOOK_BUILDERS: dict[str, Callable[[nn.Module, Any, bool], nn.Module]] = {
     "sequence_gather": sequence_gather,
     "grad_sum": grad_sum,
     "grad_sum_sp": grad_sum_sp,
+    "whole_sequence_sp": whole_sequence_sp,
 }

@@ -84,7 +84,7 @@ def leave_region(x: torch.Tensor, group: Any, sequence_parallel: bool) -> torch.
     return ReduceScatterSequence.apply(x, group) if sequence_parallel else ReduceFromRegion.apply(x, group)
 
 
-class _TensorParallel(nn.Module):
+class TensorParallelLayer(nn.Module):
     @staticmethod
     def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """What the layer multiplies with; a precision setting replaces it per layer (fp8). ``F.linear`` is looked up
@@ -102,7 +102,7 @@ class _TensorParallel(nn.Module):
         return f"tp={self.tp_rank}/{self.tp_size}, sequence_parallel={self.sequence_parallel}"
 
 
-class ColumnParallelLinear(_TensorParallel):
+class ColumnParallelLinear(TensorParallelLayer):
     """``nn.Linear`` whose output features are split over the group.
 
     Its input is already in the region (``enters_region=False``, fed by a ``ParallelNorm``), or it
@@ -127,7 +127,7 @@ class ColumnParallelLinear(_TensorParallel):
         return GatherFeatures.apply(y, self.group) if self.gather_output else y
 
 
-class RowParallelLinear(_TensorParallel):
+class RowParallelLinear(TensorParallelLayer):
     """``nn.Linear`` whose input features are split over the group; sums the partial products. With ``split_input``
     its input is whole on every rank and each takes its chunk (after a ``gather_output`` column-parallel layer)."""
 
@@ -151,7 +151,7 @@ class RowParallelLinear(_TensorParallel):
         return leave_region(partial, self.group, False) + self.bias
 
 
-class VocabParallelEmbedding(_TensorParallel):
+class VocabParallelEmbedding(TensorParallelLayer):
     """``nn.Embedding`` split over the vocabulary (padded to a multiple of the group size).
 
     A ``padding_idx`` (most ``transformers`` configs set ``pad_token_id``) keeps its meaning: its row's gradient is zero
@@ -186,7 +186,7 @@ class VocabParallelEmbedding(_TensorParallel):
         return out * torch.tensor(self.output_scale, dtype=self.weight.dtype, device=out.device)
 
 
-class VocabParallelOutput(_TensorParallel):
+class VocabParallelOutput(TensorParallelLayer):
     """The language-model head: logits sharded over the (padded) vocabulary, never gathered.
 
     Logits of padding rows are ``-inf``, so they take no probability in the loss or when sampling.
@@ -218,7 +218,7 @@ class VocabParallelOutput(_TensorParallel):
         return logits
 
 
-class ParallelNorm(_TensorParallel):
+class ParallelNorm(TensorParallelLayer):
     """A norm whose output enters the tensor-parallel region (feeds column-parallel layers).
 
     Works for any norm computed as ``normalise(x) * weight (+ bias)`` (RMSNorm, LayerNorm): the wrapped

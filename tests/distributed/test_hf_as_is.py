@@ -11,7 +11,7 @@ from helpers import in_turn, max_abs_diff
 
 from lightning_mgpu.testing import run_distributed
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "phi3", "olmo2"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "phi3", "olmo2", "deepseek_v3"]
 
 #: name -> (ranks, layers, strategy arguments). Each family runs every one.
 LAYOUTS = {
@@ -30,13 +30,21 @@ SKIPPED = {("mistral", "cp2_zero2"), *(("qwen3_moe", layout) for layout in ("pp2
            # Gemma 2 runs what its scaled embedding and padding row (tensor) and its capped logits (last stage) meet
            *(("gemma2", layout) for layout in ("pp2_zbv", "tp2_pp2_dp2_zero1", "cp2_zero2")),
            # Phi-3 and OLMo 2 run their plans' styles of gathered outputs and split inputs, with sequence parallelism
-           *((family, layout) for family in ("phi3", "olmo2") for layout in LAYOUTS if layout != "tp2_sp_zero3")}
+           *((family, layout) for family in ("phi3", "olmo2") for layout in LAYOUTS if layout != "tp2_sp_zero3"),
+           # DeepSeek V3 runs its dense first layer beside experts, and its whole attention, under sequence parallelism
+           *(("deepseek_v3", layout) for layout in LAYOUTS if layout != "tp2_sp_zero3")}
 CASES = [(family, layout) for layout in LAYOUTS for family in FAMILIES if (family, layout) not in SKIPPED]
 
 
+#: The projection a family's plan splits by rows in a layer: the query's, or the fused q/k/v's (Phi-3)
+ATTENTION = ("self_attn.q_proj", "self_attn.qkv_proj")
+#: ... or the dense first layer's gate, where the plan leaves the attention whole (DeepSeek's)
+SPLIT_PROJECTIONS = {"deepseek_v3": ("mlp.gate_proj",)}
+
+
 def assert_split(results: list[dict], family: str, n_layers: int, kw: dict) -> None:
-    """Local shapes: a query (or fused q/k/v) projection keeps 1/T of its rows, the embedding 1/T of the vocabulary;
-    a pipeline rank holds its stages' layers only, the embedding on the first stage and the head on the last."""
+    """Local shapes: a query (or fused q/k/v, or gate) projection keeps 1/T of its rows, the embedding 1/T of the
+    vocabulary; a pipeline rank holds its stages' layers only, the embedding on the first stage and the head on the last."""
     whole = {name: tuple(p.shape) for name, p in tiny_model(family, n_layers).named_parameters()}
     T, P = kw.get("tensor_parallel_size", 1), kw.get("pipeline_parallel_size", 1)
     per_rank = n_layers // (P * kw.get("virtual_pipeline_size", 1))
@@ -55,8 +63,8 @@ def assert_split(results: list[dict], family: str, n_layers: int, kw: dict) -> N
         holds_embedding, holds_head = "model.embed_tokens.weight" in shapes, "lm_head.weight" in shapes
         head_rank = 0 if kw.get("pipeline_schedule") == "zbv" else P - 1
         assert (holds_embedding, holds_head) == (pp == 0, pp == head_rank), (r["rank"], holds_embedding, holds_head)
-        q = next(f"model.layers.{layers[0]}.self_attn.{name}.weight" for name in ("q_proj", "qkv_proj")
-                 if f"model.layers.{layers[0]}.self_attn.{name}.weight" in shapes)
+        q = next(f"model.layers.{layers[0]}.{name}.weight" for name in SPLIT_PROJECTIONS.get(family, ATTENTION)
+                 if f"model.layers.{layers[0]}.{name}.weight" in shapes)
         assert shapes[q] == (whole[q][0] // T, whole[q][1]), (q, shapes[q])
         if holds_embedding:
             assert shapes["model.embed_tokens.weight"][0] == whole["model.embed_tokens.weight"][0] // T
