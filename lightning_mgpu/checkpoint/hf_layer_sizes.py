@@ -49,13 +49,13 @@ def _layer_sizes(config_json: str, moe: bool) -> tuple[int, int, int]:
     try:
         config = transformers.AutoConfig.for_model(hf.get("model_type", "llama"), **{**kwargs, "num_hidden_layers": 1})
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    except (ValueError, KeyError):
+            layer = transformers.AutoModelForCausalLM.from_config(config).base_model.layers[0]
+    except (ValueError, KeyError, TypeError, AttributeError):  # a family transformers lacks, or without `layers`
         return -1, -1, -1
     plan = {re.compile(key.replace(".", r"\.").replace("*", r"\d+")): style
             for key, style in (getattr(config, "base_model_tp_plan", None) or {}).items()}
     whole = split = split_vectors = 0
-    for name, parameter in model.base_model.layers[0].named_parameters():
+    for name, parameter in layer.named_parameters():
         if moe and name.split(".")[0] in MOE_BLOCKS:
             continue
         module, _, kind = f"layers.0.{name}".rpartition(".")

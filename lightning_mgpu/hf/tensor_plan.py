@@ -113,8 +113,9 @@ def _sequence_parallel_entries(found: HFModel, plan: dict[str, str]) -> dict[str
             names.append(name)
             if any(True for _ in module.parameters()) and not any(p.fullmatch(name) for p in covered):
                 uncovered.setdefault(child, set()).add(name)
+    modules = dict(found.model.named_modules())
     for child, matched in uncovered.items():
-        module = dict(found.model.named_modules())[next(iter(matched)).removeprefix(found.prefix)]
+        module = modules[next(iter(matched)).removeprefix(found.prefix)]
         style = "grad_sum_sp" if _token_wise(child, module) else "whole_sequence_sp"
         entries.update({key: style for key in _as_keys(f"{layers}.*.{child}", matched, names)})
     return entries
@@ -130,4 +131,3 @@ def _token_wise(child: str, module: nn.Module) -> bool:
     leaves whole, a convolution along the sequence) runs on the whole sequence on every rank."""
     names = (child.lower(), type(module).__name__.lower())
     return any(part in name for part in TOKEN_WISE for name in names)
-
