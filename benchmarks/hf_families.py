@@ -33,7 +33,7 @@ from smoke import sized  # noqa: E402
 #: second half of the vocabulary for some, so that tensor rank 1 holds it).
 EXTRA_FAMILIES = {
     "gemma": lambda **kw: transformers.GemmaConfig(pad_token_id=0, **kw),
-    "gemma3": lambda **kw: transformers.Gemma3TextConfig(pad_token_id=0, sliding_window=64, **kw),
+    "gemma3": lambda **kw: transformers.Gemma3TextConfig(pad_token_id=0, sliding_window=4, **kw),
     "granite": lambda **kw: transformers.GraniteConfig(logits_scaling=4.0, **kw),
     "cohere": lambda **kw: transformers.CohereConfig(pad_token_id=40, **kw),
     "olmo": lambda **kw: transformers.OlmoConfig(pad_token_id=1, **kw),

@@ -28,13 +28,17 @@ FAMILIES = {
     # Embeddings scaled by sqrt(hidden) in their own forward, a padding row (held by tensor rank 1 of 2), logits
     # soft-capped by the causal LM's forward after the head (at 2.0, so that losing it moves the loss; at 1.0 one
     # element of a gate_proj has a gradient near AdamW's eps, whose update then follows the rounding of a split sum),
-    # eager attention (transformers refuses sdpa with Gemma 2's attention soft-capping)
+    # sliding and full attention in turn (a window of 4 < 16 tokens), eager attention (transformers refuses sdpa with
+    # Gemma 2's attention soft-capping)
     "gemma2": lambda **kw: transformers.Gemma2Config(**{**kw, "attn_implementation": "eager"}, pad_token_id=40,
-                                                     final_logit_softcapping=2.0),
+                                                     final_logit_softcapping=2.0, sliding_window=4),
     # transformers' colwise_gather_output and rowwise_split_input styles: q/k/v and gate/up each one fused matmul
     "phi3": lambda **kw: transformers.Phi3Config(pad_token_id=None, **kw),
     # the same styles on separate q/k/v, whose norms span every head
     "olmo2": lambda **kw: transformers.Olmo2Config(pad_token_id=None, **kw),
+    # a hybrid: each layer's `mixer` is Mamba, attention or an MLP, as the pattern says (plans only, not trained here)
+    "nemotron_h": lambda **kw: transformers.NemotronHConfig(hybrid_override_pattern="M*-M", mamba_num_heads=4,
+                                                            mamba_head_dim=8, n_groups=1, ssm_state_size=8, **kw),
     # a dense first layer, then routed and shared experts; its attention (latent, MLA) left whole by its plan
     "deepseek_v3": lambda **kw: transformers.DeepseekV3Config(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, n_group=1,

@@ -20,7 +20,7 @@ import torch
 
 from lightning_mgpu.checkpoint.hf_moe import (FAMILIES, family_of, is_stacked, moe_export_problems, moe_fields,
                                               moe_hf_config, moe_hf_names)
-from lightning_mgpu.checkpoint.hf_layer_sizes import layer_extras
+from lightning_mgpu.checkpoint.hf_layer_sizes import LayerExtras, layer_extras
 from lightning_mgpu.checkpoint.hf_shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.problems import format_problems
@@ -137,16 +137,14 @@ class TransformersShape(LlamaConfig):
     attention window refuses context parallelism, and so do its pipeline stages (``lightning_mgpu.hf.context``)."""
 
     sliding_window: int = 0
-    #: per layer, beyond Llama's: parameters whole on every tensor-parallel rank (norms), split ones (biases, among
-    #: them ``layer_split_vectors``), from :func:`~lightning_mgpu.checkpoint.hf_layer_sizes.layer_extras`
-    layer_whole_extra: int = 0
-    layer_split_extra: int = 0
-    layer_split_vectors: int = 0
+    #: per layer, beyond Llama's (:func:`~lightning_mgpu.checkpoint.hf_layer_sizes.layer_extras`): parameters whole
+    #: on every tensor-parallel rank (norms) and split ones (biases)
+    layer_extras: LayerExtras = LayerExtras()
     qk_norm_whole: ClassVar[bool] = True
     context_with_pipeline: ClassVar[bool] = False
 
     def num_parameters(self, active: bool = False) -> int:
-        return super().num_parameters(active) + self.n_layers * (self.layer_whole_extra + self.layer_split_extra)
+        return super().num_parameters(active) + self.n_layers * (self.layer_extras.whole + self.layer_extras.split)
 
 
 def sliding_window(hf: Mapping) -> int:
@@ -174,8 +172,7 @@ def planning_shape(hf: Mapping) -> LlamaConfig:
     counted_whole = 2 * shape.dim + (2 * hd if shape.qk_norm else 0)
     counted_split = shape.dim * hd * (2 * shape.n_heads + 2 * shape.n_kv_heads) + \
         (0 if experts else 3 * shape.dim * shape.ffn_hidden)
-    whole, split, vectors = layer_extras(hf, counted_whole, counted_split, moe=bool(experts))
-    return replace(shape, layer_whole_extra=whole, layer_split_extra=split, layer_split_vectors=vectors)
+    return replace(shape, layer_extras=layer_extras(hf, counted_whole, counted_split, moe=bool(experts)))
 
 
 def from_hf_config(hf: Mapping) -> LlamaConfig:

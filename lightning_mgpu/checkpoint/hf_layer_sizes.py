@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 import json
 import re
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, Optional
 
 #: transformers' styles that split a module's weight and bias by output features.
 SPLIT_WITH_BIAS = ("colwise", "colwise_gather_output", "packed_colwise")
@@ -26,21 +27,32 @@ MOE_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
 PER_LAYER_KEYS = ("layer_types", "mlp_only_layers", "no_rope_layers", "sliding_window_pattern")
 
 
-def layer_extras(hf: Mapping, counted_whole: int, counted_split: int, moe: bool) -> tuple[int, int, int]:
-    """(whole, split, split vectors) parameters of layer 0 beyond ``counted_whole`` and ``counted_split`` (the
-    planner's counts on one rank of one, which split no vector), leaving out a mixture of experts' block when ``moe``;
-    split vectors (biases) are among the split ones. Zeros for a config transformers cannot build (an unknown
-    ``model_type``): the planner's Llama count stands."""
-    whole, split, split_vectors = _layer_sizes(json.dumps(dict(hf), sort_keys=True), moe)
-    if whole < 0:
-        return 0, 0, 0
-    return whole - counted_whole, split - counted_split, split_vectors
+@dataclass(frozen=True)
+class LayerExtras:
+    """Parameters of one layer beyond the planner's Llama layer: ``whole`` on every tensor-parallel rank and ``split``
+    over them, and of each the vectors (1-D: norms, biases), which no matrix optimizer steps."""
+
+    whole: int = 0
+    split: int = 0
+    whole_vectors: int = 0
+    split_vectors: int = 0
+
+
+def layer_extras(hf: Mapping, counted_whole: int, counted_split: int, moe: bool) -> LayerExtras:
+    """What layer 0 of the config holds beyond ``counted_whole`` vectors and ``counted_split`` matrix elements (the
+    planner's counts on one rank of one), leaving out a mixture of experts' block when ``moe``. None beyond them for a
+    config transformers cannot build (an unknown ``model_type``): the planner's Llama count stands."""
+    sizes = _layer_sizes(json.dumps(dict(hf), sort_keys=True), moe)
+    if sizes is None:
+        return LayerExtras()
+    return LayerExtras(sizes.whole - counted_whole, sizes.split - counted_split, sizes.whole_vectors - counted_whole,
+                       sizes.split_vectors)
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_sizes(config_json: str, moe: bool) -> tuple[int, int, int]:
-    """(whole, split, split vectors) parameters of layer 0 of the config, or -1s when transformers does not know
-    it."""
+def _layer_sizes(config_json: str, moe: bool) -> Optional[LayerExtras]:
+    """All parameters of layer 0 of the config (as :class:`LayerExtras` over nothing counted), or None when
+    transformers cannot build it."""
     import torch
     import transformers
 
@@ -50,19 +62,17 @@ def _layer_sizes(config_json: str, moe: bool) -> tuple[int, int, int]:
         config = transformers.AutoConfig.for_model(hf.get("model_type", "llama"), **{**kwargs, "num_hidden_layers": 1})
         with torch.device("meta"):
             layer = transformers.AutoModelForCausalLM.from_config(config).base_model.layers[0]
-    except (ValueError, KeyError, TypeError, AttributeError):  # a family transformers lacks, or without `layers`
-        return -1, -1, -1
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError, RuntimeError):  # a family it lacks, one
+        return None  # without `layers`, or one needing another package
     plan = {re.compile(key.replace(".", r"\.").replace("*", r"\d+")): style
             for key, style in (getattr(config, "base_model_tp_plan", None) or {}).items()}
-    whole = split = split_vectors = 0
+    counts = dict(whole=0, split=0, whole_vectors=0, split_vectors=0)
     for name, parameter in layer.named_parameters():
         if moe and name.split(".")[0] in MOE_BLOCKS:
             continue
         module, _, kind = f"layers.0.{name}".rpartition(".")
         style = next((style for pattern, style in plan.items() if pattern.fullmatch(module)), None)
-        if style in SPLIT_WITH_BIAS or (style in SPLIT_WEIGHT_ONLY and kind != "bias"):
-            split += parameter.numel()
-            split_vectors += parameter.numel() if parameter.dim() == 1 else 0
-        else:
-            whole += parameter.numel()
-    return whole, split, split_vectors
+        part = "split" if style in SPLIT_WITH_BIAS or (style in SPLIT_WEIGHT_ONLY and kind != "bias") else "whole"
+        counts[part] += parameter.numel()
+        counts[f"{part}_vectors"] += parameter.numel() if parameter.dim() == 1 else 0
+    return LayerExtras(**counts)

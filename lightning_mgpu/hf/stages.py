@@ -50,6 +50,7 @@ class HFStage(nn.Module):
         view._modules = dict(found.model._modules)
         base = copy.copy(found.base)
         base._modules = dict(found.base._modules)
+        base.config = _stage_config(found.base.config, start, end)
         base._modules["layers"] = KeptLayers({i: found.base.layers[i] for i in range(start, end)})
         if not self.first:
             base._modules["embed_tokens"] = None
@@ -70,6 +71,18 @@ class HFStage(nn.Module):
         view = self._view[0]
         view._modules[self.head_name] = getattr(self, self.head_name)  # the head a tensor-parallel plan swapped in
         return type(view).forward(view, **given, use_cache=False).logits
+
+
+def _stage_config(config: object, start: int, end: int) -> object:
+    """The decoder's config for a stage of layers ``[start, end)``: ``transformers``' decoders look a layer's type
+    (sliding or full attention: its mask, Gemma 3's rotary table) up in ``config.layer_types`` by the layer's place in
+    their loop, which in a stage is not its index in the model."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return config
+    local = copy.copy(config)
+    local.layer_types = list(types[start:end])
+    return local
 
 
 def _head_name(found: HFModel) -> str:

@@ -105,18 +105,18 @@ def _sequence_parallel_entries(found: HFModel, plan: dict[str, str]) -> dict[str
     layers = f"{found.base_prefix}layers"
     entries = {f"{layers}.0": "sequence_scatter", f"{layers}.{found.n_layers - 1}": "sequence_gather"}
     covered = [plan_pattern(key) for key in plan]
-    uncovered: dict[str, set[str]] = {}  # a layer's child -> the layers where it holds parameters outside the regions
+    # (a layer's child, its style) -> the layers' modules of that name and style with parameters outside the regions;
+    # the style is each module's own (a hybrid model's `mixer` is attention in some layers, an MLP in others)
+    uncovered: dict[tuple[str, str], set[str]] = {}
     names = []
     for index, layer in found.base.layers.named_children():
         for child, module in layer.named_children():
             name = f"{layers}.{index}.{child}"
             names.append(name)
             if any(True for _ in module.parameters()) and not any(p.fullmatch(name) for p in covered):
-                uncovered.setdefault(child, set()).add(name)
-    modules = dict(found.model.named_modules())
-    for child, matched in uncovered.items():
-        module = modules[next(iter(matched)).removeprefix(found.prefix)]
-        style = "grad_sum_sp" if _token_wise(child, module) else "whole_sequence_sp"
+                style = "grad_sum_sp" if _token_wise(child, module) else "whole_sequence_sp"
+                uncovered.setdefault((child, style), set()).add(name)
+    for (child, style), matched in uncovered.items():
         entries.update({key: style for key in _as_keys(f"{layers}.*.{child}", matched, names)})
     return entries
 

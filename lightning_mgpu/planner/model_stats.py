@@ -33,8 +33,10 @@ def _attention_and_norms(cfg: LlamaConfig, tp: int) -> int:
 def _layer_extra(cfg: LlamaConfig, tp: int) -> tuple[int, int]:
     """(parameters, of them vectors) a ``transformers`` family's layer holds beyond Llama's on one tensor-parallel
     rank (``TransformersShape``: Gemma 2's four norms, Qwen2's q/k/v biases); none for the package's model."""
-    whole, split = getattr(cfg, "layer_whole_extra", 0), getattr(cfg, "layer_split_extra", 0)
-    return whole + split // tp, whole + getattr(cfg, "layer_split_vectors", 0) // tp
+    extras = getattr(cfg, "layer_extras", None)
+    if extras is None:
+        return 0, 0
+    return extras.whole + extras.split // tp, extras.whole_vectors + extras.split_vectors // tp
 
 
 @dataclass(frozen=True)

@@ -50,12 +50,13 @@ def test_typo_and_wrong_type_fail_at_composition():
         composed("model=nope")
 
 
-#: family -> a small config.json holding what the family adds to a Llama layer (hidden 256, 4 layers, 8 heads)
+#: family -> a small config.json holding what the family adds to a Llama layer (hidden 256, 4 layers, 8 heads of
+#: 32, 4 key/value heads), and those additions worked by hand: (whole vectors, split vectors) a layer
 FAMILY_CONFIGS = {
-    "qwen2": {"model_type": "qwen2"},  # q/k/v biases, split with their projections
-    "gemma2": {"model_type": "gemma2", "head_dim": 64, "tie_word_embeddings": False},  # four norms a layer
-    "olmo2": {"model_type": "olmo2"},  # q/k norms over every head
-    "phi3": {"model_type": "phi3"},  # fused q/k/v and gate/up
+    "qwen2": ({"model_type": "qwen2"}, (0, (8 + 2 * 4) * 32)),  # q/k/v biases, split with their projections
+    "gemma2": ({"model_type": "gemma2", "head_dim": 64, "tie_word_embeddings": False}, (2 * 256, 0)),  # 4 norms
+    "olmo2": ({"model_type": "olmo2"}, ((8 + 4) * 32, 0)),  # q/k norms over every head
+    "phi3": ({"model_type": "phi3"}, (0, 0)),  # fused q/k/v and gate/up: the same sizes
 }
 
 
@@ -68,13 +69,15 @@ def test_a_transformers_family_dry_runs_as_planned_and_counts_its_own_parameters
 
     config = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
               "intermediate_size": 512, "vocab_size": 1000, "tie_word_embeddings": False, "pad_token_id": 0,
-              **FAMILY_CONFIGS[family]}
+              **FAMILY_CONFIGS[family][0]}
     (tmp_path / "config.json").write_text(json.dumps(config))
     cfg = composed("model=hf", f"model.path={tmp_path}", "trainer=gpu", "trainer.devices=8", "data.seq_len=256",
                    "parallel.tensor_parallel_size=4", "parallel.pipeline_parallel_size=2")
     from lightning_mgpu.cli.dry_run import rank_shares
 
     spec = run_spec(cfg, launching=False)
+    extras = spec.model.layer_extras
+    assert (extras.whole_vectors, extras.split_vectors) == FAMILY_CONFIGS[family][1], extras
     layout, shares = rank_shares(spec)
     assert [(s.tp_rank, s.pp_rank) for s in shares if not s.as_planned] == [], [(s.parameters, s.planned)
                                                                                 for s in shares]

@@ -41,6 +41,18 @@ def test_gathered_outputs_and_split_inputs_translate_with_the_head_kept_split_ov
         layer + "input_layernorm": "grad_sum_sp", layer + "post_attention_layernorm": "grad_sum_sp"}
 
 
+def test_each_layer_part_gets_its_own_sequence_parallel_style_in_a_hybrid_model():
+    """Nemotron-H's `mixer` is Mamba in layers 0 and 3, attention in 1, an MLP in 2: under sequence parallelism the
+    ones that mix positions run on the whole sequence, the MLP on its shard, each named by its own layer (one style
+    for all of them, read off one layer, would run Mamba or attention on a shard, or differ between ranks)."""
+    plan = hf_tp_plan(find_hf_model(CausalLM("nemotron_h", n_layers=4)))
+    mixers = {key: style for key, style in plan.items() if key.endswith(".mixer")}
+    layer = "llm.model.layers."
+    assert mixers == {layer + "0.mixer": "whole_sequence_sp", layer + "1.mixer": "whole_sequence_sp",
+                      layer + "3.mixer": "whole_sequence_sp", layer + "2.mixer": "grad_sum_sp"}, mixers
+    assert plan[layer + "*.norm"] == "grad_sum_sp"
+
+
 def test_experts_stay_whole_and_sum_their_gradients_under_sequence_parallelism():
     plan = hf_tp_plan(find_hf_model(CausalLM("qwen3_moe")))
     assert not any("experts" in key or "gate_proj" in key for key in plan), plan
