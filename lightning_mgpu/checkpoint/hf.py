@@ -20,7 +20,7 @@ import torch
 
 from lightning_mgpu.checkpoint.hf_moe import (FAMILIES, family_of, is_stacked, moe_export_problems, moe_fields,
                                               moe_hf_config, moe_hf_names)
-from lightning_mgpu.checkpoint.hf_layer_sizes import LayerExtras, layer_extras
+from lightning_mgpu.checkpoint.hf_layer_sizes import LayerExtras, layer_extras, layer_sizes, transformers_parameters
 from lightning_mgpu.checkpoint.hf_shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.problems import format_problems
@@ -140,11 +140,13 @@ class TransformersShape(LlamaConfig):
     #: per layer, beyond Llama's (:func:`~lightning_mgpu.checkpoint.hf_layer_sizes.layer_extras`): parameters whole
     #: on every tensor-parallel rank (norms) and split ones (biases)
     layer_extras: LayerExtras = LayerExtras()
+    #: a mixture of experts' expert layer as built (its routed experts whole on every tensor-parallel rank)
+    moe_layer: Optional[LayerExtras] = None
     qk_norm_whole: ClassVar[bool] = True
     context_with_pipeline: ClassVar[bool] = False
 
     def num_parameters(self, active: bool = False) -> int:
-        return super().num_parameters(active) + self.n_layers * (self.layer_extras.whole + self.layer_extras.split)
+        return transformers_parameters(self, active)
 
 
 def sliding_window(hf: Mapping) -> int:
@@ -163,16 +165,17 @@ def planning_shape(hf: Mapping) -> LlamaConfig:
     count (the few bias elements aside)."""
     fields = _shape_fields(hf)
     fields.update(qk_norm=hf.get("model_type") in _QK_NORM_FAMILIES, sliding_window=sliding_window(hf))
-    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
     if experts:
         fields.update(num_experts=experts, experts_per_token=int(hf.get("num_experts_per_tok", 2)),
-                      expert_hidden=int(hf.get("moe_intermediate_size") or 0))
+                      expert_hidden=int(hf.get("moe_intermediate_size") or 0),
+                      dense_layers=int(hf.get("first_k_dense_replace") or 0))
     shape = TransformersShape(**fields)
     hd = shape.head_dim
     counted_whole = 2 * shape.dim + (2 * hd if shape.qk_norm else 0)
-    counted_split = shape.dim * hd * (2 * shape.n_heads + 2 * shape.n_kv_heads) + \
-        (0 if experts else 3 * shape.dim * shape.ffn_hidden)
-    return replace(shape, layer_extras=layer_extras(hf, counted_whole, counted_split, moe=bool(experts)))
+    counted_split = shape.dim * hd * (2 * shape.n_heads + 2 * shape.n_kv_heads) + 3 * shape.dim * shape.ffn_hidden
+    return replace(shape, layer_extras=layer_extras(hf, counted_whole, counted_split),
+                   moe_layer=layer_sizes(hf, shape.dense_layers) if experts else None)
 
 
 def from_hf_config(hf: Mapping) -> LlamaConfig:

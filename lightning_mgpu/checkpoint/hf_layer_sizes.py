@@ -15,14 +15,12 @@ import functools
 import json
 import re
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 #: transformers' styles that split a module's weight and bias by output features.
-SPLIT_WITH_BIAS = ("colwise", "colwise_gather_output", "packed_colwise")
+SPLIT_WITH_BIAS = ("colwise", "colwise_gather_output")
 #: Styles that split a module's weight by input features and keep its bias whole.
-SPLIT_WEIGHT_ONLY = ("rowwise", "rowwise_split_input", "packed_rowwise")
-#: The children of a mixture-of-experts layer the planner counts by its own rules (router, experts, shared experts).
-MOE_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward")
+SPLIT_WEIGHT_ONLY = ("rowwise", "rowwise_split_input")
 #: Keys of ``config.json`` that depend on the number of layers, dropped to build one.
 PER_LAYER_KEYS = ("layer_types", "mlp_only_layers", "no_rope_layers", "sliding_window_pattern")
 
@@ -38,41 +36,57 @@ class LayerExtras:
     split_vectors: int = 0
 
 
-def layer_extras(hf: Mapping, counted_whole: int, counted_split: int, moe: bool) -> LayerExtras:
+def layer_extras(hf: Mapping, counted_whole: int, counted_split: int) -> LayerExtras:
     """What layer 0 of the config holds beyond ``counted_whole`` vectors and ``counted_split`` matrix elements (the
-    planner's counts on one rank of one), leaving out a mixture of experts' block when ``moe``. None beyond them for a
-    config transformers cannot build (an unknown ``model_type``): the planner's Llama count stands."""
-    sizes = _layer_sizes(json.dumps(dict(hf), sort_keys=True), moe)
+    planner's counts of a dense layer on one rank of one). None beyond them for a config transformers cannot build (an
+    unknown ``model_type``): the planner's Llama count stands."""
+    sizes = layer_sizes(hf, 0)
     if sizes is None:
         return LayerExtras()
     return LayerExtras(sizes.whole - counted_whole, sizes.split - counted_split, sizes.whole_vectors - counted_whole,
                        sizes.split_vectors)
 
 
+def layer_sizes(hf: Mapping, index: int) -> Optional[LayerExtras]:
+    """Every parameter of layer ``index`` of the config (a mixture of experts' first expert layer, whose experts stay
+    whole on every tensor-parallel rank), or None when transformers cannot build it."""
+    return _layer_sizes(json.dumps(dict(hf), sort_keys=True), index)
+
+
 @functools.lru_cache(maxsize=64)
-def _layer_sizes(config_json: str, moe: bool) -> Optional[LayerExtras]:
-    """All parameters of layer 0 of the config (as :class:`LayerExtras` over nothing counted), or None when
-    transformers cannot build it."""
+def _layer_sizes(config_json: str, index: int) -> Optional[LayerExtras]:
     import torch
     import transformers
 
     hf = json.loads(config_json)
     kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "architectures", *PER_LAYER_KEYS)}
     try:
-        config = transformers.AutoConfig.for_model(hf.get("model_type", "llama"), **{**kwargs, "num_hidden_layers": 1})
+        config = transformers.AutoConfig.for_model(hf.get("model_type", "llama"),
+                                                   **{**kwargs, "num_hidden_layers": index + 1})
         with torch.device("meta"):
-            layer = transformers.AutoModelForCausalLM.from_config(config).base_model.layers[0]
+            layer = transformers.AutoModelForCausalLM.from_config(config).base_model.layers[index]
     except (ValueError, KeyError, TypeError, AttributeError, ImportError, RuntimeError):  # a family it lacks, one
         return None  # without `layers`, or one needing another package
     plan = {re.compile(key.replace(".", r"\.").replace("*", r"\d+")): style
             for key, style in (getattr(config, "base_model_tp_plan", None) or {}).items()}
     counts = dict(whole=0, split=0, whole_vectors=0, split_vectors=0)
     for name, parameter in layer.named_parameters():
-        if moe and name.split(".")[0] in MOE_BLOCKS:
-            continue
-        module, _, kind = f"layers.0.{name}".rpartition(".")
+        module, _, kind = f"layers.{index}.{name}".rpartition(".")
         style = next((style for pattern, style in plan.items() if pattern.fullmatch(module)), None)
         part = "split" if style in SPLIT_WITH_BIAS or (style in SPLIT_WEIGHT_ONLY and kind != "bias") else "whole"
         counts[part] += parameter.numel()
         counts[f"{part}_vectors"] += parameter.numel() if parameter.dim() == 1 else 0
     return LayerExtras(**counts)
+
+
+def transformers_parameters(shape: Any, active: bool = False) -> int:
+    """The whole parameter count of a ``TransformersShape``: its dense layers as the planner counts a Llama layer plus
+    the family's extras, its expert layers as built (``active``: only the routed experts a token goes through)."""
+    hd, extras, built = shape.head_dim, shape.layer_extras, shape.moe_layer
+    attention = shape.dim * hd * (2 * shape.n_heads + 2 * shape.n_kv_heads) + (2 * hd if shape.qk_norm else 0)
+    dense_layer = attention + 3 * shape.dim * shape.ffn_hidden + 2 * shape.dim + extras.whole + extras.split
+    moe = sum(shape.is_moe_layer(i) for i in range(shape.n_layers)) if built is not None else 0
+    idle = (shape.num_experts - shape.experts_per_token) * 3 * shape.dim * shape.expert_ffn_hidden if active else 0
+    moe_layer = built.whole + built.split - idle if built is not None else 0
+    embeddings = shape.vocab_size * shape.dim * (1 if shape.tie_embeddings else 2)
+    return (shape.n_layers - moe) * dense_layer + moe * moe_layer + embeddings + shape.dim

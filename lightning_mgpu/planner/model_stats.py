@@ -88,9 +88,14 @@ def _rank_parameter_split(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: i
         blocks = bounds[s + 1] - bounds[s]
         moe = moe_layer_count(cfg, range(bounds[s], bounds[s + 1]))
         dense += (blocks - moe) * block_parameters(cfg, tp)
-        dense += moe * (_attention_and_norms(cfg, tp) + moe_dense_parameters(cfg, tp))
-        experts += moe * routed_parameters(cfg, tp, ep)
-        vectors += blocks * norms + moe * cfg.dim * cfg.num_experts  # norms, router gates
+        built = getattr(cfg, "moe_layer", None)  # a transformers mixture of experts: its expert layer as built
+        if built is None:
+            dense += moe * (_attention_and_norms(cfg, tp) + moe_dense_parameters(cfg, tp))
+            experts += moe * routed_parameters(cfg, tp, ep)
+            vectors += blocks * norms + moe * cfg.dim * cfg.num_experts  # norms, router gates
+        else:
+            dense += moe * (built.whole + built.split // tp)
+            vectors += (blocks - moe) * norms + moe * (built.whole_vectors + built.split_vectors // tp)
         if s == 0:
             dense += vocab_rows * cfg.dim
             vectors += vocab_rows * cfg.dim
