@@ -169,7 +169,8 @@ def planning_shape(hf: Mapping) -> LlamaConfig:
     if experts:
         fields.update(num_experts=experts, experts_per_token=int(hf.get("num_experts_per_tok", 2)),
                       expert_hidden=int(hf.get("moe_intermediate_size") or 0),
-                      dense_layers=int(hf.get("first_k_dense_replace") or 0))
+                      dense_layers=int(hf.get("first_k_dense_replace") or 0),
+                      shared_experts=int(hf.get("n_shared_experts") or 0))
     shape = TransformersShape(**fields)
     hd = shape.head_dim
     counted_whole = 2 * shape.dim + (2 * hd if shape.qk_norm else 0)
