@@ -20,7 +20,7 @@ import torch
 
 from lightning_mgpu.checkpoint.hf_moe import (FAMILIES, family_of, is_stacked, moe_export_problems, moe_fields,
                                               moe_hf_config, moe_hf_names)
-from lightning_mgpu.checkpoint.hf_layer_sizes import LayerExtras, layer_extras, layer_sizes, transformers_parameters
+from lightning_mgpu.checkpoint.hf_layer_sizes import LayerExtras, built_counts, transformers_parameters
 from lightning_mgpu.checkpoint.hf_shards import DEFAULT_MAX_SHARD_BYTES, plan_shards, write_shards
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.problems import format_problems
@@ -140,8 +140,13 @@ class TransformersShape(LlamaConfig):
     #: per layer, beyond Llama's (:func:`~lightning_mgpu.checkpoint.hf_layer_sizes.layer_extras`): parameters whole
     #: on every tensor-parallel rank (norms) and split ones (biases)
     layer_extras: LayerExtras = LayerExtras()
-    #: a mixture of experts' expert layer as built (its routed experts whole on every tensor-parallel rank)
+    #: a mixture of experts' expert layer as built (its routed experts whole on every tensor-parallel rank), and which
+    #: layers are expert layers (Qwen-MoE's ``decoder_sparse_step`` and ``mlp_only_layers`` place dense ones anywhere)
     moe_layer: Optional[LayerExtras] = None
+    moe_layers: tuple[bool, ...] = ()
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe_layers[index] if self.moe_layers else super().is_moe_layer(index)
     qk_norm_whole: ClassVar[bool] = True
     context_with_pipeline: ClassVar[bool] = False
 
@@ -172,11 +177,7 @@ def planning_shape(hf: Mapping) -> LlamaConfig:
                       dense_layers=int(hf.get("first_k_dense_replace") or 0),
                       shared_experts=int(hf.get("n_shared_experts") or 0))
     shape = TransformersShape(**fields)
-    hd = shape.head_dim
-    counted_whole = 2 * shape.dim + (2 * hd if shape.qk_norm else 0)
-    counted_split = shape.dim * hd * (2 * shape.n_heads + 2 * shape.n_kv_heads) + 3 * shape.dim * shape.ffn_hidden
-    return replace(shape, layer_extras=layer_extras(hf, counted_whole, counted_split),
-                   moe_layer=layer_sizes(hf, shape.dense_layers) if experts else None)
+    return replace(shape, **built_counts(hf, shape))
 
 
 def from_hf_config(hf: Mapping) -> LlamaConfig:

@@ -22,7 +22,7 @@ SPLIT_WITH_BIAS = ("colwise", "colwise_gather_output")
 #: Styles that split a module's weight by input features and keep its bias whole.
 SPLIT_WEIGHT_ONLY = ("rowwise", "rowwise_split_input")
 #: Keys of ``config.json`` that depend on the number of layers, dropped to build one.
-PER_LAYER_KEYS = ("layer_types", "mlp_only_layers", "no_rope_layers", "sliding_window_pattern")
+PER_LAYER_KEYS = ("layer_types", "no_rope_layers", "sliding_window_pattern", "layer_rope_theta")
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,35 @@ class LayerExtras:
     split_vectors: int = 0
 
 
-def layer_extras(hf: Mapping, counted_whole: int, counted_split: int) -> LayerExtras:
-    """What layer 0 of the config holds beyond ``counted_whole`` vectors and ``counted_split`` matrix elements (the
-    planner's counts of a dense layer on one rank of one). None beyond them for a config transformers cannot build (an
-    unknown ``model_type``): the planner's Llama count stands."""
-    sizes = layer_sizes(hf, 0)
+def built_counts(hf: Mapping, shape: Any) -> dict:
+    """The fields of a ``TransformersShape`` counted from layers ``transformers`` builds: a dense layer's extras over
+    the planner's Llama layer, and for a mixture of experts its expert layer and which layers hold experts."""
+    hd = shape.head_dim
+    counted_whole = 2 * shape.dim + (2 * hd if shape.qk_norm else 0)
+    counted_split = shape.dim * hd * (2 * shape.n_heads + 2 * shape.n_kv_heads) + 3 * shape.dim * shape.ffn_hidden
+    if not shape.num_experts:
+        return dict(layer_extras=layer_extras(hf, counted_whole, counted_split, 0))
+    experts = moe_layer_pattern(hf, shape.n_layers)
+    dense = next((i for i, moe in enumerate(experts) if not moe), None)
+    return dict(layer_extras=layer_extras(hf, counted_whole, counted_split, dense) if dense is not None
+                else LayerExtras(), moe_layer=layer_sizes(hf, experts.index(True)) if any(experts) else None,
+                moe_layers=experts)
+
+
+def moe_layer_pattern(hf: Mapping, n_layers: int) -> tuple[bool, ...]:
+    """Which layers of a mixture of experts hold experts, by the keys ``transformers``' families place them with:
+    DeepSeek's ``first_k_dense_replace`` and ``moe_layer_freq``, Qwen-MoE's ``decoder_sparse_step`` and
+    ``mlp_only_layers``."""
+    first, freq = int(hf.get("first_k_dense_replace") or 0), int(hf.get("moe_layer_freq") or 1)
+    step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or ())
+    return tuple(i >= first and i % freq == 0 and (i + 1) % step == 0 and i not in dense for i in range(n_layers))
+
+
+def layer_extras(hf: Mapping, counted_whole: int, counted_split: int, index: int) -> LayerExtras:
+    """What layer ``index`` of the config (a dense one) holds beyond ``counted_whole`` vectors and ``counted_split``
+    matrix elements (the planner's counts of a dense layer on one rank of one). None beyond them for a config
+    transformers cannot build (an unknown ``model_type``): the planner's Llama count stands."""
+    sizes = layer_sizes(hf, index)
     if sizes is None:
         return LayerExtras()
     return LayerExtras(sizes.whole - counted_whole, sizes.split - counted_split, sizes.whole_vectors - counted_whole,

@@ -74,14 +74,19 @@ class HFStage(nn.Module):
 
 
 def _stage_config(config: object, start: int, end: int) -> object:
-    """The decoder's config for a stage of layers ``[start, end)``: ``transformers``' decoders look a layer's type
-    (sliding or full attention: its mask, Gemma 3's rotary table) up in ``config.layer_types`` by the layer's place in
-    their loop, which in a stage is not its index in the model."""
-    types = getattr(config, "layer_types", None)
-    if types is None:
+    """The decoder's config for a stage of layers ``[start, end)``, each per-layer list (one entry a layer) cut to the
+    stage's: ``transformers``' decoders look a layer's entry up by its place in their loop, which in a stage is not its
+    index in the model (``layer_types``: sliding or full attention, its mask, Gemma 3's rotary table; Granite's
+    ``layer_rope_theta``; Nemotron-H's ``layers_block_type``). The layers themselves read their entries by their own
+    index when built, from the model's config, which stays whole."""
+    n = getattr(config, "num_hidden_layers", None)
+    per_layer = {key: value for key, value in vars(config).items() if isinstance(value, (list, tuple)) and
+                 len(value) == n and n not in (None, 0)}
+    if not per_layer:
         return config
     local = copy.copy(config)
-    local.layer_types = list(types[start:end])
+    for key, value in per_layer.items():
+        setattr(local, key, type(value)(value[start:end]))
     return local
 
 

@@ -60,6 +60,12 @@ FAMILY_CONFIGS = {
     # mixtures of experts, their expert layers counted as built (experts whole on every tensor-parallel rank)
     "qwen3_moe": ({"model_type": "qwen3_moe", "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
                    "moe_intermediate_size": 64}, None),
+    # expert layers 1 and 3 only (decoder_sparse_step=2), then one whose layer 1 is dense (mlp_only_layers)
+    "qwen2_moe": ({"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                   "decoder_sparse_step": 2}, None),
+    "qwen2_moe_dense_1": ({"model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                           "moe_intermediate_size": 64, "mlp_only_layers": [1]}, None),
+    "mixtral": ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, None),
     "deepseek_v3": ({"model_type": "deepseek_v3", "num_key_value_heads": 8, "n_routed_experts": 8,
                      "num_experts_per_tok": 2, "n_shared_experts": 1, "moe_intermediate_size": 64,
                      "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 64,

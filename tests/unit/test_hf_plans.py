@@ -8,7 +8,7 @@ from hf_helpers import CausalLM, tiny_model
 from lightning_mgpu.hf import find_hf_model
 from lightning_mgpu.layout import LayoutRequest
 from lightning_mgpu.hf.hooks import HFHooks
-from lightning_mgpu.hf.stages import hf_stages
+from lightning_mgpu.hf.stages import HFStage, hf_stages
 from lightning_mgpu.hf.tensor_plan import hf_tp_plan
 
 
@@ -132,3 +132,25 @@ def test_a_window_switched_off_in_config_json_does_not_refuse_context_parallelis
               "use_sliding_window": False}
     assert planning_shape(qwen25).sliding_window == 0
     assert planning_shape({**qwen25, "use_sliding_window": True}).sliding_window == 32768
+
+
+def test_stages_in_turn_compute_the_whole_model_with_per_layer_config_lists():
+    """Granite SWA reads each layer's rotary base from `layer_rope_theta` (0: no rotary) by the layer's place in its
+    decoder's loop: two stages in turn must give the whole model's logits (stage 2 holds layers 2 and 3, whose entry is
+    0; read by place it would be layers 0 and 1's)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GraniteSWAConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                           num_attention_heads=4, num_key_value_heads=4, vocab_size=100,
+                                           layer_types=["full_attention"] * 4, layer_rope_theta=[1e4, 1e4, 0.0, 0.0],
+                                           tie_word_embeddings=False, attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    owner = torch.nn.Module()
+    owner.llm = model
+    found = find_hf_model(owner)
+    ids = torch.randint(0, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(input_ids=ids).logits
+        staged = HFStage(found, 2, 4)(HFStage(found, 0, 2)(ids))
+    assert torch.allclose(staged, whole, atol=1e-6), (staged - whole).abs().max()
