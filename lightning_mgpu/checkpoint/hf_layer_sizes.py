@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import functools
 import json
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
+
+from lightning_mgpu.parallel.plan import plan_pattern
 
 #: transformers' styles that split a module's weight and bias by output features.
 SPLIT_WITH_BIAS = ("colwise", "colwise_gather_output")
@@ -91,8 +92,7 @@ def _layer_sizes(config_json: str, index: int) -> Optional[LayerExtras]:
             layer = transformers.AutoModelForCausalLM.from_config(config).base_model.layers[index]
     except (ValueError, KeyError, TypeError, AttributeError, ImportError, RuntimeError):  # a family it lacks, one
         return None  # without `layers`, or one needing another package
-    plan = {re.compile(key.replace(".", r"\.").replace("*", r"\d+")): style
-            for key, style in (getattr(config, "base_model_tp_plan", None) or {}).items()}
+    plan = {plan_pattern(key): style for key, style in (getattr(config, "base_model_tp_plan", None) or {}).items()}
     counts = dict(whole=0, split=0, whole_vectors=0, split_vectors=0)
     for name, parameter in layer.named_parameters():
         module, _, kind = f"layers.{index}.{name}".rpartition(".")
