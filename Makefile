@@ -19,10 +19,12 @@ $(STAMP): pyproject.toml
 train: install
 	$(VENV)/bin/mgpu-train
 
-# Two workers (pytest-xdist), each test file on one of them: a test that waits (a timeout, a launcher starting
-# interpreters) leaves its core to the other worker's tests. 736 s in one process, 497 s so (docs: measurements).
+# Three workers (pytest-xdist) on two cores, each test file on one of them: a test that waits (a timeout, a launcher
+# starting interpreters) leaves the cores to the other workers' tests. On 2 cores, the same tests: 1070 s in one
+# process, 778-812 s on two workers, 696 s on three (docs: measurements).
+TEST_WORKERS ?= 3
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 # Every CPU benchmark in full (hours on 2 cores); `make test` runs each in its --smoke mode.
 CPU_BENCHMARKS := overhead zero_memory tp_vs_dtensor pipeline_bubble pipeline_in_flight checkpoint_io \

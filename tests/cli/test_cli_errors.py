@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import composed_once_registered as composed
+from cli_helpers import composed
 from forked_cli import popen_cli
 
 from lightning_mgpu.cli import export, plan, train

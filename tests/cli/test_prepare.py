@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from helpers import TEST_EOD, corpus_text, make_tokenizer
-from cli_helpers import BIN, composed_once_registered as composed, read_losses, read_metric
+from cli_helpers import BIN, composed, read_losses, read_metric
 from forked_cli import run_cli
 
 from lightning_mgpu.cli.build import build_datamodule, build_tokenizer

@@ -4,7 +4,7 @@ and its every rank built on the meta device by a launch's own ``parallelize()``)
 import json
 
 import pytest
-from cli_helpers import composed_once_registered as composed, group_options, recipe_overrides, resolved
+from cli_helpers import composed, group_options, recipe_overrides, resolved
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 

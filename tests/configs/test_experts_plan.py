@@ -5,7 +5,7 @@ experts over the ranks that hold them and proposes more expert-parallel ranks.""
 import re
 
 import pytest
-from cli_helpers import composed_once_registered as composed, resolved
+from cli_helpers import composed, resolved
 
 from lightning_mgpu.cli.memory_check import memory_problems, run_memory
 from lightning_mgpu.cli.plan import plan_report

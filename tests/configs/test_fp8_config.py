@@ -2,7 +2,7 @@
 (named, all at once; none on CPU, where fp8 is emulated), and the strategy a valid key builds."""
 
 import pytest
-from cli_helpers import composed_once_registered as composed
+from cli_helpers import composed
 
 from lightning_mgpu.cli.build import build_strategy
 from lightning_mgpu.cli.errors import ConfigError

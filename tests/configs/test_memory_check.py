@@ -8,7 +8,7 @@ import resource
 import pytest
 import torch
 from forked_cli import run_cli
-from cli_helpers import BIN, composed_once_registered as composed, recipe_overrides, resolved
+from cli_helpers import BIN, composed, recipe_overrides, resolved
 
 from lightning_mgpu.cli import memory_check
 from lightning_mgpu.cli.paths import recipes_dir

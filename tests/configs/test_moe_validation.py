@@ -3,7 +3,7 @@ once: expert counts and sizes that do not divide, capacity settings that cannot 
 model."""
 
 import pytest
-from cli_helpers import composed_once_registered as composed
+from cli_helpers import composed
 
 from lightning_mgpu.cli.spec import config_problems
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 from hydra.errors import ConfigCompositionException
-from cli_helpers import composed_once_registered as composed
+from cli_helpers import composed
 
 from lightning_mgpu.cli.train import train
 from lightning_mgpu.cli.errors import ConfigError

@@ -14,7 +14,7 @@ from lightning_mgpu.planner.memory import in_flight_chunks
 from lightning_mgpu.testing import run_distributed
 
 DEEP = replace(TINY, n_layers=8)  # enough blocks for 8 stages (pp=4 x 2 virtual)
-STEPS = 5
+STEPS = 4  # as tests/helpers.py: warm-up and the start of the decay
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +90,12 @@ def test_pp2_dp2_zero_matches_single_process(token_file, ref, zero_stage):
     assert_parity(results, ref)
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "selective"])
-def test_pp2_tp2_with_sequence_parallel_matches_single_process(token_file, ref, checkpointing):
+def test_pp2_tp2_with_sequence_parallel_and_selective_recomputation_matches_single_process(token_file, ref):
     """Selective recomputation (projection outputs kept, the tensor-parallel collectives and attention recomputed),
     applied by ``parallelize`` to this rank's blocks after the stage split, gives the plain run's losses and grad
-    norms: ``ref`` recomputes nothing."""
+    norms: ``ref`` recomputes nothing. (The same layout without recomputation adds nothing this test and the 3D one
+    below do not cover.)"""
+    checkpointing = "selective"
     import lightning as L
 
     class Checkpointed(L.Callback):

@@ -3,7 +3,7 @@
 import math
 
 import pytest
-from cli_helpers import composed_once_registered as composed, search_once_per_shape
+from cli_helpers import composed, search_once_per_shape
 
 from lightning_mgpu.cli.plan import plan_report
 from lightning_mgpu.planner.goodput import LLAMA3_GPU_MTBF_HOURS, goodput_fraction, plan_goodput, save_seconds

@@ -9,7 +9,7 @@ import shutil
 import lightning as L
 import torch
 import torch.autograd.profiler as autograd_profiler
-from cli_helpers import composed_once_registered as composed
+from cli_helpers import composed
 
 from lightning_mgpu.callbacks.profile import ProfileSteps, merge_traces
 from lightning_mgpu.cli.train import _callbacks

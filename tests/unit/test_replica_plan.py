@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 from forked_cli import run_cli
-from cli_helpers import BIN, composed_once_registered as composed, resolved
+from cli_helpers import BIN, composed, resolved
 
 from lightning_mgpu.cli.dry_run import dry_run_report
 from lightning_mgpu.cli.errors import ConfigError

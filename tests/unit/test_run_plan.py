@@ -5,7 +5,7 @@ import math
 import re
 
 import pytest
-from cli_helpers import composed_once_registered as composed, search_once_per_shape
+from cli_helpers import composed, search_once_per_shape
 
 from lightning_mgpu.cli.errors import ConfigError
 from lightning_mgpu.cli.plan import plan_report
