@@ -22,8 +22,9 @@ from lightning_mgpu.resilience.liveness import STALE_S, Heartbeat, LostRankError
 BIN = Path(sys.executable).parent
 #: The collective timeout of the hung-rank runs. torch.distributed's rendezvous waits for the other rank under the same
 #: timeout: 5 s once failed there on two busy cores, when each rank started its own interpreter; the local ranks are
-#: now forked from rank 0 with everything imported.
-TIMEOUT_S = 6
+#: now forked from rank 0 with everything imported, and 10 s leaves room for a healthy rank that three test workers'
+#: ranks keep off the two cores (the wait costs no CPU).
+TIMEOUT_S = 10
 #: The latest a report may come after its fault: well inside the 90 s a job is given (a report that waits for that has
 #: missed its trigger) and loose enough for cores shared with other tests' ranks, which only delay a report.
 REPORT_WITHIN_S = 45
@@ -143,11 +144,10 @@ def test_only_a_ranks_own_failure_is_recorded_and_a_stopped_stamp_goes_stale(tcp
         assert not survivor.lost_peers(wait_s=0)
         asked, lost_peers = [], survivor.lost_peers
         survivor.lost_peers = lambda *a, **kw: asked.append(a) or lost_peers(*a, **kw)  # type: ignore[method-assign]
-        start = time.monotonic()
         with pytest.raises(ValueError, match="bad batch"), name_lost_ranks(survivor):
             raise ValueError("bad batch")  # this rank's own error passes through at once
         # at once: without asking after the peers (which waits up to STALE_S + 1 s for their records to appear)
-        assert asked == [] and time.monotonic() - start < STALE_S
+        assert asked == []
         survivor.lost_peers = lost_peers  # type: ignore[method-assign]
         peer.record_failure(ValueError("bad batch"))
         with pytest.raises(LostRankError, match="^rank 1 of 2 failed with ValueError: bad batch, while rank 0"), \
