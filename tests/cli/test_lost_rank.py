@@ -116,8 +116,8 @@ def test_a_live_rank_that_spins_or_skipped_a_collective_is_named_where_the_ranks
                                                                                         fault, action):
     """Rank 1 stays alive, its heartbeat fresh: it spins in Python from step 2 on, or it skipped one all-reduce of
     the default group after step 1. After the timeout (well before the job's 90 s), rank 0's error names rank 1, the
-    collective and its sequence number where they diverged, and points to rank 0's trace and stacks; a spinning rank's own step-progress
-    watchdog writes its stacks, which show the spin, and the error points to them."""
+    collective and its sequence number where they diverged, and points to rank 0's trace and stacks; a spinning rank's
+    own step-progress watchdog writes its stacks, which show the spin, and the error points to them."""
     returncode, lines = launch(token_file, tmp_path, action, {fault: "1:2" if action == "spins" else "1:1"},
                                TIMEOUT_S)
     assert returncode is not None and returncode != 0, "".join(line for _, line in lines)[-3000:]
