@@ -84,11 +84,11 @@ def _rank_parameter_split(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: i
     vocab_rows = _padded(cfg.vocab_size, tp) // tp
     dense = experts = vectors = 0
     norms = 2 * cfg.dim + (2 * cfg.head_dim if getattr(cfg, "qk_norm", False) else 0) + _layer_extra(cfg, tp)[1]
+    built = getattr(cfg, "moe_layer", None)  # a transformers mixture of experts: its expert layer as built
     for s in ids:
         blocks = bounds[s + 1] - bounds[s]
         moe = moe_layer_count(cfg, range(bounds[s], bounds[s + 1]))
         dense += (blocks - moe) * block_parameters(cfg, tp)
-        built = getattr(cfg, "moe_layer", None)  # a transformers mixture of experts: its expert layer as built
         if built is None:
             dense += moe * (_attention_and_norms(cfg, tp) + moe_dense_parameters(cfg, tp))
             experts += moe * routed_parameters(cfg, tp, ep)

@@ -95,16 +95,12 @@ def test_pp2_tp2_with_sequence_parallel_and_selective_recomputation_matches_sing
     applied by ``parallelize`` to this rank's blocks after the stage split, gives the plain run's losses and grad
     norms: ``ref`` recomputes nothing. (The same layout without recomputation adds nothing this test and the 3D one
     below do not cover.)"""
-    checkpointing = "selective"
-    import lightning as L
-
     class Checkpointed(L.Callback):
         def on_train_start(self, trainer, *args):
             blocks = trainer.lightning_module.checkpointed_blocks()[1]
-            assert blocks and all(getattr(b, "activation_checkpointing", None) == (
-                None if checkpointing == "none" else checkpointing) for b in blocks)
+            assert blocks and all(getattr(b, "activation_checkpointing", None) == "selective" for b in blocks)
 
-    results = run(token_file, 4, model=replace(DEEP, activation_checkpointing=checkpointing), pipeline_parallel_size=2,
+    results = run(token_file, 4, model=replace(DEEP, activation_checkpointing="selective"), pipeline_parallel_size=2,
                   tensor_parallel_size=2, sequence_parallel=True, pipeline_schedule="interleaved_1f1b",
                   virtual_pipeline_size=2, callbacks=[Checkpointed()])
     assert_parity(results, ref)
