@@ -29,6 +29,7 @@ from lightning_mgpu.launcher import choose_launcher
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.parallel.collectives import WorldCollectives
 from lightning_mgpu.parallel.evaluation import EvaluationSteps
+from lightning_mgpu.parallel.frozen import ShownToOptimizer, hold_placeholder, trains_nothing
 from lightning_mgpu.resilience.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.process_group import start_process_group
@@ -232,7 +233,9 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         wrapped = self.model if self.layout.size("pp") == 1 else wrapped
         optimizer = None
         if fitting:
-            self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
+            frozen = self.layout.size("pp") > 1 and trains_nothing(wrapped)
+            with ShownToOptimizer(module, hold_placeholder(wrapped, self.root_device) if frozen else None):
+                self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
             optimizer = check_optimizers(self.optimizers, module, self.layout)
         config = engine_config(wrapped)
         if optimizer is not None and engines.drifts_from_fp32(config):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from lightning_mgpu.engine import gathered
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.frozen import is_placeholder
 
 
 def _canonical(name: str, pipelined: bool, prefix: str) -> str:
@@ -37,7 +38,7 @@ def consolidated_state_dict(engine, layout: ParallelLayout, prefix: str = "model
     pipelined = layout.size("pp") > 1
     mine: dict[str, torch.Tensor] = {}
     for name, param in engine.module.named_parameters():
-        if not pipelined and not name.startswith(prefix):
+        if (not pipelined and not name.startswith(prefix)) or is_placeholder(name):
             continue
         with gathered([param]):
             local = param.detach().float().clone()

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.contract import ADAPTER_ATTRIBUTE, parallel_context
+from lightning_mgpu.hf.adapters import adapter_plan, unwrapped
 from lightning_mgpu.hf.context import apply_context_parallel
 from lightning_mgpu.hf.loss import causal_lm_loss
 from lightning_mgpu.hf.model import HFModel, find_hf_model
@@ -24,6 +25,7 @@ from lightning_mgpu.hf.tensor_plan import hf_tp_plan
 from lightning_mgpu.layout import ModelShape, ParallelLayout
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.plan_hooks import sequence_gather, sequence_scatter
+from lightning_mgpu.problems import format_problems
 
 #: The keys a pipeline batch given as a mapping may hold.
 PIPELINE_BATCH_KEYS = ("input_ids", "labels")
@@ -42,10 +44,13 @@ class HFHooks:
         return self.found.shape()
 
     def tensor_parallel_plan(self) -> dict[str, str]:
-        """The model's own plan, translated; its ``labels=`` loss becomes the vocabulary-parallel one."""
-        plan = hf_tp_plan(self.found)
+        """The model's own plan, translated (PEFT's adapters following their base layers' split); its ``labels=`` loss
+        becomes the vocabulary-parallel one."""
+        plan, problems = adapter_plan(self.owner, hf_tp_plan(self.found))
+        if problems:
+            raise ValueError(format_problems("Cannot split PEFT's adapters over tensor-parallel ranks", problems))
         model = self.found.model
-        model.loss_function = causal_lm_loss(model.get_output_embeddings)
+        model.loss_function = causal_lm_loss(lambda: unwrapped(model.get_output_embeddings()))
         return plan
 
     def context_parallel_attention(self, group: Any, rank: int, size: int) -> int:

@@ -1,0 +1,134 @@
+"""PEFT's adapters under tensor parallelism: each adapter follows the split of the layer it adapts.
+
+``peft.get_peft_model`` wraps each target ``nn.Linear`` in a ``lora.Linear`` that keeps the original as ``base_layer``
+and adds ``lora_A[name]`` (rank x in) and ``lora_B[name]`` (out x rank), computing
+``base_layer(x) + lora_B(lora_A(dropout(x))) * scaling``. PEFT's forward is kept as it is; the plan entry that named
+the wrapper is rewritten into entries for its parts, so that the sum above is the one-process sum split over the ranks:
+
+==================  ==============  ==================================  ==========================================
+base style          ``base_layer``  ``lora_A``                          ``lora_B``
+==================  ==============  ==================================  ==========================================
+``colwise``         ``colwise``     whole; gradient summed (each rank   split by output like the base
+                                    saw its output features)            (``colwise``): the sum stays split
+``colwise_gather``  ``colwise_gather``  whole; gradient summed          split by output, gathered
+``rowwise``         ``rowwise``     split by input like the base, its   whole; gradient summed under sequence
+                                    rank-wide product summed over the   parallelism (each rank saw its positions)
+                                    ranks (``rowwise``: all-reduce, or
+                                    reduce-scatter to sequence shards)
+``rowwise_split``   ``rowwise_split``  split input taken, then as above  as above
+==================  ==============  ==================================  ==========================================
+
+The adapters are split from the whole tensors PEFT initialised, so step 0 is one process's on every layout (PEFT
+draws ``lora_A`` from the process's random stream: every rank draws the same when seeded alike, which Lightning's
+``seed_everything`` does). A module PEFT keeps a trainable copy of (``modules_to_save``) gets the style of the module
+it copies, on both the original and the copy. What has no rule here -- an adapter on an embedding or the output
+head, DoRA's weight norm, another tuner (IA3, LoHa, prompt tuning ...) -- is refused by module and tuner before
+anything is split.
+
+``peft`` is not a dependency of the package: a model can only hold PEFT's layers if the user imported it, so its
+classes are looked up in ``sys.modules``.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from torch import nn
+
+#: base style -> (style of lora_A, style of lora_B)
+ADAPTER_STYLES = {
+    "colwise": ("grad_sum", "colwise"),
+    "colwise_gather": ("grad_sum", "colwise_gather"),
+    "rowwise": ("rowwise", "grad_sum_sp"),
+    "rowwise_split": ("rowwise_split", "grad_sum_sp"),
+}
+#: Styles that keep the module whole and add hooks: the wrapper's parts get the same.
+HOOK_STYLES = ("grad_sum", "grad_sum_sp", "enter_region", "sequence_scatter", "sequence_gather", "whole_sequence_sp")
+
+
+def _peft_class(module: str, name: str) -> Optional[type]:
+    loaded = sys.modules.get(module)
+    return getattr(loaded, name, None) if loaded is not None else None
+
+
+def tuner_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is one of PEFT's adapter layers (a wrapper of a base layer)."""
+    base = _peft_class("peft.tuners.tuners_utils", "BaseTunerLayer")
+    return base is not None and isinstance(module, base)
+
+
+def saved_copy_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is PEFT's ``ModulesToSaveWrapper`` (a frozen original beside trainable copies)."""
+    wrapper = _peft_class("peft.utils.other", "ModulesToSaveWrapper")
+    return wrapper is not None and isinstance(module, wrapper)
+
+
+def holds_adapters(model: nn.Module) -> bool:
+    """Whether any of PEFT's adapter layers or trainable copies sit in ``model``."""
+    return any(tuner_layer(m) or saved_copy_wrapper(m) for m in model.modules())
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The module that computes: PEFT's active trainable copy of a ``modules_to_save`` module, else ``module``."""
+    if saved_copy_wrapper(module) and module.active_adapters and not module.disable_adapters:
+        return module.modules_to_save[module.active_adapters[0]]
+    return module
+
+
+def _lora_problem(name: str, style: str, layer: nn.Module) -> Optional[str]:
+    kind = type(layer).__name__
+    if not hasattr(layer, "lora_A") or not hasattr(layer, "lora_B"):
+        return (f"{name!r} is PEFT's {type(layer).__module__}.{kind}: only LoRA adapters are split over tensor-parallel "
+                f"ranks; use LoraConfig, or tensor_parallel_size=1 (ZeRO and pipeline stages take any tuner)")
+    if style not in ADAPTER_STYLES:
+        return (f"{name!r} (LoRA on a layer of style {style!r}) has no split rule: adapters follow column- and "
+                f"row-parallel linears ({', '.join(ADAPTER_STYLES)}); leave this module out of target_modules (for "
+                f"the embeddings or the head, train them with modules_to_save only at tensor_parallel_size=1)")
+    if getattr(layer, "lora_embedding_A", None):
+        return f"{name!r}: LoRA on an embedding is not split here; leave it out of target_modules"
+    if getattr(layer, "lora_variant", None):
+        variants = sorted({type(v).__name__ for v in layer.lora_variant.values()})
+        return (f"{name!r} uses {', '.join(variants)} (DoRA's weight norm spans the split features): under tensor "
+                "parallelism use plain LoRA (use_dora=False), or tensor_parallel_size=1")
+    return None
+
+
+def adapter_plan(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """``plan`` (``{name pattern: style}`` over ``model``'s module names) with every entry that names one of PEFT's
+    wrappers rewritten into entries for the wrapper's parts, by :data:`ADAPTER_STYLES`; and the problems (every
+    wrapper the rules cannot split). Entries that name no wrapper are kept as they are."""
+    from lightning_mgpu.parallel.plan import plan_pattern
+
+    names = [(name, m) for name, m in model.named_modules() if name]
+    out: dict[str, str] = {}
+    problems: list[str] = []
+    for key, style in plan.items():
+        matched = [(name, m) for name, m in names if plan_pattern(key).fullmatch(name)]
+        if not any(tuner_layer(m) or saved_copy_wrapper(m) for _, m in matched):
+            out[key] = style
+            continue
+        for name, m in matched:
+            out.update(_parts(name, style, m, problems))
+    return out, problems
+
+
+def _parts(name: str, style: str, module: nn.Module, problems: list[str]) -> dict[str, str]:
+    """The plan entries of one module the plan matched: itself, or the parts of PEFT's wrapper."""
+    if saved_copy_wrapper(module):
+        return {f"{name}.original_module": style, **{f"{name}.modules_to_save.{k}": style
+                                                     for k in module.modules_to_save}}
+    if not tuner_layer(module):
+        return {name: style}
+    if style in HOOK_STYLES:
+        return {name: style}
+    problem = _lora_problem(name, style, module)
+    if problem:
+        problems.append(problem)
+        return {}
+    a_style, b_style = ADAPTER_STYLES[style]
+    entries = {f"{name}.base_layer": style}
+    for adapter in module.lora_A:
+        entries[f"{name}.lora_A.{adapter}"] = a_style
+        entries[f"{name}.lora_B.{adapter}"] = b_style
+    return entries

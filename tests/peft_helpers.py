@@ -1,0 +1,112 @@
+"""A user's LightningModule holding a ``transformers`` model wrapped by PEFT (LoRA), or a partly frozen one, and its
+single-process reference: a plain PEFT loop over the same global batches.
+
+What a user writes: ``get_peft_model(model, LoraConfig(...))`` in ``__init__``, ``training_step`` returning
+``self.llm(input_ids=x, labels=x).loss``, SGD over the parameters that train. SGD (not AdamW) so that the adapter
+weights after the last step can be compared to 1e-5: AdamW turns rounding noise in a near-zero gradient into a
+full-size update."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from hf_helpers import CLIP, MICRO, Seen, tiny_model, token_ids
+from torch.utils.data import DataLoader
+
+from lightning_mgpu import MGPUStrategy, parameter_shape
+
+LORA_LR = 0.5
+#: Parts frozen by a partial fine-tune without adapters: the embeddings, the first decoder layer's every weight.
+PARTLY_FROZEN = ("model.embed_tokens.", "model.layers.0.")
+
+
+def lora_model(family: str, n_layers: int = 2, targets: Any = "all-linear", **lora: Any) -> torch.nn.Module:
+    """The tiny model of ``family`` with LoRA adapters (rank 4, alpha 8, no dropout unless asked), as PEFT makes it."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model(family, n_layers)
+    torch.manual_seed(5)
+    return get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, **lora}))
+
+
+def partly_frozen_model(family: str, n_layers: int = 2) -> torch.nn.Module:
+    """The tiny model with its embeddings and first decoder layer frozen (``requires_grad_(False)``)."""
+    model = tiny_model(family, n_layers)
+    for name, param in model.named_parameters():
+        if name.startswith(PARTLY_FROZEN):
+            param.requires_grad_(False)
+    return model
+
+
+def build(kind: str, family: str, n_layers: int, **lora: Any) -> torch.nn.Module:
+    return lora_model(family, n_layers, **lora) if kind == "lora" else partly_frozen_model(family, n_layers)
+
+
+class AdaptedLM(L.LightningModule):
+    """PEFT as the user writes it: nothing about parallelism."""
+
+    def __init__(self, kind: str, family: str, n_layers: int = 2, **lora: Any) -> None:
+        super().__init__()
+        self.llm = build(kind, family, n_layers, **lora)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.llm(input_ids=batch, labels=batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LORA_LR)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(token_ids(), batch_size=MICRO)
+
+
+def canonical(name: str) -> str:
+    """A parameter's name without the module, PEFT and stage prefixes: ``layers.0.self_attn.q_proj.lora_A...``."""
+    match = re.search(r"(?:^|\.)((?:layers|embed_tokens|norm|lm_head)\b.*)$", name)
+    return match.group(1) if match else name
+
+
+def fit_adapted(rank: int, kind: str, family: str, devices: int, steps: int = 3, n_layers: int = 2,
+                lora: Optional[dict] = None, save_to: Optional[str] = None, ckpt_path: Optional[str] = None,
+                **strategy_kwargs: Any) -> dict:
+    """One ``Trainer.fit`` of :class:`AdaptedLM`; what it saw, the local shapes, which parameters train, and the whole
+    trained weights (rank 0) gathered from every shard and stage."""
+    from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
+
+    seen = Seen()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs), max_steps=steps,
+                        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, callbacks=[seen], limit_val_batches=0)
+    module = AdaptedLM(kind, family, n_layers, **(lora or {}))
+    trainer.fit(module, ckpt_path=ckpt_path)
+    if save_to:
+        trainer.save_checkpoint(save_to)
+    strategy = trainer.strategy
+    whole = consolidated_state_dict(strategy.model, strategy.layout, prefix="")
+    return {"rank": rank, "batches": seen.batches, "losses": seen.losses, "grad_norms": seen.grad_norms,
+            "shapes": {canonical(n): tuple(parameter_shape(p)) for n, p in module.named_parameters()},
+            "trainable": sorted(canonical(n) for n, p in module.named_parameters() if p.requires_grad),
+            "coords": {axis: strategy.layout.rank(axis) for axis in ("tp", "pp", "dp")},
+            "weights": None if whole is None else {canonical(k): v for k, v in whole.items()}}
+
+
+def single_process_adapted(kind: str, family: str, batches: list[torch.Tensor], n_layers: int = 2,
+                           lora: Optional[dict] = None) -> dict:
+    """The same training as a plain loop: the model's own loss, the trainable parameters' norm before clipping at
+    ``CLIP``, SGD; the weights after the last step."""
+    model = build(kind, family, n_layers, **(lora or {}))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=LORA_LR)
+    losses, norms = [], []
+    for batch in batches:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(trainable, CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    weights = {canonical(n): p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "grad_norms": norms, "weights": weights,
+            "trainable": sorted(canonical(n) for n, p in model.named_parameters() if p.requires_grad)}
