@@ -12,6 +12,7 @@ import torch
 from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device, _init_dist_connection
 
 from lightning_mgpu import engine as engines
+from lightning_mgpu.harmless_warnings import quiet_library_warnings
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.resilience import collective_trace
 from lightning_mgpu.resilience.attempts import agree_on_attempt
@@ -45,6 +46,7 @@ def start_process_group(cluster_environment: Any, root_device: torch.device, bac
     """(the backend used, the one layout of this process with its groups created, the heartbeat or None alone).
     ``report_dir``: where failure reports go (NCCL's Flight Recorder dumps too)."""
     backend = backend or _get_default_process_group_backend_for_device(root_device)
+    quiet_library_warnings()  # each rank, before the engine, the loaders and the loop print what it filters
     engines.preload()  # while the other ranks start: the rendezvous below waits for them anyway
     collective_trace.enable()  # before the first group: a hang report names the collective where ranks part
     apply_nccl_settings(backend, Path(report_dir) if report_dir else None)  # survivors name a lost rank on NCCL
