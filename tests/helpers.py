@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import numpy as np
@@ -230,16 +230,17 @@ def global_batches(token_file: Path, steps: int, global_batch: int = GLOBAL_BATC
 
 def reference(token_file: Path, steps: int = STEPS, clip: Optional[float] = 0.3, model: LlamaConfig = TINY,
               global_batch: int = GLOBAL_BATCH, seq_len: int = SEQ_LEN, seed: int = 7, optim: Optional[dict] = None,
-              val_fraction: float = 0.01, val_batches: int = 0, accumulate: int = 1) -> dict:
+              val_fraction: float = 0.01, val_batches: int = 0, accumulate: int = 1,
+              optimizers: Optional[Callable] = None) -> dict:
     """The same training, written as a plain single-process PyTorch loop over whole global batches; with
     ``val_batches``, also the mean loss over that many validation batches after the last step. With ``accumulate``,
     one optimizer step per that many global batches (gradients averaged over them); ``losses`` has one entry per
     batch and ``grad_norms`` one per optimizer step. A model with ``eod_token_id`` (documents) does not count the
-    target after an end-of-document token: each batch's loss is the mean over the targets it counts."""
+    target after an end-of-document token: each batch's loss is the mean over the targets it counts.
+    ``optimizers(model, optim)``: (optimizer, scheduler) built by the test instead of the module's own."""
     module = LLMModule(model, **(optim or OPTIM), global_batch_size=global_batch)
     module.configure_model()
-    opt_cfg = module.configure_optimizers()
-    optimizer, scheduler = opt_cfg["optimizer"], opt_cfg["lr_scheduler"]["scheduler"]
+    optimizer, scheduler = optimizers(module.model, optim) if optimizers else configured_optimizer(module)
     losses, norms = [], []
     for i, batch in enumerate(global_batches(token_file, steps * accumulate, global_batch, seq_len, seed,
                                              val_fraction)):
@@ -261,6 +262,12 @@ def reference(token_file: Path, steps: int = STEPS, clip: Optional[float] = 0.3,
                    for b in global_batches(token_file, val_batches, global_batch, seq_len, seed, val_fraction, True)]
         out["val_loss"] = sum(val) / len(val)
     return out
+
+
+def configured_optimizer(module: LLMModule) -> tuple:
+    """(optimizer, scheduler) of ``module.configure_optimizers()``."""
+    configured = module.configure_optimizers()
+    return configured["optimizer"], configured["lr_scheduler"]["scheduler"]
 
 
 def counted_targets(batch: torch.Tensor, model: LlamaConfig) -> torch.Tensor:

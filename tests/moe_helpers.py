@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
 import torch.nn.functional as F
-from helpers import GLOBAL_BATCH, MICRO_BATCH, OPTIM, global_batches
+from helpers import GLOBAL_BATCH, MICRO_BATCH, OPTIM, configured_optimizer, global_batches
 
 from lightning_mgpu import LLMModule
 from lightning_mgpu.models.llama import LlamaConfig
@@ -21,15 +21,15 @@ TINY_MOE = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=6
 
 
 def moe_reference(token_file: Path, steps: int, model: LlamaConfig = TINY_MOE, chunk: int = MICRO_BATCH,
-                  clip: float = 0.3, optim: Optional[dict] = None, groups: Optional[list[list[int]]] = None) -> dict:
+                  clip: float = 0.3, optim: Optional[dict] = None, groups: Optional[list[list[int]]] = None,
+                  optimizers: Optional[Callable] = None) -> dict:
     """A plain loop over whole global batches in chunks of ``chunk`` sequences (what one rank's micro-batch holds,
     so each chunk's balancing statistics are those one rank computes), or in the chunks of sample indices
     ``groups``: the loss and gradient are the means over the chunks. Returns the losses, grad norms, each step's
-    routes (per chunk, per layer) and the smallest top-k margin."""
+    routes (per chunk, per layer) and the smallest top-k margin. ``optimizers``: as :func:`helpers.reference`'s."""
     module = LLMModule(model, **(optim or OPTIM), global_batch_size=GLOBAL_BATCH)
     module.configure_model()
-    opt = module.configure_optimizers()
-    optimizer, scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
+    optimizer, scheduler = optimizers(module.model, optim) if optimizers else configured_optimizer(module)
     groups = groups or [list(range(i, i + chunk)) for i in range(0, GLOBAL_BATCH, chunk)]
     chunks = len(groups)
     set_loss_scale(module.model, 1.0 / chunks)

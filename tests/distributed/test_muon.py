@@ -2,11 +2,14 @@
 optimizer, whatever splits its matrices (tensor parallelism, ZeRO 1-3 partitions, pipeline stages, experts).
 
 One chain of runs over five layouts (two steps each, each resuming the universal checkpoint the previous one wrote:
-Muon's momentum is resharded like Adam's moments) against one process of ``LLMModule(optimizer="muon")`` over the
-same ten steps; a plain LightningModule whose ``configure_optimizers`` returns ``torch.optim.Muon`` against a plain
-PyTorch loop of ``torch.optim.Muon``. Without the whole-matrix gather each tensor-parallel rank orthogonalises its own
-shard: the chain's tp2 segment then differs from one process by 4e-4 in loss and the plain tp2 run by 0.05 in a
-weight (seen once by treating each shard as whole)."""
+Muon's momentum is resharded like Adam's moments) of ``LLMModule(optimizer="muon")`` against one process of the same
+ten steps stepped by ``torch.optim.Muon`` and ``torch.optim.AdamW`` as the test builds them (``tests/muon_reference.py``:
+the package's ``MuonWithAdamW`` is what is tested, never the reference); a plain LightningModule whose
+``configure_optimizers`` returns ``torch.optim.Muon`` against a plain PyTorch loop of ``torch.optim.Muon``. Without
+the whole-matrix gather each tensor-parallel rank orthogonalises its own shard: the chain's tp2 segment then differs
+from one process by 4e-4 in loss and the plain tp2 run by 0.05 in a weight (seen once by treating each shard as
+whole). A changed default of ``MuonWithAdamW`` fails here: Newton-Schulz steps 5 -> 4 in ``MUON_DEFAULTS`` (tried
+once) fails the chain's first segment."""
 
 from dataclasses import replace
 
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from helpers import GLOBAL_BATCH, OPTIM, TINY, assert_parity, datamodule, fit, in_turn, reference
 from hf_helpers import fit_hf, global_batches, single_process
 from moe_helpers import TINY_MOE, moe_reference
+from muon_reference import torch_muon_and_adamw
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -86,7 +90,7 @@ def chain(token_file, tmp_path_factory):
 
 
 def test_muon_equals_one_process_on_every_layout_and_resumes_across_them(chain, token_file):
-    ref = reference(token_file, steps=STEPS * len(CHAIN), optim=MUON)
+    ref = reference(token_file, steps=STEPS * len(CHAIN), optim=MUON, optimizers=torch_muon_and_adamw)
     assert ref["losses"][-1] < ref["losses"][0] - 0.2  # it learns: the comparison means something
     for i, results in enumerate(chain):
         steps = range(i * STEPS, (i + 1) * STEPS)
@@ -155,7 +159,7 @@ def test_tensor_parallel_shards_at_zero0_in_bf16_are_assembled(chain):
 
 def test_stacked_experts_are_orthogonalised_one_matrix_each(chain, token_file):
     """ep2 at ZeRO-3: each rank holds half the experts, each expert's matrices partitioned over its data ranks."""
-    ref = moe_reference(token_file, 3, optim=MUON)
+    ref = moe_reference(token_file, 3, optim=MUON, optimizers=torch_muon_and_adamw)
     assert_parity(chain.others["experts"], ref, tol=2e-6)
 
 
