@@ -10,10 +10,12 @@ import torch
 from torchmetrics import MeanMetric
 
 from lightning_mgpu.engine.config import parameter_shape
-from lightning_mgpu.checkpoint.hf import HFWeights, hf_path, load_hf, load_into
+from lightning_mgpu.hf.names import hf_path
+from lightning_mgpu.hf.weights import HFWeights, load_hf, load_into
 from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.layout import ModelShape
+from lightning_mgpu.lr_schedule import lr_multiplier
 from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
@@ -26,16 +28,6 @@ from lightning_mgpu.parallel.cross_entropy import cross_entropy, gather_logits
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.tensor import ParallelNorm
 from lightning_mgpu.planner.model_stats import model_flops_per_token
-
-
-def lr_multiplier(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Linear warm-up from 0 over ``warmup_steps``, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
-    if warmup_steps > 0 and step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if max_steps <= warmup_steps:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 #: How the peak LR follows a changed global batch (``optim.lr_scaling``; None: it does not).

@@ -18,13 +18,12 @@ import torch
 
 from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS, read_consolidated
 from lightning_mgpu.checkpoint.formats import format_of, is_consolidated
-from lightning_mgpu.checkpoint.hf import export_problems as hf_export_problems
-from lightning_mgpu.checkpoint.hf import ParameterReader, save_hf
 from lightning_mgpu.checkpoint.store import verify
 from lightning_mgpu.checkpoint.universal import read_model_shapes, read_parameters, read_trainer_state
 from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
-from lightning_mgpu.hf.export import export_trained_model, trained_from
+from lightning_mgpu.hf.export import ParameterReader, export_trained_model, save_hf, trained_from
+from lightning_mgpu.hf.names import export_problems as hf_export_problems
 from lightning_mgpu.models.llama import LlamaConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -41,7 +41,7 @@ def model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaConfig
     if m.name == "hf":
         return _hf_model_problems(cfg, data)
     if m.init_from:
-        from lightning_mgpu.checkpoint.hf import hf_path
+        from lightning_mgpu.hf.names import hf_path
 
         if not (hf_path(m.init_from) / "config.json").is_file():
             return None, [f"model.init_from={m.init_from!r} is not a Hugging Face Llama directory (no config.json); "

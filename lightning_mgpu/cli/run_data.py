@@ -121,7 +121,7 @@ def _model_directory(cfg: DictConfig) -> Optional[tuple[str, Path]]:
     if cfg.model.name == "hf" and cfg.model.get("path"):
         return f"model.path={cfg.model.path!r}", Path(cfg.model.path)
     if cfg.model.init_from:
-        from lightning_mgpu.checkpoint.hf import hf_path
+        from lightning_mgpu.hf.names import hf_path
 
         return f"model.init_from={cfg.model.init_from!r}", hf_path(cfg.model.init_from)
     return None

@@ -27,12 +27,12 @@ def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:
     starts (``document_mask_problems``, ``vocabulary_problems``), naming the data rather than this field."""
     m = cfg.model
     if m.name == "hf":  # a transformers model trained as it is: the sizes of its config.json
-        from lightning_mgpu.checkpoint.hf import planning_shape
+        from lightning_mgpu.hf.names import planning_shape
 
         model = replace(planning_shape(json.loads((Path(m.path) / "config.json").read_text())),
                         activation_checkpointing=m.activation_checkpointing)  # HFCausalLM applies it to the layers
     elif m.init_from:  # the checkpoint's shape, whatever model.name says
-        from lightning_mgpu.checkpoint.hf import from_hf_config, hf_path
+        from lightning_mgpu.hf.names import from_hf_config, hf_path
 
         hf = json.loads((hf_path(m.init_from) / "config.json").read_text())
         model = replace(from_hf_config(hf), activation_checkpointing=m.activation_checkpointing, compile=m.compile,

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from lightning_mgpu.checkpoint.hf import sliding_window
+from lightning_mgpu.hf.names import sliding_window
 from lightning_mgpu.layout import ModelShape
 
 #: The hook a LightningModule may define to name its model where it holds several: ``def hf_model(self): return

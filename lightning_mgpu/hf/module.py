@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.engine.config import parameter_shape
 from lightning_mgpu.hf.weights import PretrainedSlices, real_buffers
-from lightning_mgpu.module import lr_multiplier
+from lightning_mgpu.lr_schedule import lr_multiplier
 from lightning_mgpu.optim.choice import build_optimizer
 
 

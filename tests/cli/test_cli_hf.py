@@ -15,7 +15,7 @@ from helpers import global_batches, max_abs_diff
 from lightning_mgpu.cli.machine import machine_problems
 from lightning_mgpu.cli.plan import plan_report
 from lightning_mgpu.cli.spec import config_problems
-from lightning_mgpu.module import lr_multiplier
+from lightning_mgpu.lr_schedule import lr_multiplier
 
 STEPS = 4
 LR, WARMUP, MIN_LR, DECAY = 3e-3, 2, 0.1, 0.1

@@ -127,7 +127,7 @@ def test_prepared_tokens_whose_tokenizer_moved_are_not_decoded_as_bytes(tmp_path
 
 
 def test_a_hugging_face_directory_brings_its_tokenizer(tmp_path, tokenizer_dir):
-    from lightning_mgpu.checkpoint.hf import to_hf_config
+    from lightning_mgpu.hf.names import to_hf_config
     from lightning_mgpu.models import LlamaConfig
 
     hf = tmp_path / "hf"

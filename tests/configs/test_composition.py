@@ -75,7 +75,7 @@ FAMILY_CONFIGS = {
 
 @pytest.mark.parametrize("family", FAMILY_CONFIGS)
 def test_a_transformers_family_dry_runs_as_planned_and_counts_its_own_parameters(family, tmp_path):
-    """The planner counts a family's layer as transformers builds it (``hf_layer_sizes``): every rank's built share on
+    """The planner counts a family's layer as transformers builds it (``hf.layer_sizes``): every rank's built share on
     the meta device equals the planner's, and the whole count equals the model transformers builds itself."""
     import torch
     import transformers

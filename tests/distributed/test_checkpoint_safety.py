@@ -23,7 +23,8 @@ from helpers import GLOBAL_BATCH, OPTIM, TINY, datamodule, fit
 from lightning_mgpu import LLMModule, MGPUStrategy
 from lightning_mgpu.callbacks import PeriodicCheckpoint
 from lightning_mgpu.checkpoint.formats import format_of
-from lightning_mgpu.checkpoint.hf import load_hf, to_hf_config
+from lightning_mgpu.hf.names import to_hf_config
+from lightning_mgpu.hf.weights import load_hf
 from lightning_mgpu.checkpoint.integrity import CHECKSUMS, checksum_problems, record_checksums
 from lightning_mgpu.checkpoint.safe_reader import UnsafeCheckpointError, read_dcp_metadata
 from lightning_mgpu.cli.export import main as export_main

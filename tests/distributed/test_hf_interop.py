@@ -22,7 +22,8 @@ from helpers import datamodule, fit, global_batches
 from safetensors.torch import load_file
 
 from lightning_mgpu import LLMModule, MGPUStrategy
-from lightning_mgpu.checkpoint.hf import from_hf_config, load_hf, load_into, to_hf_name
+from lightning_mgpu.hf.names import from_hf_config, to_hf_name
+from lightning_mgpu.hf.weights import load_hf, load_into
 from lightning_mgpu.checkpoint.integrity import record_checksums
 from lightning_mgpu.checkpoint.universal import (TRAINER_STATE, read_model_weights, read_parameters,
                                                  read_trainer_state)
@@ -157,7 +158,7 @@ def test_a_checkpoint_with_extra_or_missing_tensors_is_refused_before_any_slice_
     otherwise load silently on the ranks that never touch the difference: both are named at once when it is opened."""
     from safetensors.torch import save_file
 
-    from lightning_mgpu.checkpoint.hf import HFWeights
+    from lightning_mgpu.hf.weights import HFWeights
 
     tiny_hf(tmp_path / "hf", tied=False)
     state = load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -16,7 +16,9 @@ from test_hf_interop import index_shards, recorded_reads
 from lightning_mgpu import LLMModule
 from lightning_mgpu.checkpoint.files import write_consolidated
 from lightning_mgpu.checkpoint.formats import TRAINER_STATE
-from lightning_mgpu.checkpoint.hf import HFWeights, from_hf_config, hf_sources, load_hf, load_into, to_hf_config
+from lightning_mgpu.hf.export import hf_sources
+from lightning_mgpu.hf.names import from_hf_config, to_hf_config
+from lightning_mgpu.hf.weights import HFWeights, load_hf, load_into
 from lightning_mgpu.checkpoint.integrity import record_checksums
 from lightning_mgpu.cli.errors import ConfigError
 from lightning_mgpu.cli.export import export

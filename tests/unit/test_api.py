@@ -12,7 +12,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_mgpu
 from lightning_mgpu import LLMModule, MGPUPrecision, MGPUStrategy
 from lightning_mgpu.engine import deep_merge, evaluation_config, precision_config, zero_config
-from lightning_mgpu.module import lr_multiplier, scaled_lr
+from lightning_mgpu.lr_schedule import lr_multiplier
+from lightning_mgpu.module import scaled_lr
 from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.models import Llama, LlamaConfig
 
@@ -185,6 +186,18 @@ def test_shipped_code_never_imports_the_test_harness():
     ``mgpu-train`` ships is ``lightning_mgpu.resilience.faults``."""
     assert _importers_of("lightning_mgpu.testing") == []
     assert _importers_of("lightning_mgpu.resilience.faults")  # the chaos hook is wired in
+
+
+def test_everything_that_knows_hugging_face_sits_in_hf():
+    """One home for Hugging Face: no module outside ``lightning_mgpu.hf`` imports ``transformers`` or ``peft`` or is
+    named for Hugging Face (as ``checkpoint/hf*.py`` once were), and ``hf`` imports neither training module's file
+    (``lightning_mgpu.module`` imports ``hf`` to read Llama weights)."""
+    outside = {name: [m for m in _imports(path) if m.split(".")[0] in ("transformers", "peft")]
+               for name, path in _package_files().items() if _package_of(name) != "hf"}
+    assert not {k: v for k, v in outside.items() if v}, {k: v for k, v in outside.items() if v}
+    named = [name for name in _package_files() if _package_of(name) != "hf" and "hf" in name.split(".")[-1].split("_")]
+    assert named == [], named
+    assert "module" not in _package_graph()["hf"], sorted(_package_graph()["hf"])
 
 
 def test_no_import_cycle_between_modules():

@@ -125,7 +125,7 @@ def test_a_pipeline_batch_is_token_ids_or_ids_and_labels():
 
 def test_a_window_switched_off_in_config_json_does_not_refuse_context_parallelism():
     """Qwen2.5's files carry ``"sliding_window": 32768`` with ``"use_sliding_window": false``: no window."""
-    from lightning_mgpu.checkpoint.hf import planning_shape
+    from lightning_mgpu.hf.names import planning_shape
 
     qwen25 = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "sliding_window": 32768,

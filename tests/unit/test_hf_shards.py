@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from lightning_mgpu.checkpoint.hf_shards import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, plan_shards,
-                                                 shard_file_names, write_shards)
+from lightning_mgpu.hf.shards import (DEFAULT_MAX_SHARD_BYTES, INDEX_FILE, SINGLE_FILE, plan_shards, shard_file_names,
+                                      write_shards)
 from lightning_mgpu.cli import export
 
 
@@ -109,7 +109,7 @@ def test_a_bad_shard_size_is_refused_with_the_others_naming_value_rule_and_fix(t
 def test_each_expert_of_a_stacked_weight_is_a_tensor_of_its_own_shape_in_parameter_order():
     """What the plan is made of: a Mixtral layer's stacked ``w2`` ``[4, 24, 32]`` is four ``[32, 24]`` tensors (each
     the transpose of its expert), in expert order, after the layer's router; a tied head is no tensor."""
-    from lightning_mgpu.checkpoint.hf import hf_sources
+    from lightning_mgpu.hf.export import hf_sources
     from lightning_mgpu.models.llama import Llama, LlamaConfig
 
     cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=24, num_experts=4,

@@ -10,6 +10,7 @@ and drops them once written, so at most one shard is held in memory.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -53,7 +54,7 @@ def shard_file_names(count: int) -> list[str]:
 
 def remove_stale_shards(out: Path) -> list[Path]:
     """Delete the shards and index an earlier export left in ``out``: a loader reads every ``*.safetensors`` file it
-    finds (``transformers`` without an index, :func:`~lightning_mgpu.checkpoint.hf.load_hf` always), so an old shard
+    finds (``transformers`` without an index, :func:`~lightning_mgpu.hf.weights.load_hf` always), so an old shard
     left beside new ones would mix old tensors into the model. Returns the files removed."""
     stale = sorted(out.glob("model*.safetensors")) + ([out / INDEX_FILE] if (out / INDEX_FILE).exists() else [])
     for path in stale:
@@ -97,3 +98,15 @@ def write_shards(out: str | Path, plan: Sequence[Sequence[str]], read: ShardRead
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         written.append(out / INDEX_FILE)
     return written
+
+
+def write_directory(out: str | Path, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype, max_shard_bytes: int,
+                    read: ShardReader, config: Mapping) -> list[Path]:
+    """The one writer of a Hugging Face directory, for every exporter: the tensors ``shapes`` (name -> shape as
+    written, in order) in shards of at most ``max_shard_bytes`` in ``dtype``, each read through ``read`` just before
+    it is written, then ``config``  as ``config.json``. Returns the files written, ``config.json`` first."""
+    out = Path(out)
+    plan = plan_shards([(key, math.prod(shape) * dtype.itemsize) for key, shape in shapes.items()], max_shard_bytes)
+    written = write_shards(out, plan, read)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [out / "config.json", *written]

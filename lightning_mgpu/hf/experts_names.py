@@ -1,4 +1,5 @@
-"""Hugging Face Mixtral and Qwen3-MoE interop, offline: their ``config.json`` keys and per-expert tensors.
+"""Hugging Face Mixtral and Qwen3-MoE names, offline: their ``config.json`` keys and per-expert tensors (the one table
+of where a family keeps its router and experts, read by the importer, the slice readers and both exporters).
 
 Both families store each expert apart (``...experts.{e}.{gate,up,down}.weight``, as ``nn.Linear`` weights ``[out,
 in]``), which is what ``transformers`` 5 writes (it fuses them only in memory) and loads. Our experts are stacked
