@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import ModelSummary, RichModelSummary, RichProg
 from lightning.pytorch.utilities.model_summary import get_human_readable_count
 from lightning.pytorch.utilities.model_summary.model_summary_deepspeed import DeepSpeedSummary
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 
 class LayoutModelSummary(ModelSummary):
@@ -26,6 +27,7 @@ class LayoutModelSummary(ModelSummary):
         super().__init__(max_depth=max_depth)
         self.rich = rich
 
+    @override
     def _summary(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Any:
         """Lightning's summary of this rank's modules; ZeRO-3's partitioned parameters by their whole size."""
         if any(hasattr(p, "ds_numel") for p in pl_module.parameters()):
@@ -79,6 +81,7 @@ class StepBoundedProgressBar(RichProgressBar):
     """Lightning's rich progress bar, without the bound ``Epoch 0/-2`` that a fit bounded by steps shows
     (``max_epochs=-1``: endless epochs)."""
 
+    @override
     def _get_train_description(self, current_epoch: int) -> str:
         if self.trainer.max_epochs is not None and self.trainer.max_epochs >= 0:
             return super()._get_train_description(current_epoch)

@@ -16,12 +16,14 @@ import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.loggers.logger import rank_zero_experiment
+from typing_extensions import override
 
 
 class _KeptMetricsWriter(ExperimentWriter):
     """Lightning's writer without the deletion: the header of a kept file becomes the writer's keys, so that new rows
     with other keys rewrite the file with every column."""
 
+    @override
     def _check_log_dir_exists(self) -> None:
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:

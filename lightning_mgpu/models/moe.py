@@ -21,6 +21,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 ROUTER_SCORES = ("softmax", "sigmoid")
 #: Which tokens the auxiliary loss's statistics count: none; every token of the micro-batch; each sequence apart
@@ -235,6 +236,7 @@ class Router(nn.Module):
         loss = cfg.aux_loss_coeff * aux * wiring.statistics_ranks(cfg.aux_loss) + cfg.z_loss_coeff * z
         return loss, {"aux_loss": aux.detach(), "z_loss": z.detach()}
 
+    @override
     def _apply(self, fn, recurse: bool = True):
         """The bias stays fp32 whatever dtype the module is cast to: steps of ``router_bias_rate`` (1e-3) vanish in
         bf16 once the bias nears 0.5."""

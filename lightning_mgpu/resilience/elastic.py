@@ -38,6 +38,7 @@ from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElas
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+from typing_extensions import override
 
 from lightning_mgpu.resilience.preemption import REQUEUE_EXIT
 from lightning_mgpu.resilience.restarts import (EXIT_CRASH_LOOP, EXIT_FAULTY_DEVICE, EXIT_REFUSED, CrashLoop,
@@ -80,6 +81,7 @@ class LocalJobAgent(LocalElasticAgent):
         self.stopped_with: Optional[int] = None
         self.failure: Optional[ProcessFailure] = None  # the first failure of the last attempt that failed
 
+    @override
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         first = self._first_failure(worker_group)
         result = super()._monitor_workers(worker_group)
@@ -106,6 +108,7 @@ class LocalJobAgent(LocalElasticAgent):
                         os.kill(other.id, signal.SIGKILL)
         return ProcessFailure(worker.local_rank, worker.id, code, error_file="")
 
+    @override
     def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # SIGHUP (the terminal went away) stops the ranks as a preemption does, not by its default action
         super()._shutdown(signal.SIGTERM if death_sig == signal.SIGHUP else death_sig, timeout)

@@ -3,16 +3,24 @@ an upgrade that renames or removes one fails in this one place, naming the name,
 pinned in pyproject.toml, instead of deep inside a multi-process run (or, for a ``getattr`` with a default, silently).
 
 Names a class sets on its instances (``self._x = ...``) cannot be looked up without building one: for those the
-library's source must still assign them. Update this list when the package starts or stops relying on a name."""
+library's source must still assign them. The lists below say where each name is used; the tests at the end find the
+names by parsing the package's source, with no list: every private import and every private name reached through a
+library's module or class is looked up, every private attribute read or written on another library's objects must
+still be named in torch's, Lightning's, DeepSpeed's or transformers' source, and every private method the package
+overrides must be marked ``@override`` and still be a base class's. Broken once each (2026-12-06): torch_muon._adjust_lr
+renamed in optim/muon.py, ``self._opt_called`` renamed there, ``_check_log_dir_exists`` renamed in
+cli/metrics_history.py: each failed its test with the file, the line and the pinned versions."""
 
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
+import re
 import sys
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 from packaging.requirements import Requirement
@@ -201,10 +209,195 @@ def private_imports() -> dict[str, str]:
     return found
 
 
-def test_every_private_import_is_listed():
-    """A new import of another library's private name is listed above, so that an upgrade is checked for it."""
-    listed = [spec for _, spec, _ in ATTRIBUTES]
-    missing = {name: where for name, where in private_imports().items()
-               if not any(spec == name or spec.startswith(name if name.endswith(":") else name + ".")
-                          for spec in listed)}
-    assert not missing, f"list these in ATTRIBUTES: {missing}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Found by parsing the package's source, no list kept by hand: every private name reached through another library's
+# module or class, every private attribute read or written on another library's objects, every private method the
+# package overrides.
+
+#: The libraries whose objects the package reaches into (their installed sources are searched for the names).
+LIBRARIES = ("torch", "lightning", "deepspeed", "transformers")
+
+
+def _package_trees() -> list[tuple[str, ast.Module]]:
+    """(path relative to the package, parsed source) of every module of the package."""
+    return [(str(p.relative_to(PACKAGE)), ast.parse(p.read_text())) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _aliases(tree: ast.Module) -> dict[str, str]:
+    """Local name -> ``module`` or ``module:attribute`` of each import from another library in ``tree``."""
+    found = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if not alias.name.startswith("lightning_mgpu"):
+                    found[alias.asname or alias.name.split(".")[0]] = alias.name if alias.asname else \
+                        alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and not node.module.startswith("lightning_mgpu"):
+            for alias in node.names:
+                found[alias.asname or alias.name] = f"{node.module}:{alias.name}"
+    return found
+
+
+def _chain(node: ast.Attribute) -> tuple[Optional[str], list[str]]:
+    """``a.b.c`` -> ("a", ["b", "c"]); (None, ...) when the chain does not start at a plain name."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.insert(0, node.attr)
+        node = node.value
+    return (node.id if isinstance(node, ast.Name) else None), parts
+
+
+def _library_reached() -> dict[str, str]:
+    """``module:attribute.path`` (up to its last private part) of every private name the package imports from another
+    library or reaches through an imported library module or class -> the first ``file:line`` that does."""
+    found = {spec if not spec.endswith(":") else ":".join(spec[:-1].rsplit(".", 1)): where
+             for spec, where in private_imports().items()}
+    for path, tree in _package_trees():
+        aliases = _aliases(tree)
+        inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or id(node) in inner:
+                continue
+            root, parts = _chain(node)
+            private = [i for i, part in enumerate(parts) if _is_private(part)]
+            if root in aliases and private:
+                target = aliases[root]
+                module, _, attribute = target.partition(":")
+                path_of = ".".join(([attribute] if attribute else []) + parts[:private[-1] + 1])
+                found.setdefault(f"{module}:{path_of}", f"{path}:{node.lineno}")
+    return found
+
+
+def _distribution(module: str) -> str:
+    top = module.split(".")[0]
+    if top in sys.stdlib_module_names:
+        return "python"
+    return importlib.metadata.packages_distributions().get(top, [top])[0]
+
+
+REACHED = _library_reached()
+
+
+@pytest.mark.parametrize("spec", sorted(REACHED))
+def test_private_name_reached_through_a_library_exists(spec: str) -> None:
+    try:
+        look_up(spec)
+    except (ImportError, AttributeError) as error:
+        pytest.fail(f"{spec} is gone ({error}) with {versions(_distribution(spec))}; lightning_mgpu/{REACHED[spec]} "
+                    "reaches it")
+
+
+def _own_names(tree: ast.Module) -> set[str]:
+    """The names ``tree`` defines itself: module-level and class-level definitions, attributes its classes' methods
+    assign on their first argument (``self._x = ...``) and submodules, buffers and parameters it registers by name."""
+    own = set()
+    for node in tree.body:
+        own |= _defined(node)
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        for item in cls.body:
+            own |= _defined(item)
+            if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and item.args.args:
+                me = item.args.args[0].arg
+                own |= {n.attr for n in ast.walk(item) if isinstance(n, ast.Attribute)
+                        and isinstance(n.ctx, ast.Store) and isinstance(n.value, ast.Name) and n.value.id == me}
+    own |= {n.args[0].value for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+            and n.func.attr in REGISTERS and n.args and isinstance(n.args[0], ast.Constant)}
+    return own
+
+
+#: torch's calls that give a module an attribute by name (``add_module("_x", child)``: the name is the package's).
+REGISTERS = ("add_module", "register_module", "register_buffer", "register_parameter")
+
+
+def _defined(node: ast.stmt) -> set[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+    return {t.id for t in targets if isinstance(t, ast.Name)}
+
+
+def _object_accesses() -> dict[str, str]:
+    """Private attribute names the package reads or writes on objects that are not its own (``obj._x``,
+    ``getattr(obj, "_x", default)``, ``hasattr``, ``setattr``), that no module of the package defines -> the first
+    ``file:line`` (with the call, where a default would hide a missing name)."""
+    own = set().union(*(_own_names(tree) for _, tree in _package_trees()))
+    found: dict[str, str] = {}
+    for path, tree in _package_trees():
+        aliases = _aliases(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr) and _chain(node)[0] not in aliases:
+                found.setdefault(node.attr, f"{path}:{node.lineno}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                  and node.func.id in ("getattr", "hasattr", "setattr") and len(node.args) >= 2
+                  and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+                  and _is_private(node.args[1].value)):
+                found.setdefault(node.args[1].value, f"{path}:{node.lineno} ({node.func.id})")
+    return {name: where for name, where in found.items() if name not in own}
+
+
+def _named_in(libraries: tuple[str, ...], names: set[str]) -> dict[str, set[str]]:
+    """Each of ``names`` -> the libraries whose installed source mentions it (as a whole word)."""
+    pattern = re.compile(r"\b(" + "|".join(sorted(map(re.escape, names))) + r")\b")
+    seen: dict[str, set[str]] = {name: set() for name in names}
+    for library in libraries:
+        for root in importlib.util.find_spec(library).submodule_search_locations:
+            for path in Path(root).rglob("*.py"):
+                for name in set(pattern.findall(path.read_text(errors="replace"))):
+                    seen[name].add(library)
+    return seen
+
+
+def test_private_attributes_of_library_objects_are_still_the_libraries():
+    """An attribute the package reads or writes on a torch, Lightning, DeepSpeed or transformers object is still named
+    in that library's source: a renamed or removed one (read with a default, it would fail silently) fails here with
+    the file and line that uses it and the pinned versions."""
+    accesses = _object_accesses()
+    assert len(accesses) > 10, accesses  # the search finds what it is meant to (e.g. torch's _opt_called)
+    seen = _named_in(LIBRARIES, set(accesses))
+    gone = [f".{name} at lightning_mgpu/{where}" for name, where in sorted(accesses.items())
+            if not seen[name]]
+    assert not gone, (f"named by none of {', '.join(LIBRARIES)} nor by the package: {gone}; with "
+                      + "; ".join(versions(library) for library in LIBRARIES))
+
+
+def _overrides() -> list[tuple[str, str, str, bool]]:
+    """(module, class, method, marked @override) of every private method of a package class that is marked
+    ``@override`` or that a base class from another library defines."""
+    found = []
+    for path, tree in _package_trees():
+        module = "lightning_mgpu." + path.removesuffix(".py").replace("/", ".").removesuffix(".__init__")
+        for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+            for item in cls.body:
+                if not isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) or not _is_private(item.name):
+                    continue
+                marked = any(isinstance(d, (ast.Name, ast.Attribute)) and (getattr(d, "id", None) == "override"
+                             or getattr(d, "attr", None) == "override") for d in item.decorator_list)
+                bases = [b for b in getattr(importlib.import_module(module), cls.name).__mro__[1:]
+                         if not b.__module__.startswith("lightning_mgpu") and b is not object]
+                if marked or any(item.name in vars(b) for b in bases):
+                    found.append((module, cls.name, item.name, marked))
+    return found
+
+
+def test_overridden_private_methods_are_marked_and_still_overridden():
+    """A private method the package overrides is marked ``@override``, and a base class from another library still
+    defines it: a renamed hook would otherwise leave the package's version uncalled, silently."""
+    problems = []
+    for module, name, method, marked in _overrides():
+        cls = getattr(importlib.import_module(module), name)
+        bases = [b for b in cls.__mro__[1:] if not b.__module__.startswith("lightning_mgpu") and b is not object]
+        owner = next((b for b in bases if method in vars(b)), None)
+        if owner is None:
+            top = bases[0].__module__ if bases else "builtins"
+            problems.append(f"{module}.{name}.{method} overrides nothing of {[b.__qualname__ for b in bases]} with "
+                            f"{versions(_distribution(top))}")
+        elif not marked:
+            problems.append(f"{module}.{name}.{method} overrides {owner.__module__}.{owner.__qualname__}.{method}: "
+                            "mark it @override (typing_extensions), so that this test sees it if the name goes")
+    assert len(_overrides()) >= 5 and not problems, problems
