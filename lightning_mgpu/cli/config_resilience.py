@@ -9,14 +9,16 @@ from typing import Optional
 
 @dataclass
 class SpikeRuleConfig:
-    """:class:`lightning_mgpu.resilience.SpikeRule`: a step's loss spikes when it is more than ``sigmas`` standard
-    deviations AND ``min_rise`` above the mean of the last ``window`` accepted steps (once ``min_history`` are
-    there)."""
+    """:class:`lightning_mgpu.resilience.SpikeRule`: a step's loss spikes when one rank's own loss is more than
+    ``rank_ratio`` times the median of the other ranks' (from the first step), or when the mean loss is more than
+    ``sigmas`` standard deviations AND ``min_rise`` above the mean of the last ``window`` accepted steps (once
+    ``min_history`` are there)."""
 
     window: int = 128
     sigmas: float = 6.0
     min_history: int = 16
     min_rise: float = 0.5  #: a fraction of the mean loss
+    rank_ratio: Optional[float] = 10.0  #: a rank's loss against the median of the others'; null: that rule off
 
 
 @dataclass

@@ -18,6 +18,7 @@ offers a step skip that covers the loss, every stage and the schedule.
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -28,7 +29,11 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class SpikeRule:
-    """A step's loss spikes when, with at least ``min_history`` accepted steps in the last ``window``, it is more than
+    """Two rules. Across ranks, from the first step: a rank's own loss more than ``rank_ratio`` times the median of the
+    other ranks' losses of the same step (when that median is positive) spikes; the ranks draw their micro-batches
+    from the same data, so their losses stay within a small factor of each other, and one rank's bad batch or bad
+    arithmetic shows there before any history exists (``None``: off). Over time, for a spike of the whole batch: the
+    mean loss spikes when, with at least ``min_history`` accepted steps in the last ``window``, it is more than
     ``sigmas`` standard deviations above their mean AND more than ``min_rise`` (a fraction) above it: the second
     condition keeps a flat stretch of losses (a tiny deviation) from calling a small bump a spike."""
 
@@ -36,6 +41,7 @@ class SpikeRule:
     sigmas: float = 6.0
     min_history: int = 16
     min_rise: float = 0.5
+    rank_ratio: Optional[float] = 10.0
 
     @classmethod
     def of(cls, rule: "Optional[SpikeRule | dict]") -> "Optional[SpikeRule]":
@@ -52,18 +58,37 @@ class SpikeRule:
         if not self.sigmas > 0 or not self.min_rise >= 0:
             out.append(f"{prefix}sigmas={self.sigmas} must be > 0 and {prefix}min_rise={self.min_rise} >= 0 (a fraction "
                        "of the mean loss); e.g. sigmas=6.0, min_rise=0.5")
+        if self.rank_ratio is not None and not self.rank_ratio > 1:
+            out.append(f"{prefix}rank_ratio={self.rank_ratio} must be > 1 (a rank's loss against the median of the "
+                       "others'), or null to turn the cross-rank rule off; e.g. rank_ratio=10")
         return out
 
-    def spikes(self, loss: float, history: "deque[float]") -> Optional[str]:
-        """Why ``loss`` is a spike against ``history``, or None."""
+    def outliers(self, losses: dict[int, float]) -> tuple[tuple[int, ...], str]:
+        """The ranks whose own loss (``losses``: global rank -> finite loss) is more than ``rank_ratio`` times the
+        median of the other ranks' losses, and why; ((), "") when there is none."""
+        if self.rank_ratio is None or len(losses) < 2:
+            return (), ""
+        others = {rank: statistics.median(v for r, v in losses.items() if r != rank) for rank in losses}
+        far = tuple(r for r, loss in losses.items() if others[r] > 0 and loss > self.rank_ratio * others[r])
+        if not far:
+            return (), ""
+        values = ", ".join(f"{losses[r]:.6g} on rank {r} against {others[r]:.6g}" for r in far)
+        return far, f"the loss of rank(s) {list(far)} is more than {self.rank_ratio:g}x the median of the other " \
+                    f"ranks' losses of the step ({values})"
+
+    def spikes(self, loss: float, history: "deque[float]", losses: Optional[dict[int, float]] = None) -> Optional[str]:
+        """Why the mean ``loss`` (of the ranks' ``losses``: global rank -> loss) is a spike against ``history``, or
+        None."""
         if len(history) < self.min_history:
             return None
         mean = sum(history) / len(history)
         std = math.sqrt(sum((x - mean) ** 2 for x in history) / len(history))
         if loss > mean + self.sigmas * std and loss > mean * (1 + self.min_rise):
             deviations = (loss - mean) / std if std > 0 else math.inf
-            return f"the loss {loss:.6g} is {deviations:.3g} standard deviations above the mean {mean:.6g} of the " \
-                   f"last {len(history)} steps"
+            top = max(losses, key=losses.get) if losses else None
+            ranks = f" (the mean over the ranks; highest {losses[top]:.6g} on rank {top})" if losses else ""
+            return f"the loss {loss:.6g}{ranks} is {deviations:.3g} standard deviations above the mean {mean:.6g} of " \
+                   f"the last {len(history)} steps"
         return None
 
 
@@ -76,12 +101,14 @@ class Verdict:
     loss: float = math.nan  #: the mean over the ranks that report one
     bad_loss_ranks: tuple[int, ...] = ()  #: global ranks whose local loss was not finite
     bad_gradient_ranks: tuple[int, ...] = ()  #: ranks whose gradients were not finite (after any reduction)
+    spike_ranks: tuple[int, ...] = ()  #: ranks whose own loss was far above the other ranks' (the cross-rank rule)
 
 
 @dataclass
 class SkippedStep:
     """One skipped optimizer step: ``step`` counts from 0, as ``trainer.global_step`` and metrics.csv do;
-    ``ranks``: those whose own loss was not finite, else those whose gradients were not, else none (a spike)."""
+    ``ranks``: those whose own loss was not finite, else those whose gradients were not, else those whose loss was far
+    above the other ranks', else none (a spike of the whole batch)."""
 
     step: int
     reason: str
@@ -126,7 +153,8 @@ class StepGuard:
             self.history.append(verdict.loss)
             return verdict
         # a rank's own loss is where a fault shows first; gradients are reduced over the ranks before they are seen
-        self.skipped.append(SkippedStep(step, verdict.reason, verdict.bad_loss_ranks or verdict.bad_gradient_ranks))
+        self.skipped.append(SkippedStep(step, verdict.reason, verdict.bad_loss_ranks or verdict.bad_gradient_ranks
+                                        or verdict.spike_ranks))
         for scheduler in schedulers:
             self._hold(scheduler)
         return verdict
@@ -156,15 +184,20 @@ class StepGuard:
         mine = torch.tensor([loss, float(math.isfinite(loss) or self._loss is None), float(gradients_finite)],
                             dtype=torch.float64, device=self.device)
         rows = _all_gather(mine, self.group).tolist()
-        reported = [r[0] for r in rows if math.isfinite(r[0])]
-        mean = sum(reported) / len(reported) if reported else math.nan
+        losses = {self._global_ranks[i]: r[0] for i, r in enumerate(rows) if math.isfinite(r[0])}
+        mean = sum(losses.values()) / len(losses) if losses else math.nan
         bad_loss = tuple(self._global_ranks[i] for i, r in enumerate(rows) if not r[1])
         bad_gradients = tuple(self._global_ranks[i] for i, r in enumerate(rows) if not r[2])
         if bad_loss or bad_gradients:
             parts = ([f"the loss was not finite on rank(s) {list(bad_loss)}"] if bad_loss else []) + \
                 ([f"the gradients were not finite on rank(s) {list(bad_gradients)}"] if bad_gradients else [])
             return Verdict(True, " and ".join(parts), mean, bad_loss, bad_gradients)
-        spike = self.rule.spikes(mean, self.history) if self.rule is not None and reported else None
+        if self.rule is None or not losses:
+            return Verdict(False, "", mean)
+        far, why = self.rule.outliers(losses)
+        if far:
+            return Verdict(True, why, mean, spike_ranks=far)
+        spike = self.rule.spikes(mean, self.history, losses)
         return Verdict(spike is not None, spike or "", mean)
 
 

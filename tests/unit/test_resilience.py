@@ -52,6 +52,20 @@ def test_the_spike_rule_needs_both_sigmas_and_the_rise():
     assert SpikeRule(window=4, min_history=8).problems() and SpikeRule(sigmas=0).problems()
 
 
+def test_the_cross_rank_rule_names_a_rank_far_above_the_others_from_the_first_step():
+    rule = SpikeRule()  # rank_ratio 10: a rank's loss against the median of the other ranks' losses of the step
+    far, why = rule.outliers({0: 2.0, 1: 2000.0})
+    assert far == (1,) and "rank(s) [1]" in why and "2000 on rank 1 against 2" in why, why
+    assert rule.outliers({0: 2.0, 1: 19.9}) == ((), "")  # 9.95x: inside the rule
+    assert rule.outliers({0: 2.0, 1: 2.5, 2: 3.0, 3: 2.2}) == ((), "")
+    # tensor-parallel pairs report one loss each: both ranks of the bad pair are named, the median of the others holds
+    assert rule.outliers({0: 2.0, 1: 2.0, 2: 2000.0, 3: 2000.0})[0] == (2, 3)
+    assert rule.outliers({0: -1.0, 1: 5.0}) == ((), "")  # the others' median is not positive: no ratio
+    assert rule.outliers({0: 2.0}) == ((), "")  # one rank has no others
+    assert SpikeRule(rank_ratio=None).outliers({0: 2.0, 1: 2000.0}) == ((), "")
+    assert SpikeRule(rank_ratio=1.0).problems() and not SpikeRule(rank_ratio=None).problems()
+
+
 def test_the_fault_matrix_spec_acts_in_the_right_attempt_and_names_every_bad_entry():
     import pytest
 
