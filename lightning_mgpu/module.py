@@ -27,6 +27,7 @@ from lightning_mgpu.parallel.context import shard_sequence
 from lightning_mgpu.parallel.cross_entropy import cross_entropy, gather_logits
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.tensor import ParallelNorm
+from lightning_mgpu.parallel.token_batch import token_batch
 from lightning_mgpu.planner.model_stats import model_flops_per_token
 
 
@@ -160,11 +161,13 @@ class LLMModule(L.LightningModule):
         self.model = stage_container(llama_stages(self.model, stage_ids, num_stages, boundaries))
         return self.model
 
-    def pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(first stage's input, last stage's target) of a batch: with context parallelism, this rank's chunks of
-        them. With documents, the target after each end-of-document input is :data:`IGNORE_INDEX`: marking it in the
-        target is what lets the last pipeline stage, which never sees the input tokens, skip it."""
-        inputs, targets = batch[:, :-1], batch[:, 1:]
+    def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first stage's input, last stage's target) of a batch as the loader yields it (token windows, bare or in a
+        list or tuple with labels, :func:`token_batch`): with context parallelism, this rank's chunks of them. With
+        documents, the target after each end-of-document input is :data:`IGNORE_INDEX`: marking it in the target is
+        what lets the last pipeline stage, which never sees the input tokens, skip it."""
+        tokens, labels = token_batch(batch)
+        inputs, targets = tokens[:, :-1], (tokens if labels is None else labels)[:, 1:]
         eod = self.config.eod_token_id
         if eod is not None:
             targets = targets.masked_fill(inputs == eod, IGNORE_INDEX)
@@ -240,8 +243,9 @@ class LLMModule(L.LightningModule):
         # (a periodic checkpoint among them) before the module's, so a count made there would be saved one step short.
         context = parallel_context(self)  # tensor/pipeline ranks share their replica's batch
         data_ranks = context.data_ranks if context is not None else self.trainer.world_size
-        global_batch = self.hparams.global_batch_size or batch.shape[0] * data_ranks
-        self.tokens_seen += global_batch * (batch.shape[-1] - 1)
+        tokens = token_batch(batch)[0]
+        global_batch = self.hparams.global_batch_size or tokens.shape[0] * data_ranks
+        self.tokens_seen += global_batch * (tokens.shape[-1] - 1)
         if context is None and self.config.num_experts:  # as Lightning divides (and fp16 scales) each loss
             scaler = getattr(self.trainer.precision_plugin, "scaler", None)
             scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
@@ -303,7 +307,7 @@ class LLMModule(L.LightningModule):
         loss = self.loss(batch)
         # With documents each rank's loss is its share of the global batch's mean (see _tokens_per_microbatch):
         # equal weights give that mean, as the default's equal token counts do.
-        weight = batch[:, 1:].numel() if self.config.eod_token_id is None else 1.0
+        weight = token_batch(batch)[0][:, 1:].numel() if self.config.eod_token_id is None else 1.0
         self.val_nll.update(loss.detach().float(), weight=weight)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 import transformers
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mgpu import MGPUStrategy, parameter_shape
 
@@ -62,6 +62,31 @@ def token_ids(samples: int = SAMPLES, seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (samples, seq), generator=torch.Generator().manual_seed(3))
 
 
+def masked_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Labels that differ from the ids: the first quarter of each row counts for nothing (-100), the same count in
+    every row, so that micro-batch and replica means equal the global one."""
+    labels = ids.clone()
+    labels[:, :SEQ // 4] = -100
+    return labels
+
+
+#: How the user's training loader yields a batch: the bare tensor, a TensorDataset's ``[ids]``, or ``[ids, labels]``.
+BATCHES = ("tensor", "list", "labelled")
+
+
+def loader_batches(batches: str) -> Any:
+    """The training set as a loader of ``batches`` (:data:`BATCHES`) reads it."""
+    ids = token_ids()
+    return {"tensor": ids, "list": TensorDataset(ids), "labelled": TensorDataset(ids, masked_labels(ids))}[batches]
+
+
+def ids_and_labels(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a user's training_step reads from each kind of batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch, batch
+    return batch[0], batch[-1]
+
+
 def make_optimizer(model: torch.nn.Module, name: str = "adamw") -> torch.optim.Optimizer:
     """torch's AdamW, or Muon for the blocks' matrices with AdamW for the rest (the package's rule, fp32
     Newton-Schulz so that layouts compare tightly)."""
@@ -76,13 +101,15 @@ def make_optimizer(model: torch.nn.Module, name: str = "adamw") -> torch.optim.O
 class CausalLM(L.LightningModule):
     """What a user writes around a ``transformers`` model: nothing about parallelism."""
 
-    def __init__(self, family: str, n_layers: int = 2, tied: bool = False, optimizer: str = "adamw") -> None:
+    def __init__(self, family: str, n_layers: int = 2, tied: bool = False, optimizer: str = "adamw",
+                 batches: str = "tensor") -> None:
         super().__init__()
         self.llm = tiny_model(family, n_layers, tied)
-        self.optimizer_name = optimizer
+        self.optimizer_name, self.batch_kind = optimizer, batches
 
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.llm(input_ids=batch, labels=batch).loss
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, labels = ids_and_labels(batch)
+        return self.llm(input_ids=ids, labels=labels).loss
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.log("val_loss", self.llm(input_ids=batch, labels=batch).loss, sync_dist=True)
@@ -91,7 +118,7 @@ class CausalLM(L.LightningModule):
         return make_optimizer(self, self.optimizer_name)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(token_ids(), batch_size=MICRO)
+        return DataLoader(loader_batches(self.batch_kind), batch_size=MICRO)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(token_ids(8)[:, :], batch_size=MICRO)
@@ -106,23 +133,23 @@ class Seen(L.Callback):
         self.grad_norms: list[Optional[float]] = []
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        self.batches.append(batch.clone())
+        self.batches.append(ids_and_labels(batch)[0].clone())
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
         self.grad_norms.append(trainer.strategy.last_grad_norm)
 
 
 def fit_hf(rank: int, family: str, devices: int, steps: int = 3, n_layers: int = 2, validate: bool = False,
            ckpt_path: Optional[str] = None, save_to: Optional[str] = None, optimizer: str = "adamw",
-           **strategy_kwargs: Any) -> dict:
-    """One ``Trainer.fit`` of :class:`CausalLM` on this rank (from ``ckpt_path``; saved to ``save_to`` at the end);
-    what it saw, the local shard sizes and the layout."""
+           batches: str = "tensor", **strategy_kwargs: Any) -> dict:
+    """One ``Trainer.fit`` of :class:`CausalLM` on this rank (from ``ckpt_path``; saved to ``save_to`` at the end),
+    its loader yielding ``batches`` (:data:`BATCHES`); what it saw, the local shard sizes and the layout."""
     seen = Seen()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs), max_steps=steps,
                         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[seen],
                         limit_val_batches=1 if validate else 0, val_check_interval=steps if validate else None,
                         check_val_every_n_epoch=None if validate else 1)
-    module = CausalLM(family, n_layers, optimizer=optimizer)
+    module = CausalLM(family, n_layers, optimizer=optimizer, batches=batches)
     trainer.fit(module, ckpt_path=ckpt_path)
     if save_to:
         trainer.save_checkpoint(save_to)
@@ -143,14 +170,15 @@ def global_batches(results: list[dict]) -> list[torch.Tensor]:
 
 
 def single_process(family: str, batches: list[torch.Tensor], n_layers: int = 2,
-                   validation: Optional[torch.Tensor] = None, optimizer: str = "adamw") -> dict:
-    """The same training written as a plain loop over the global batches: the model's own loss, the global grad norm
-    before clipping at ``CLIP``, torch's AdamW (or :func:`make_optimizer`'s Muon)."""
+                   validation: Optional[torch.Tensor] = None, optimizer: str = "adamw", labelled: bool = False) -> dict:
+    """The same training written as a plain loop over the global batches: the model's own loss (over
+    :func:`masked_labels` where ``labelled``), the global grad norm before clipping at ``CLIP``, torch's AdamW (or
+    :func:`make_optimizer`'s Muon)."""
     model = tiny_model(family, n_layers)
     optimizer = make_optimizer(model, optimizer)
     losses, norms = [], []
     for batch in batches:
-        loss = model(input_ids=batch, labels=batch).loss
+        loss = model(input_ids=batch, labels=masked_labels(batch) if labelled else batch).loss
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()

@@ -4,13 +4,13 @@
 ``MGPUStrategy`` attaches them (:func:`adopt`) before it checks and splits the module; a hook the module defines itself
 is used instead of the one here. Tensor parallelism keeps the user's ``training_step`` (``model(..., labels=...)
 .loss``): the model's loss becomes the vocabulary-parallel one. Pipeline parallelism runs the model's own loss on the
-last stage over a batch of token ids (or a mapping with ``input_ids`` and optionally ``labels``); a validation step
-calling the model with ``labels=`` gets the pipeline's loss.
+last stage over a batch of token ids (bare, in a list or tuple with optional labels, or a mapping with ``input_ids``
+and optionally ``labels``); a validation step calling the model with ``labels=`` gets the pipeline's loss.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -25,10 +25,9 @@ from lightning_mgpu.hf.tensor_plan import hf_tp_plan
 from lightning_mgpu.layout import ModelShape, ParallelLayout
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.plan_hooks import sequence_gather, sequence_scatter
+from lightning_mgpu.parallel.token_batch import token_batch
 from lightning_mgpu.problems import format_problems
 
-#: The keys a pipeline batch given as a mapping may hold.
-PIPELINE_BATCH_KEYS = ("input_ids", "labels")
 #: Arguments of a model call that the pipeline's forward-only loss may pass over (the labels carry the same targets).
 PASSED_OVER = ("shift_labels", "use_cache", "return_dict", "num_items_in_batch")
 
@@ -78,16 +77,11 @@ class HFHooks:
             sequence_gather(layers[-1], group, True)
 
     def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input ids, labels) of a batch of token ids ``[batch, seq]`` (its own labels), or of a mapping with
-        ``input_ids`` and optionally ``labels``."""
-        if isinstance(batch, torch.Tensor):
-            return batch, batch
-        if isinstance(batch, Mapping) and "input_ids" in batch and set(batch) <= set(PIPELINE_BATCH_KEYS):
-            return batch["input_ids"], batch.get("labels", batch["input_ids"])
-        keys = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
-        raise ValueError(f"pipeline parallelism takes a batch of token ids [batch, seq] or a mapping with "
-                         f"{' and optionally '.join(PIPELINE_BATCH_KEYS)}; got {keys}. Padding masks cannot travel "
-                         "between stages: pack sequences without padding, or use pipeline_parallel_size=1")
+        """(input ids, labels) of a batch as the loader yields it (:func:`token_batch`: a tensor of token ids, a list
+        or tuple (ids[, labels]), or a mapping with ``input_ids`` and optionally ``labels``); the ids are their own
+        labels where none are given (the model shifts them)."""
+        ids, labels = token_batch(batch)
+        return ids, ids if labels is None else labels
 
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The model's own causal-LM loss of one micro-batch on the last stage."""

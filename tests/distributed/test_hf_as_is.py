@@ -34,6 +34,8 @@ SKIPPED = {("mistral", "cp2_zero2"), *(("qwen3_moe", layout) for layout in ("pp2
            # DeepSeek V3 runs its dense first layer beside experts, and its whole attention, under sequence parallelism
            *(("deepseek_v3", layout) for layout in LAYOUTS if layout != "tp2_sp_zero3")}
 CASES = [(family, layout) for layout in LAYOUTS for family in FAMILIES if (family, layout) not in SKIPPED]
+#: A Llama whose loader yields a TensorDataset's lists, run in the launch of a pipeline layout: (layout, batches).
+CONTAINED = [("pp2_1f1b_validated", "labelled"), ("tp2_pp2_dp2_zero1", "list")]
 
 
 #: The projection a family's plan splits by rows in a layer: the query's, or the fused q/k/v's (Phi-3)
@@ -77,6 +79,8 @@ def every_family(layout: str) -> dict[str, list[dict]]:
     ranks, n_layers, kw = LAYOUTS[layout]
     calls = {family: (fit_hf, (family, ranks), dict(n_layers=n_layers, validate=layout.endswith("validated"), **kw))
              for family in FAMILIES if (family, layout) not in SKIPPED}
+    calls.update({f"llama[{batches}]": (fit_hf, ("llama", ranks), dict(n_layers=n_layers, batches=batches, **kw))
+                  for name, batches in CONTAINED if name == layout})
     results = run_distributed(in_turn, ranks, calls)
     return {family: [r[family] for r in results] for family in calls}
 
@@ -95,6 +99,21 @@ def test_parity_with_one_process(family, layout):
                                                                               expected["grad_norms"])
         if validate:
             assert abs(r["val_loss"] - expected["val_loss"]) < 1e-5, (r["val_loss"], expected["val_loss"])
+
+
+@pytest.mark.parametrize("layout, batches", CONTAINED)
+def test_a_batch_in_a_tensor_datasets_list_trains_as_the_bare_tensor(layout, batches):
+    """The loader yields ``[ids]`` or ``[ids, labels]`` (labels that count 3/4 of each row, so that a run that took
+    the ids for labels fails): the stages read the ids and labels from the list, and the loss and grad norm equal one
+    process computing the model's loss over those labels."""
+    ranks, n_layers, kw = LAYOUTS[layout]
+    results = every_family(layout)[f"llama[{batches}]"]
+    expected = single_process("llama", global_batches(results), n_layers, labelled=batches == "labelled")
+    assert_split(results, "llama", n_layers, kw)
+    for r in results:
+        assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5, (r["rank"], r["losses"], expected["losses"])
+        assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5, (r["rank"], r["grad_norms"],
+                                                                              expected["grad_norms"])
 
 
 #: name -> (the layout that saves after 2 steps, the layout that resumes for 2 more)

@@ -5,7 +5,8 @@ from dataclasses import replace
 import lightning as L
 
 import pytest
-from helpers import GLOBAL_BATCH, MICRO_BATCH, OPTIM, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, reference
+from helpers import (GLOBAL_BATCH, MICRO_BATCH, OPTIM, TINY, SaveAtStep, assert_bf16_curve, assert_parity, fit, in_turn,
+                     reference)
 
 from lightning_mgpu import LLMModule
 from lightning_mgpu.layout import V_SCHEDULES, theoretical_bubble
@@ -106,9 +107,23 @@ def test_pp2_tp2_with_sequence_parallel_and_selective_recomputation_matches_sing
     assert_parity(results, ref)
 
 
-def test_3d_pp2_tp2_dp2_zero1_matches_single_process(token_file, ref):
-    results = run(token_file, 8, pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1)
-    assert_parity(results, ref)
+class ListBatches(LLMModule):
+    """An LLMModule whose batches arrive as a one-element list, as a ``TensorDataset``'s loader yields them."""
+
+    def on_before_batch_transfer(self, batch, dataloader_idx):
+        return [batch]
+
+
+def test_3d_pp2_tp2_dp2_zero1_matches_single_process_with_bare_or_listed_batches(token_file, ref):
+    """pp2 x tp2 x dp2 with ZeRO-1, and in the same launch the same run with each batch in a list (what the stages
+    need read from the loader's container): both equal one process."""
+    kw = dict(max_steps=STEPS, model=DEEP, pipeline_parallel_size=2, tensor_parallel_size=2, zero_stage=1)
+    calls = {"bare": (fit, (token_file, 8), kw),
+             "listed": (fit, (token_file, 8), dict(module=ListBatches(DEEP, **OPTIM, global_batch_size=GLOBAL_BATCH),
+                                                   **kw))}
+    results = run_distributed(in_turn, 8, calls)
+    assert_parity([r["bare"] for r in results], ref)
+    assert_parity([r["listed"] for r in results], ref)
 
 
 def test_explicit_boundaries_give_the_same_function(token_file, ref):

@@ -114,13 +114,24 @@ def test_several_models_need_the_naming_hook():
     assert find_hf_model(module).prefix == "teacher."
 
 
-def test_a_pipeline_batch_is_token_ids_or_ids_and_labels():
+def test_a_pipeline_batch_is_token_ids_or_ids_and_labels_in_the_loaders_container():
+    """Bare, in a TensorDataset's list or a tuple, or a mapping: the same (ids, labels); a mask, a third element or
+    labels of another shape refused, every problem named at once, with what the stages take."""
     hooks = HFHooks(find_hf_model(CausalLM("llama")), None, None)
     ids, labels = torch.ones(2, 4, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long)
     assert hooks.pipeline_batch(ids)[1] is ids
     assert hooks.pipeline_batch({"input_ids": ids, "labels": labels})[1] is labels
-    with pytest.raises(ValueError, match="attention_mask.*Padding masks cannot travel"):
+    for container in (list, tuple):
+        assert hooks.pipeline_batch(container([ids])) == (ids, ids)
+        assert hooks.pipeline_batch(container([ids, labels])) == (ids, labels)
+    with pytest.raises(ValueError, match=r"keys \['attention_mask'\] that cannot travel between stages.*Fix: yield"):
         hooks.pipeline_batch({"input_ids": ids, "attention_mask": ids})
+    with pytest.raises(ValueError, match=r"got list\(Tensor\[2, 4\], Tensor\[2, 4\], Tensor\[2, 4\]\): 3 elements"):
+        hooks.pipeline_batch([ids, labels, ids])
+    with pytest.raises(ValueError, match=r"the labels have shape \[2, 3\], the token ids \[2, 4\]"):
+        hooks.pipeline_batch((ids, labels[:, :3]))
+    with pytest.raises(ValueError, match=r"no input_ids; the labels are str, not a 2-D tensor"):
+        hooks.pipeline_batch({"labels": "text"})
 
 
 def test_a_window_switched_off_in_config_json_does_not_refuse_context_parallelism():
