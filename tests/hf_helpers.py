@@ -44,6 +44,17 @@ FAMILIES = {
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, n_group=1,
         topk_group=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
         **{**kw, "num_key_value_heads": kw["num_attention_heads"]}),
+    # decoders whose parts have other names: GPT-NeoX's embed_in, emb_dropout, final_layer_norm and fused
+    # query_key_value; Phi's embed_dropout and final_layernorm; GPT-J's wte, drop, h, ln_f (its special tokens outside
+    # the tiny vocabulary dropped)
+    "gpt_neox": lambda **kw: transformers.GPTNeoXConfig(**kw),
+    "phi": lambda **kw: transformers.PhiConfig(**kw),
+    "gptj": lambda **kw: transformers.GPTJConfig(rotary_dim=4, bos_token_id=None, eos_token_id=None, **kw),
+    # no base_model_pp_plan: stages from its one ModuleList of layers; embeddings scaled in the decoder's forward and
+    # logits scaled after the head (at 2.0, so that a later stage scaling its input again, or losing the last
+    # scaling, moves the loss)
+    "granitemoe": lambda **kw: transformers.GraniteMoeConfig(num_local_experts=4, num_experts_per_tok=2,
+                                                             embedding_multiplier=2.0, logits_scaling=2.0, **kw),
 }
 
 

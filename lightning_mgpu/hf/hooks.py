@@ -71,7 +71,7 @@ class HFHooks:
         """Hidden states travel between stages whole: each stage scatters them in and gathers them out."""
         group = self.layout.group("tp")
         for stage in stages:
-            layers = list(getattr(stage, stage.base_name).layers)
+            layers = list(getattr(getattr(stage, stage.base_name), stage.layers_name))
             if not stage.first:  # the first layer of the whole model scatters by the plan already
                 sequence_scatter(layers[0], group, True)
             sequence_gather(layers[-1], group, True)

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_mgpu.hf.decoder import DecoderParts, decoder_parts, layers_name
 from lightning_mgpu.hf.names import sliding_window
 from lightning_mgpu.layout import ModelShape
 
@@ -51,6 +52,29 @@ class HFModel:
     @property
     def n_layers(self) -> int:
         return int(self.config.num_hidden_layers)
+
+    @property
+    def layers_name(self) -> str:
+        """The decoder's ``ModuleList`` of layers by its family's name (``layers``, GPT-J's ``h``); a decoder without
+        one is refused by name."""
+        name = layers_name(self.base, self.config)
+        if name is None:
+            raise ValueError(f"{self.prefix}{self.base_name} ({type(self.base).__name__}) holds no single ModuleList "
+                             f"of its {self.n_layers} layers; write tensor_parallel_plan() and the pipeline hooks for it")
+        return name
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return getattr(self.base, self.layers_name)
+
+    @property
+    def layers_prefix(self) -> str:
+        """``llm.model.layers`` (GPT-J's ``llm.transformer.h``): the layers' names in the LightningModule."""
+        return f"{self.base_prefix}{self.layers_name}"
+
+    def parts(self) -> tuple[Optional[DecoderParts], list[str]]:
+        """The decoder's parts as pipeline stages place them, or every reason they cannot be read."""
+        return decoder_parts(self.base, self.config, type(self.model).__name__)
 
     def shape(self) -> ModelShape:
         """The numbers that constrain a split. ``qk_norm`` stays False: the q/k norms of a ``transformers`` model keep

@@ -1,9 +1,12 @@
 """Pipeline stages of a ``transformers`` causal LM, cut where its ``base_model_pp_plan`` says it can be cut.
 
 A ``transformers`` config's pipeline plan names the decoder's parts in order (``embed_tokens`` -> ``layers`` ->
-``norm``, then the causal LM's ``lm_head``) with the names of what flows between them. A stage here is a *view* of
-the model: a shallow copy of the causal LM whose decoder holds only the stage's layers (under their original
-indices), its embeddings only on the first stage and its final norm and head only on the last. Each stage runs the
+``norm``, then the causal LM's ``lm_head``; other families name them otherwise, and a config without a plan has them
+read off its structure: :mod:`lightning_mgpu.hf.decoder`). A stage here is a *view* of the model: a shallow copy of
+the causal LM whose decoder holds only the stage's layers (under their original indices), its embeddings (and what
+runs on them before the layers, dropout) only on the first stage and its final norm and head only on the last; a
+later stage's decoder does not scale the hidden states it receives as it scales embeddings (Granite's
+``embedding_multiplier``). Each stage runs the
 decoder's own ``forward`` (so its masks, rotary tables and model-specific scaling are its own): the first stage from
 ``input_ids``, the others from ``inputs_embeds=`` the hidden states received. The last stage runs the causal LM's own
 ``forward``, whose logits may be more than the head's output (Cohere's ``logit_scale``, Granite's ``logits_scaling``,
@@ -20,13 +23,15 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from lightning_mgpu.hf.decoder import DecoderParts
 from lightning_mgpu.hf.model import HFModel
 from lightning_mgpu.layout import stage_count_problems, tied_embedding_problems
 from lightning_mgpu.models.llama_plan import balanced_boundaries, boundary_problems
 from lightning_mgpu.problems import format_problems
 
-#: The parts of the decoder a pipeline plan must name, in order, for the stages below.
-DECODER_PARTS = ("embed_tokens", "layers", "norm")
+#: Attributes of a decoder that scale the embeddings in its forward: a later stage's decoder, given hidden states,
+#: does not scale them again.
+EMBEDDING_SCALES = ("embedding_multiplier",)
 
 
 class KeptLayers(nn.ModuleList):
@@ -43,22 +48,27 @@ class KeptLayers(nn.ModuleList):
 class HFStage(nn.Module):
     """Layers ``[start, end)`` of a ``transformers`` causal LM, with its embeddings first and its norm and head last."""
 
-    def __init__(self, found: HFModel, start: int, end: int) -> None:
+    def __init__(self, found: HFModel, start: int, end: int, parts: Optional[DecoderParts] = None) -> None:
         super().__init__()
+        parts = parts or _readable_parts(found)
         self.first, self.last = start == 0, end == found.n_layers
         view = copy.copy(found.model)
         view._modules = dict(found.model._modules)
         base = copy.copy(found.base)
         base._modules = dict(found.base._modules)
         base.config = _stage_config(found.base.config, start, end)
-        base._modules["layers"] = KeptLayers({i: found.base.layers[i] for i in range(start, end)})
+        base._modules[parts.layers] = KeptLayers({i: found.layers[i] for i in range(start, end)})
         if not self.first:
-            base._modules["embed_tokens"] = None
+            base._modules[parts.embedding] = None
+            base._modules.update({name: nn.Identity() for name in parts.before})
+            for scale in EMBEDDING_SCALES:
+                if hasattr(base, scale):
+                    setattr(base, scale, 1.0)
         if not self.last:
-            base._modules["norm"] = nn.Identity()
+            base._modules.update({name: nn.Identity() for name in parts.after})
             view._modules[_head_name(found)] = None
         view._modules[found.base_name] = base
-        self.base_name, self.head_name = found.base_name, _head_name(found)
+        self.base_name, self.head_name, self.layers_name = found.base_name, _head_name(found), parts.layers
         self.add_module(found.base_name, base)
         if self.last:
             self.add_module(self.head_name, view._modules[self.head_name])
@@ -90,25 +100,17 @@ def _stage_config(config: object, start: int, end: int) -> object:
     return local
 
 
+def _readable_parts(found: HFModel) -> DecoderParts:
+    parts, problems = found.parts()
+    if parts is None:
+        raise ValueError(format_problems("Cannot split the model into pipeline stages", problems))
+    return parts
+
+
 def _head_name(found: HFModel) -> str:
     plan = getattr(found.model, "_pp_plan", None) or {}
     heads = [name for name in plan if "." not in name]
     return heads[0] if heads else "lm_head"
-
-
-def pp_plan_problems(found: HFModel) -> list[str]:
-    """Why the model's pipeline plan does not describe the decoder the stages above cut (empty when it does)."""
-    plan = getattr(found.config, "base_model_pp_plan", None)
-    kind = type(found.model).__name__
-    if not plan:
-        return [f"{kind}'s config carries no base_model_pp_plan, so its pipeline stages are unknown; define "
-                "pipeline_stages, pipeline_batch and pipeline_loss on the LightningModule (see LLMModule), or use "
-                "pipeline_parallel_size=1"]
-    if tuple(plan) != DECODER_PARTS or not isinstance(getattr(found.base, "layers", None), nn.ModuleList):
-        return [f"{kind}'s base_model_pp_plan names {list(plan)}; the stages cut a decoder of "
-                f"{list(DECODER_PARTS)} with its layers in a ModuleList; define pipeline_stages, pipeline_batch and "
-                "pipeline_loss for this model, or use pipeline_parallel_size=1"]
-    return []
 
 
 def hf_stages(found: HFModel, stage_ids: Sequence[int], num_stages: int,
@@ -118,21 +120,27 @@ def hf_stages(found: HFModel, stage_ids: Sequence[int], num_stages: int,
     stages on other ranks, are dropped from it."""
     n = found.n_layers
     tied = bool(getattr(found.config, "tie_word_embeddings", False))
-    problems = pp_plan_problems(found) + stage_count_problems(num_stages, n) + tied_embedding_problems(num_stages, tied)
+    parts, problems = found.parts()
+    if problems:
+        problems = [f"{problem}; define pipeline_stages, pipeline_batch and pipeline_loss on the LightningModule (see "
+                    "LLMModule), or use pipeline_parallel_size=1" for problem in problems]
+    problems += stage_count_problems(num_stages, n) + tied_embedding_problems(num_stages, tied)
     problems += boundary_problems(boundaries, n, num_stages) if boundaries is not None else []
     if problems:
         raise ValueError(format_problems("Cannot split the model into pipeline stages", problems))
     b = list(boundaries) if boundaries is not None else balanced_boundaries(n, num_stages)
-    stages = {i: HFStage(found, b[i], b[i + 1]) for i in stage_ids}
-    _keep_only(found, stages, [i for s in stage_ids for i in range(b[s], b[s + 1])])
+    stages = {i: HFStage(found, b[i], b[i + 1], parts) for i in stage_ids}
+    _keep_only(found, parts, stages, [i for s in stage_ids for i in range(b[s], b[s + 1])])
     return stages
 
 
-def _keep_only(found: HFModel, stages: dict[int, HFStage], layers: list[int]) -> None:
+def _keep_only(found: HFModel, parts: DecoderParts, stages: dict[int, HFStage], layers: list[int]) -> None:
     base = found.base
-    base.layers = KeptLayers({i: base.layers[i] for i in sorted(layers)})
+    setattr(base, parts.layers, KeptLayers({i: found.layers[i] for i in sorted(layers)}))
     if not any(stage.first for stage in stages.values()):
-        base.embed_tokens = None
+        for name in (parts.embedding, *parts.before):
+            setattr(base, name, None)
     if not any(stage.last for stage in stages.values()):
-        base.norm = None
+        for name in parts.after:
+            setattr(base, name, None)
         setattr(found.model, _head_name(found), None)

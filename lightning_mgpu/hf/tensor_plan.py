@@ -102,14 +102,14 @@ def _matches_a_module(model: nn.Module, key: str) -> bool:
 def _sequence_parallel_entries(found: HFModel, plan: dict[str, str]) -> dict[str, str]:
     """Under sequence parallelism (the styles below do nothing without it): the run of layers in and out, and the
     layers' own parameters outside the entered regions."""
-    layers = f"{found.base_prefix}layers"
+    layers = found.layers_prefix
     entries = {f"{layers}.0": "sequence_scatter", f"{layers}.{found.n_layers - 1}": "sequence_gather"}
     covered = [plan_pattern(key) for key in plan]
     # (a layer's child, its style) -> the layers' modules of that name and style with parameters outside the regions;
     # the style is each module's own (a hybrid model's `mixer` is attention in some layers, an MLP in others)
     uncovered: dict[tuple[str, str], set[str]] = {}
     names = []
-    for index, layer in found.base.layers.named_children():
+    for index, layer in found.layers.named_children():
         for child, module in layer.named_children():
             name = f"{layers}.{index}.{child}"
             names.append(name)

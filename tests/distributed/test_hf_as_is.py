@@ -11,7 +11,11 @@ from helpers import in_turn, max_abs_diff
 
 from lightning_mgpu.testing import run_distributed
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "phi3", "olmo2", "deepseek_v3"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "gemma2", "phi3", "olmo2", "deepseek_v3", "gpt_neox",
+            "phi", "gptj", "granitemoe"]
+#: Families whose decoder's parts have other names than Llama's, or whose config has no pipeline plan: they run
+#: tensor parallelism with sequence parallelism and pipeline stages.
+RENAMED = ("gpt_neox", "phi", "gptj", "granitemoe")
 
 #: name -> (ranks, layers, strategy arguments). Each family runs every one.
 LAYOUTS = {
@@ -32,7 +36,9 @@ SKIPPED = {("mistral", "cp2_zero2"), *(("qwen3_moe", layout) for layout in ("pp2
            # Phi-3 and OLMo 2 run their plans' styles of gathered outputs and split inputs, with sequence parallelism
            *((family, layout) for family in ("phi3", "olmo2") for layout in LAYOUTS if layout != "tp2_sp_zero3"),
            # DeepSeek V3 runs its dense first layer beside experts, and its whole attention, under sequence parallelism
-           *(("deepseek_v3", layout) for layout in LAYOUTS if layout != "tp2_sp_zero3")}
+           *(("deepseek_v3", layout) for layout in LAYOUTS if layout != "tp2_sp_zero3"),
+           *((family, layout) for family in RENAMED for layout in LAYOUTS
+             if layout not in ("tp2_sp_zero3", "pp2_1f1b_validated"))}
 CASES = [(family, layout) for layout in LAYOUTS for family in FAMILIES if (family, layout) not in SKIPPED]
 #: A Llama whose loader yields a TensorDataset's lists, run in the launch of a pipeline layout: (layout, batches).
 CONTAINED = [("pp2_1f1b_validated", "labelled"), ("tp2_pp2_dp2_zero1", "list")]
@@ -41,18 +47,26 @@ CONTAINED = [("pp2_1f1b_validated", "labelled"), ("tp2_pp2_dp2_zero1", "list")]
 #: The projection a family's plan splits by rows in a layer: the query's, or the fused q/k/v's (Phi-3)
 ATTENTION = ("self_attn.q_proj", "self_attn.qkv_proj")
 #: ... or the dense first layer's gate, where the plan leaves the attention whole (DeepSeek's)
-SPLIT_PROJECTIONS = {"deepseek_v3": ("mlp.gate_proj",)}
+SPLIT_PROJECTIONS = {"deepseek_v3": ("mlp.gate_proj",), "gpt_neox": ("attention.query_key_value",),
+                     "gptj": ("attn.q_proj",)}
+#: Where a family keeps its layers, input embeddings and final norm, written out (Llama's names otherwise).
+PARTS = {"gpt_neox": ("gpt_neox.layers", "gpt_neox.embed_in", "gpt_neox.final_layer_norm"),
+         "phi": ("model.layers", "model.embed_tokens", "model.final_layernorm"),
+         "gptj": ("transformer.h", "transformer.wte", "transformer.ln_f")}
+LLAMA_PARTS = ("model.layers", "model.embed_tokens", "model.norm")
 
 
 def assert_split(results: list[dict], family: str, n_layers: int, kw: dict) -> None:
     """Local shapes: a query (or fused q/k/v, or gate) projection keeps 1/T of its rows, the embedding 1/T of the
-    vocabulary; a pipeline rank holds its stages' layers only, the embedding on the first stage and the head on the last."""
+    vocabulary; a pipeline rank holds its stages' layers only, the embedding on the first stage and the final norm and
+    head on the last."""
     whole = {name: tuple(p.shape) for name, p in tiny_model(family, n_layers).named_parameters()}
+    layers_at, embedding, norm = PARTS.get(family, LLAMA_PARTS)
     T, P = kw.get("tensor_parallel_size", 1), kw.get("pipeline_parallel_size", 1)
     per_rank = n_layers // (P * kw.get("virtual_pipeline_size", 1))
     for r in results:
         shapes = {name.removeprefix("llm."): shape for name, shape in r["shapes"].items()}
-        layers = sorted({int(name.split(".")[2]) for name in shapes if name.startswith("model.layers.")})
+        layers = sorted({int(name.split(".")[2]) for name in shapes if name.startswith(f"{layers_at}.")})
         pp = r["coords"]["pp"]
         if P == 1:
             assert layers == list(range(n_layers))
@@ -62,14 +76,14 @@ def assert_split(results: list[dict], family: str, n_layers: int, kw: dict) -> N
             assert layers == [pp, 2 * P - 1 - pp], (r["rank"], layers)
         else:
             assert layers == list(range(pp * per_rank, (pp + 1) * per_rank)), (r["rank"], layers)
-        holds_embedding, holds_head = "model.embed_tokens.weight" in shapes, "lm_head.weight" in shapes
+        holds = [f"{part}.weight" in shapes for part in (embedding, norm, "lm_head")]
         head_rank = 0 if kw.get("pipeline_schedule") == "zbv" else P - 1
-        assert (holds_embedding, holds_head) == (pp == 0, pp == head_rank), (r["rank"], holds_embedding, holds_head)
-        q = next(f"model.layers.{layers[0]}.{name}.weight" for name in SPLIT_PROJECTIONS.get(family, ATTENTION)
-                 if f"model.layers.{layers[0]}.{name}.weight" in shapes)
+        assert holds == [pp == 0, pp == head_rank, pp == head_rank], (r["rank"], holds)
+        q = next(f"{layers_at}.{layers[0]}.{name}.weight" for name in SPLIT_PROJECTIONS.get(family, ATTENTION)
+                 if f"{layers_at}.{layers[0]}.{name}.weight" in shapes)
         assert shapes[q] == (whole[q][0] // T, whole[q][1]), (q, shapes[q])
-        if holds_embedding:
-            assert shapes["model.embed_tokens.weight"][0] == whole["model.embed_tokens.weight"][0] // T
+        if holds[0]:
+            assert shapes[f"{embedding}.weight"][0] == whole[f"{embedding}.weight"][0] // T
 
 
 @functools.cache

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+import transformers
 from hf_helpers import CausalLM, tiny_model
 
 from lightning_mgpu.hf import find_hf_model
@@ -71,15 +72,37 @@ def test_a_style_without_counterpart_is_refused_by_module_and_style():
     assert "llm.model.norm: style 'sequence_parallel'" in message and "tensor_parallel_plan()" in message
 
 
-def test_a_model_without_plans_is_refused_with_the_hooks_to_write():
+def test_a_model_without_plans_is_refused_tensor_parallelism_and_staged_by_its_structure():
+    """No tp plan: refused with the hook to write. No pp plan: a Llama's stages come from its one ModuleList of layers,
+    its embeddings and its final norm (stage 0 of 2 keeps layer 0 and the embeddings, not the norm or the head)."""
     module = CausalLM("llama")
     module.llm._tp_plan = {}
     module.llm.config.base_model_pp_plan = None
     found = find_hf_model(module)
     with pytest.raises(ValueError, match="carries no tensor-parallel plan.*tensor_parallel_plan"):
         hf_tp_plan(found)
-    with pytest.raises(ValueError, match="carries no base_model_pp_plan.*pipeline_stages, pipeline_batch"):
-        hf_stages(found, [0], 2)
+    hf_stages(found, [0], 2)
+    kept = {name.split(".")[1] + (f".{name.split('.')[2]}" if ".layers." in name else "")
+            for name, _ in module.llm.named_parameters()}
+    assert kept == {"embed_tokens", "layers.0"}, kept
+
+
+def test_a_decoder_part_no_stage_can_place_is_refused_by_name():
+    """GPT-2 has no pipeline plan, and its position embeddings ``wpe`` are added inside its forward: refused by name,
+    with the hooks to write instead."""
+    module = torch.nn.Module()
+    module.llm = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4,
+                                                                      n_positions=32))
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel's config carries no base_model_pp_plan and its decoder "
+                                         r"holds \['wpe'\] beside its embeddings \(wte\), layers \(h\).*pipeline_stages"):
+        hf_stages(find_hf_model(module), [0], 2)
+
+
+@pytest.mark.parametrize("family, layers", [("gptj", "llm.transformer.h"), ("gpt_neox", "llm.gpt_neox.layers")])
+def test_the_layers_under_their_familys_name_are_cut_along_the_sequence(family, layers):
+    """GPT-J keeps its layers as ``h`` (a tensor plan that looked for ``layers`` raised AttributeError)."""
+    plan = hf_tp_plan(find_hf_model(CausalLM(family)))
+    assert plan[f"{layers}.0"] == "sequence_scatter" and plan[f"{layers}.1"] == "sequence_gather"
 
 
 def test_tied_embeddings_are_refused_pipeline_stages():
