@@ -42,6 +42,8 @@ class ModelShape:
     sliding_window: int = 0
     #: Whether the model's pipeline stages can take context-parallel chunks (a ``transformers`` model's cannot).
     context_with_pipeline: bool = True
+    #: Whether expert parallelism can split the model's experts (a ``transformers`` mixture of experts' cannot yet).
+    experts_split: bool = True
 
     @classmethod
     def of(cls, config) -> "ModelShape":
@@ -51,7 +53,7 @@ class ModelShape:
         return cls(config.n_layers, config.n_heads, config.n_kv_heads, config.ffn_hidden, config.vocab_size,
                    bool(getattr(config, "tie_embeddings", False)), int(getattr(config, "num_experts", 0)),
                    int(getattr(config, "expert_ffn_hidden", 0)), qk_norm, int(getattr(config, "sliding_window", 0)),
-                   bool(getattr(config, "context_with_pipeline", True)))
+                   bool(getattr(config, "context_with_pipeline", True)), bool(getattr(config, "experts_split", True)))
 
 
 def divisors(n: int) -> list[int]:
@@ -189,7 +191,8 @@ class ParallelLayout(LayoutRequest, RankGrid):
         out += self._model_problems()
         m = self.model
         out += expert_problems(self.expert_parallel_size, data // R * C if data and data % R == 0 else None,
-                               None if m is None else m.num_experts, T, None if m is None else m.expert_hidden)
+                               None if m is None else m.num_experts, T, None if m is None else m.expert_hidden,
+                               m is None or m.experts_split)
         return out
 
     def _pipeline_problems(self) -> list[Problem]:

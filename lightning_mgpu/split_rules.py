@@ -27,11 +27,14 @@ def _near(options: list[int], value: int) -> str:
 
 
 def expert_problems(expert_parallel_size: int, data_context_ranks: Optional[int], num_experts: Optional[int],
-                    tensor_parallel_size: int = 1, expert_hidden: Optional[int] = None) -> list[Problem]:
+                    tensor_parallel_size: int = 1, expert_hidden: Optional[int] = None,
+                    experts_split: bool = True) -> list[Problem]:
     """The rules of expert parallelism, which folds over the data x context ranks of a replica
     (``data_context_ranks``, None while unknown): each expert lives on one rank of its expert-parallel group, so the
     group's size divides both those ranks and the experts (``num_experts``, None while the model is unknown, 0 for a
-    dense model); the tensor-parallel ranks split each expert's hidden width."""
+    dense model); the tensor-parallel ranks split each expert's hidden width. A model whose experts the package does
+    not split yet (``experts_split=False``: a ``transformers`` mixture of experts) is refused any size above 1, since
+    every rank would still hold every expert and the setting would be silently ignored."""
     Ep = expert_parallel_size
     if not isinstance(Ep, int) or Ep < 1:
         return [Problem("expert_parallel_size", Ep, "must be a positive integer", "use 1 to disable expert parallelism")]
@@ -39,6 +42,12 @@ def expert_problems(expert_parallel_size: int, data_context_ranks: Optional[int]
     if Ep > 1 and num_experts == 0:
         out.append(Problem("expert_parallel_size", Ep, "needs a mixture-of-experts model (num_experts=0)",
                            "set model.num_experts or expert_parallel_size=1"))
+    if Ep > 1 and num_experts and not experts_split:
+        return out + [Problem("expert_parallel_size", Ep, f"cannot split the {num_experts} experts of a transformers "
+                              "mixture of experts yet: each rank would still hold every expert",
+                              "use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over the data-parallel "
+                              "ranks), or the package's own MoE model (model.num_experts), which expert parallelism "
+                              "splits")]
     if data_context_ranks is not None and data_context_ranks % Ep:
         fits = [d for d in range(1, data_context_ranks + 1) if data_context_ranks % d == 0
                 and (not num_experts or num_experts % d == 0)]

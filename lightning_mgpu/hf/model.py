@@ -81,13 +81,15 @@ class HFModel:
         their weights whole and sum their gradients over the tensor-parallel group (``grad_sum``). Its attention
         window and its pipeline stages constrain context parallelism (``split_rules.context_model_problems``)."""
         c = self.config
-        experts = int(getattr(c, "num_experts", 0) or getattr(c, "num_local_experts", 0) or 0)
+        experts = int(getattr(c, "num_experts", 0) or getattr(c, "num_local_experts", 0)
+                      or getattr(c, "n_routed_experts", 0) or 0)
         return ModelShape(n_layers=self.n_layers, n_heads=int(c.num_attention_heads),
                           n_kv_heads=int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads),
                           ffn_hidden=int(c.intermediate_size), vocab_size=int(c.vocab_size),
                           tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), num_experts=experts,
                           expert_hidden=int(getattr(c, "moe_intermediate_size", 0) or 0) if experts else 0,
-                          sliding_window=sliding_window(c.to_dict()), context_with_pipeline=False)
+                          sliding_window=sliding_window(c.to_dict()), context_with_pipeline=False,
+                          experts_split=False)
 
 
 def find_hf_model(module: nn.Module) -> Optional[HFModel]:

@@ -147,6 +147,7 @@ class TransformersShape(LlamaConfig):
         return self.moe_layers[index] if self.moe_layers else super().is_moe_layer(index)
     qk_norm_whole: ClassVar[bool] = True
     context_with_pipeline: ClassVar[bool] = False
+    experts_split: ClassVar[bool] = False  # its experts stay whole on every rank (no expert parallelism yet)
 
     def num_parameters(self, active: bool = False) -> int:
         return transformers_parameters(self, active)

@@ -15,6 +15,9 @@ from helpers import global_batches, max_abs_diff
 from lightning_mgpu.cli.machine import machine_problems
 from lightning_mgpu.cli.plan import plan_report
 from lightning_mgpu.cli.spec import config_problems
+from lightning_mgpu.hf.names import from_hf_config, planning_shape
+from lightning_mgpu.planner import GPUS, ClusterSpec
+from lightning_mgpu.planner.search import candidates
 from lightning_mgpu.lr_schedule import lr_multiplier
 
 STEPS = 4
@@ -112,6 +115,36 @@ def write_70b(directory):
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(LLAMA_70B))
     return directory
+
+
+#: Qwen3-30B-A3B's published shape (128 experts, 8 a token).
+QWEN3_30B_A3B = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": 2048,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                 "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+                 "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
+                 "rope_theta": 1000000.0, "tie_word_embeddings": False, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16"}
+
+
+def test_a_transformers_mixture_of_experts_gets_no_expert_parallelism_it_would_ignore(tmp_path):
+    """Its experts stay whole on every rank: the planner's search tries only expert_parallel_size=1 for a
+    Qwen3-30B-A3B directory on one node (the same shape as the package's own MoE gets 2, 4 and 8 too), mgpu-plan
+    prints only such commands, and mgpu-train refuses 2 before launch, naming the rule."""
+    cluster = ClusterSpec(1, 8, GPUS["h100_80gb"])
+    as_is, own = planning_shape(QWEN3_30B_A3B), from_hf_config(QWEN3_30B_A3B)
+    assert {c.ep for c in candidates(as_is, cluster, 64, 4096)} == {1}
+    assert {c.ep for c in candidates(own, cluster, 64, 4096)} == {1, 2, 4, 8}
+    directory = tmp_path / "qwen3_30b_a3b"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    overrides = ["trainer=gpu", "cluster=local", "model=hf", f"model.path={directory}", "trainer.num_nodes=1",
+                 "trainer.devices=8", "data.seq_len=4096"]
+    report = plan_report(composed(*overrides), overrides)
+    commands = [line for line in report.splitlines() if line.startswith("  mgpu-train ")]
+    assert commands and all("parallel.expert_parallel_size=1" in line for line in commands), report
+    refused = config_problems(composed(*overrides, "parallel.expert_parallel_size=2"), launching=False)
+    assert any("parallel.expert_parallel_size=2 cannot split the 128 experts of a transformers mixture of experts"
+               in problem for problem in refused), refused
 
 
 def test_every_command_mgpu_plan_prints_for_a_directory_is_accepted(tmp_path):

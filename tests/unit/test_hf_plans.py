@@ -128,6 +128,18 @@ def test_context_parallelism_is_refused_a_sliding_window_and_pipeline_stages():
         "sequence into chunks yet; use one of them"]
 
 
+def test_expert_parallelism_of_a_transformers_mixture_of_experts_is_refused_until_supported():
+    """Qwen3-MoE's 4 experts would stay whole on every rank under expert_parallel_size=2: refused, with the rule and
+    the fix, rather than accepted and ignored; DeepSeek V3 (n_routed_experts) alike; size 1 is accepted."""
+    refused = ("expert_parallel_size=2 cannot split the 4 experts of a transformers mixture of experts yet: each rank "
+               "would still hold every expert; use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over "
+               "the data-parallel ranks), or the package's own MoE model (model.num_experts), which expert "
+               "parallelism splits")
+    for family in ("qwen3_moe", "deepseek_v3"):
+        assert refusals(family, expert_parallel_size=2, zero_stage=1) == [refused], family
+    assert refusals("qwen3_moe", zero_stage=1) == []
+
+
 def test_several_models_need_the_naming_hook():
     module = CausalLM("llama")
     module.teacher = tiny_model("qwen2")
