@@ -1,1 +1,2 @@
-"""Checkpoint formats: consolidated weights and Hugging Face Llama import / export."""
+"""Checkpoint formats: universal (layout-independent) checkpoints, consolidated weights, their integrity and the
+restricted reader; Hugging Face import and export live in ``lightning_mgpu.hf``."""
