@@ -12,7 +12,6 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
@@ -29,7 +28,7 @@ from lightning_mgpu.launcher import choose_launcher
 from lightning_mgpu.layout import LayoutRequest, ParallelLayout
 from lightning_mgpu.parallel.collectives import WorldCollectives
 from lightning_mgpu.parallel.evaluation import EvaluationSteps
-from lightning_mgpu.parallel.frozen import ShownToOptimizer, hold_placeholder, trains_nothing
+from lightning_mgpu.parallel.frozen import user_optimizers
 from lightning_mgpu.resilience.liveness import Heartbeat, name_lost_ranks
 from lightning_mgpu.parallel.pipeline import Pipeline
 from lightning_mgpu.parallel.process_group import start_process_group
@@ -233,9 +232,7 @@ class MGPUStrategy(EngineHooks, EngineCheckpointHooks, EvaluationSteps, WorldCol
         wrapped = self.model if self.layout.size("pp") == 1 else wrapped
         optimizer = None
         if fitting:
-            frozen = self.layout.size("pp") > 1 and trains_nothing(wrapped)
-            with ShownToOptimizer(module, hold_placeholder(wrapped, self.root_device) if frozen else None):
-                self.optimizers, self.lr_scheduler_configs = _init_optimizers_and_lr_schedulers(module)
+            self.optimizers, self.lr_scheduler_configs = user_optimizers(module, wrapped, self.layout, self.root_device)
             optimizer = check_optimizers(self.optimizers, module, self.layout)
         config = engine_config(wrapped)
         if optimizer is not None and engines.drifts_from_fp32(config):

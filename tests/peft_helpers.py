@@ -85,11 +85,25 @@ def fit_adapted(rank: int, kind: str, family: str, devices: int, steps: int = 3,
         trainer.save_checkpoint(save_to)
     strategy = trainer.strategy
     whole = consolidated_state_dict(strategy.model, strategy.layout, prefix="")
+    params = dict(module.named_parameters())
+    numel = {n: getattr(p, "ds_numel", p.numel()) for n, p in params.items()}
     return {"rank": rank, "batches": seen.batches, "losses": seen.losses, "grad_norms": seen.grad_norms,
             "shapes": {canonical(n): tuple(parameter_shape(p)) for n, p in module.named_parameters()},
             "trainable": sorted(canonical(n) for n, p in module.named_parameters() if p.requires_grad),
             "coords": {axis: strategy.layout.rank(axis) for axis in ("tp", "pp", "dp")},
+            "trainable_elements": sum(numel[n] for n, p in params.items() if p.requires_grad),
+            "frozen_elements": sum(numel[n] for n, p in params.items() if not p.requires_grad),
+            "frozen_with_grads": [n for n, p in params.items() if not p.requires_grad and p.grad is not None],
+            "master_elements": master_elements(strategy.model.optimizer),
+            "zero_ranks": strategy.layout.size("dp_cp"),
             "weights": None if whole is None else {canonical(k): v for k, v in whole.items()}}
+
+
+def master_elements(optimizer: Any) -> int:
+    """The fp32 master elements a ZeRO 1-3 optimizer keeps on this rank (0 for ZeRO-0, which keeps none in fp32)."""
+    flats = getattr(optimizer, "single_partition_of_fp32_groups", None) or \
+        getattr(optimizer, "fp32_partitioned_groups_flat", None) or []
+    return sum(flat.numel() for flat in flats)
 
 
 def single_process_adapted(kind: str, family: str, batches: list[torch.Tensor], n_layers: int = 2,

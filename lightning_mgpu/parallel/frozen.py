@@ -18,7 +18,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from torch import nn
+
+from lightning_mgpu.layout import ParallelLayout
 
 #: The placeholder's name in the stage that holds it and, while the optimizer is built, in the LightningModule.
 PLACEHOLDER = "frozen_rank_placeholder"
@@ -61,3 +64,12 @@ class ShownToOptimizer:
     def __exit__(self, *exc: Any) -> None:
         if self.placeholder is not None:
             del self.module._parameters[PLACEHOLDER]
+
+
+
+def user_optimizers(module: nn.Module, kept: nn.Module, layout: ParallelLayout, device: torch.device) -> tuple:
+    """Lightning's (optimizers, LR scheduler configs) from the user's ``configure_optimizers``, run with a placeholder
+    among the module's parameters if this rank holds pipeline stages (``kept``) whose parameters are all frozen."""
+    frozen = layout.size("pp") > 1 and trains_nothing(kept)
+    with ShownToOptimizer(module, hold_placeholder(kept, device) if frozen else None):
+        return _init_optimizers_and_lr_schedulers(module)
