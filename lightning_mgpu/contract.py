@@ -79,6 +79,10 @@ class ParallelModule(Protocol):
         """(activation checkpointing mode, the blocks it applies to) of the module as it is now (after a stage split,
         only this rank's blocks): ``parallelize`` applies it (:mod:`lightning_mgpu.parallel.checkpointing`)."""
 
+    def checkpoint_record(self) -> dict[str, Any]:
+        """Plain data (strings, numbers, lists, dicts) that every checkpoint of the run holds beside Lightning's state:
+        what a reader needs that the weights do not say (the adapters' configuration and the base they adapt)."""
+
     def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of parameter ``name``'s initial value, whose whole tensor has shape ``shape``. Defining it lets
         the strategy build ``configure_model`` on the meta device and give each rank only its share. ``name`` is the
@@ -94,7 +98,8 @@ class ParallelModule(Protocol):
 #: inputs for ``size`` context ranks itself (a model whose code is not ours, ``lightning_mgpu.hf``) and returns the
 #: number of attention layers wired (0: the module cannot be context-parallel).
 HOOKS = ("model_shape", "tensor_parallel_plan", "pipeline_stages", "pipeline_batch", "pipeline_loss",
-         "context_parallel_batch", "context_parallel_attention", "compiled_blocks", "checkpointed_blocks", "initial_value")
+         "context_parallel_batch", "context_parallel_attention", "compiled_blocks", "checkpointed_blocks", "initial_value",
+         "checkpoint_record")
 
 
 #: Where hooks given on a module's behalf are attached (``lightning_mgpu.hf`` gives them for a ``transformers`` model):

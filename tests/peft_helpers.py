@@ -23,11 +23,15 @@ LORA_LR = 0.5
 PARTLY_FROZEN = ("model.embed_tokens.", "model.layers.0.")
 
 
-def lora_model(family: str, n_layers: int = 2, targets: Any = "all-linear", **lora: Any) -> torch.nn.Module:
-    """The tiny model of ``family`` with LoRA adapters (rank 4, alpha 8, no dropout unless asked), as PEFT makes it."""
+def lora_model(family: str, n_layers: int = 2, targets: Any = "all-linear", base: Optional[str] = None,
+               **lora: Any) -> torch.nn.Module:
+    """The tiny model of ``family`` (or the one saved in ``base``, loaded as a user loads a pretrained model) with LoRA
+    adapters (rank 4, alpha 8, no dropout unless asked), as PEFT makes them."""
+    import transformers
     from peft import LoraConfig, get_peft_model
 
-    model = tiny_model(family, n_layers)
+    model = tiny_model(family, n_layers) if base is None else \
+        transformers.AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
     torch.manual_seed(5)
     return get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, **lora}))
 
@@ -42,7 +46,10 @@ def partly_frozen_model(family: str, n_layers: int = 2) -> torch.nn.Module:
 
 
 def build(kind: str, family: str, n_layers: int, **lora: Any) -> torch.nn.Module:
-    return lora_model(family, n_layers, **lora) if kind == "lora" else partly_frozen_model(family, n_layers)
+    """``lora``: PEFT's LoRA; ``frozen``: :func:`partly_frozen_model`; ``full``: every weight trains."""
+    if kind == "lora":
+        return lora_model(family, n_layers, **lora)
+    return partly_frozen_model(family, n_layers) if kind == "frozen" else tiny_model(family, n_layers)
 
 
 class AdaptedLM(L.LightningModule):
@@ -122,5 +129,5 @@ def single_process_adapted(kind: str, family: str, batches: list[torch.Tensor], 
         optimizer.zero_grad()
         losses.append(loss.item())
     weights = {canonical(n): p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "grad_norms": norms, "weights": weights,
+    return {"losses": losses, "grad_norms": norms, "weights": weights, "model": model,
             "trainable": sorted(canonical(n) for n, p in model.named_parameters() if p.requires_grad)}

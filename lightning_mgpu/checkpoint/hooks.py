@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_mgpu.checkpoint import store as checkpoints
+from lightning_mgpu.contract import hook
 from lightning_mgpu.checkpoint.background import InBackground
 from lightning_mgpu.checkpoint.formats import LOADED_FROM, expert_checkpoint_problems, replica_checkpoint_problems
 from lightning_mgpu.checkpoint.loader_state import take_own_loader_state, with_every_loader_state
@@ -61,8 +62,10 @@ class EngineCheckpointHooks:
             self.layout.replica_update, self.checkpoints.format) + expert_checkpoint_problems(
             self.layout.expert_parallel_size, self.checkpoints.format))
         filepath = self.broadcast(str(filepath))
+        record = hook(self.lightning_module, "checkpoint_record")
         client_state = with_every_loader_state(
             {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}, self.layout)
+        client_state.update(record() if record is not None else {})
         with name_lost_ranks(self._heartbeat), paused(self._heartbeat):  # a save is not a step
             extra = functools.partial(checkpoints.write_consolidated_weights, self.model, self.layout,
                                       self.lightning_module) if self.save_consolidated_weights else None

@@ -1,5 +1,7 @@
 """``mgpu-export CKPT --format hf OUT``: a checkpoint's weights as a Hugging Face directory: a Llama, or for a mixture
-of experts a Mixtral (or a Qwen3-MoE, with ``qk_norm``); a model none of them can hold is refused before writing.
+of experts a Mixtral (or a Qwen3-MoE, with ``qk_norm``); a model none of them can hold is refused before writing. An
+adapter run's checkpoint: ``--format peft`` writes its adapters as PEFT does, ``--merge`` its base with them merged
+(``lightning_mgpu.hf.adapter_export``).
 
 CKPT is a universal checkpoint written by any layout (read in this one process, one shard's parameters at a time), or
 a checkpoint saved with consolidated weights. The weights are written as safetensors shards of at most
@@ -75,13 +77,42 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="mgpu-export", description=__doc__)
     parser.add_argument("checkpoint", help="a checkpoint directory (universal, or with consolidated weights)")
     parser.add_argument("out", help="output directory (config.json + safetensors shards + their index)")
-    parser.add_argument("--format", choices=["hf"], default="hf")
+    parser.add_argument("--format", choices=["hf", "peft"], default="hf",
+                        help="hf: the model's weights as from_pretrained loads them; peft: an adapter run's adapters "
+                             "(adapter_model.safetensors + adapter_config.json) as PeftModel.from_pretrained loads them")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --format hf, an adapter run's adapters merged into its base's weights")
+    parser.add_argument("--base", default=None,
+                        help="an adapter run's base model directory (default: the one its checkpoint records)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                         help="largest safetensors file, e.g. 5GB (the default), 500MB or a number of bytes; a single "
                              "tensor bigger than it gets a file of its own")
     args = parser.parse_args(argv)
+    if args.format == "peft" or args.merge:
+        exit_on_refusal(lambda: export_adapters(Path(args.checkpoint), Path(args.out), args.format, args.merge,
+                                                None if args.base is None else Path(args.base)))
+        return
     exit_on_refusal(lambda: export(Path(args.checkpoint), Path(args.out), DTYPES[args.dtype], args.max_shard_size))
+
+
+def export_adapters(checkpoint: Path, out: Path, format: str, merge: bool, base: Optional[Path] = None) -> list[Path]:
+    """An adapter run's adapters in PEFT's format (``--format peft``) or merged into its base (``--merge``)."""
+    from lightning_mgpu.hf.adapter_export import export_merged, export_peft
+
+    problems = export_problems(checkpoint, out)
+    if format == "peft" and merge:
+        problems.append("--merge writes the merged model's weights (--format hf), --format peft the adapters alone; "
+                        "choose one")
+    if problems:
+        raise ConfigError(problems, what="arguments")
+    verify(checkpoint)
+    try:
+        written = export_merged(checkpoint, out, base) if merge else export_peft(checkpoint, out, base)
+    except ValueError as error:
+        raise ConfigError([str(error)], what=f"adapter export of {checkpoint}") from error
+    print(f"wrote {', '.join(path.name for path in written)} in {out}")
+    return written
 
 
 def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32,

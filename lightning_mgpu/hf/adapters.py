@@ -31,8 +31,9 @@ classes are looked up in ``sys.modules``.
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
@@ -132,3 +133,37 @@ def _parts(name: str, style: str, module: nn.Module, problems: list[str]) -> dic
         entries[f"{name}.lora_A.{adapter}"] = a_style
         entries[f"{name}.lora_B.{adapter}"] = b_style
     return entries
+
+
+#: The checkpoint record's key (``checkpoint_record``): what :mod:`lightning_mgpu.hf.adapter_export` reads.
+RECORD = "adapters"
+
+
+def peft_model(module: nn.Module) -> Optional[tuple[str, nn.Module]]:
+    """(its name in ``module`` with a trailing dot, the model) of the outermost ``peft.PeftModel`` ``module`` holds."""
+    wrapper = _peft_class("peft.peft_model", "PeftModel")
+    if wrapper is None:
+        return None
+    return next(((f"{name}." if name else "", m) for name, m in module.named_modules() if isinstance(m, wrapper)), None)
+
+
+def adapter_record(module: nn.Module) -> dict[str, Any]:
+    """``{RECORD: {prefix, base, configs}}`` for a module holding a PEFT model (empty otherwise): where the PEFT model
+    sits, the directory its base was loaded from (``from_pretrained``'s path; empty for a model built from a config),
+    and each adapter's configuration as PEFT writes it (``adapter_config.json``), so that a checkpoint that holds only
+    the adapters names what it adapts and can be exported in PEFT's format."""
+    found = peft_model(module)
+    if found is None:
+        return {}
+    prefix, model = found
+    base = getattr(getattr(model.get_base_model(), "config", None), "_name_or_path", "") or ""
+    configs = {name: json.dumps(config.to_dict(), default=_plain, sort_keys=True)
+               for name, config in model.peft_config.items()}
+    return {RECORD: {"prefix": prefix, "base": str(base), "configs": configs}}
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what a PEFT config holds besides JSON's own types (sets of module names, enums)."""
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return getattr(value, "value", str(value))

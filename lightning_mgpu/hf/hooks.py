@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.contract import ADAPTER_ATTRIBUTE, parallel_context
-from lightning_mgpu.hf.adapters import adapter_plan, unwrapped
+from lightning_mgpu.hf.adapters import adapter_plan, adapter_record, unwrapped
 from lightning_mgpu.hf.context import apply_context_parallel
 from lightning_mgpu.hf.loss import causal_lm_loss
 from lightning_mgpu.hf.model import HFModel, find_hf_model
@@ -51,6 +51,10 @@ class HFHooks:
         model = self.found.model
         model.loss_function = causal_lm_loss(lambda: unwrapped(model.get_output_embeddings()))
         return plan
+
+    def checkpoint_record(self) -> dict[str, Any]:
+        """The adapters' configuration and base, when the model is wrapped by PEFT (:func:`adapter_record`)."""
+        return adapter_record(self.owner)
 
     def context_parallel_attention(self, group: Any, rank: int, size: int) -> int:
         """Wires the model's attention for ``size`` context ranks; what its shape forbids (a window, pipeline stages)
