@@ -17,7 +17,7 @@ from lightning_mgpu.engine import zero3_partitioner
 from lightning_mgpu.engine.runtime import backward, step
 from lightning_mgpu.parallel.replicas import keep_sigterm_check_inside_replicas
 from lightning_mgpu.resilience.stragglers import log_round, report_stragglers
-from lightning_mgpu.parallel.experts import balance_experts
+from lightning_mgpu.parallel.experts import balance_experts, forget_skipped_step
 from lightning_mgpu.resilience.liveness import name_lost_ranks
 from lightning_mgpu.resilience.watchdog import StepWatchdog
 from lightning_mgpu.precision import MGPUPrecision, as_mgpu_precision, fp8_layout_problems
@@ -114,6 +114,8 @@ class EngineHooks:
             self.context.last_grad_norm = step(self.model)
             if self._guard is None or not self._settle_guard():
                 balance_experts(self.model.module, self.layout)
+            else:  # skipped: the router biases stay, and the skipped batches' token counts are dropped
+                forget_skipped_step(self.model.module)
             if self._replica_sync is not None:  # replicas that step apart: every sync_every steps, the outer step
                 trainer = self.lightning_module.trainer
                 if self._replica_sync.after_inner_step(last=0 < trainer.max_steps <= trainer.global_step + 1):

@@ -145,6 +145,14 @@ def balance_experts(module: nn.Module, layout: ParallelLayout) -> None:
     move_router_biases(moe_layers(module), layout.group("dp_cp") if layout.size("dp_cp") > 1 else None)
 
 
+def forget_skipped_step(module: nn.Module) -> None:
+    """After an optimizer step the step guard skipped: drop the token counts its batches added to each router, so the
+    next bias update counts only the batches of the step it applies (a skipped batch is as if never drawn), and the
+    bias stays where it was."""
+    for layer in moe_layers(module):
+        layer.router.step_counts.zero_()
+
+
 def move_router_biases(layers: list, group: Any = None) -> None:
     """Move the balancing bias of ``layers`` by their step's token counts summed over ``group`` (one all-reduce for
     all layers; None: this process's counts), so every rank moves it alike; then start counting again."""
