@@ -56,6 +56,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="replace what DIR holds when it was prepared from other inputs or with another tokenizer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    chat = p.add_argument_group("conversations (--chat)")
+    chat.add_argument("--chat", action="store_true",
+                      help="the inputs are conversations (JSONL / Parquet / Arrow rows with messages: [{role, "
+                           "content}, ...] or prompt and completion), rendered with the chat template of --tokenizer "
+                           "(a transformers tokenizer directory); writes an answer mask (mask.bin) and document "
+                           "boundaries (documents.bin) beside the tokens, for mgpu-train data=sft")
+    chat.add_argument("--max-tokens", type=int, default=None, metavar="N",
+                      help="longest conversation kept, its end-of-document token included (e.g. data.seq_len + 1); "
+                           "default: no limit")
+    chat.add_argument("--overlong", choices=("drop", "truncate"), default="drop",
+                      help="a conversation longer than --max-tokens is dropped (default) or truncated; counted either "
+                           "way")
     return p
 
 
@@ -78,6 +90,8 @@ def report(result: PrepareResult, out: Path) -> str:
 
 def run(args: argparse.Namespace) -> PrepareResult:
     """Prepare as ``args`` say and print the report; bad inputs raise :class:`ConfigError` (exit status 2)."""
+    if args.chat:
+        return run_chat(args)
     try:
         result = prepare(args.inputs, args.tokenizer, args.out, text_key=args.text_key, workers=args.workers,
                          eod_token=args.eod_token, overwrite=args.overwrite, progress=not args.no_progress,
@@ -88,6 +102,36 @@ def run(args: argparse.Namespace) -> PrepareResult:
         raise ConfigError([str(err)], what="input") from None
     print(report(result, Path(args.out)))
     return result
+
+
+def run_chat(args: argparse.Namespace) -> PrepareResult:
+    """``--chat``: render the conversations and print what was kept, left out and how fast."""
+    from lightning_mgpu.data.chat import prepare_chat
+
+    try:
+        result = prepare_chat(args.inputs, args.tokenizer, args.out, workers=args.workers, eod_token=args.eod_token,
+                              max_tokens=args.max_tokens, overlong=args.overlong, overwrite=args.overwrite)
+    except (PrepareError, TokenizerError) as err:
+        raise ConfigError(getattr(err, "problems", [str(err)]), what="input") from None
+    print(chat_report(result, Path(args.out)))
+    return result
+
+
+def chat_report(result: PrepareResult, out: Path) -> str:
+    """Kept and left-out conversations (the first rows of each reason named), the mask rule, the throughput."""
+    m, chat = result.manifest, result.manifest.chat
+    left = chat["left_out"]
+    lines = [f"{chat['conversations']:,} conversations, {m.token_count:,} tokens, {chat['answer_tokens']:,} answer "
+             f"tokens ({chat['answer_tokens'] / max(m.token_count, 1):.1%}); mask rule {chat['mask_rule']}; "
+             f"{chat['truncated']} truncated; left out: "
+             + (", ".join(f"{n} {reason}" for reason, n in left.items()) or "none")]
+    lines += [f"  {line}" for examples in chat["left_out_examples"].values() for line in examples]
+    if result.skipped:
+        return f"{out} is up to date: same inputs, tokenizer, template and options; nothing to do\n" + "\n".join(lines)
+    rate = chat["conversations"] / max(result.seconds, 1e-9)
+    lines.append(f"throughput: {rate:,.0f} conversations/s, {rate / result.workers:,.0f} per process "
+                 f"({result.workers} process{'es' if result.workers > 1 else ''})")
+    return f"wrote {out} (tokens.bin, mask.bin, documents.bin, {MANIFEST_FILE})\n" + "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

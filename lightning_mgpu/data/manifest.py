@@ -55,6 +55,9 @@ class Manifest:
     tokens_sample_sha256: str = ""  #: :func:`sampled_sha256` of tokens.bin, checked whenever training opens it
     format: str = FORMAT
     tokens_file: str = TOKENS_FILE
+    #: conversations (``mgpu-prepare --chat``): template checksum, mask rule, options, counts, the mask and document
+    #: files and their checksums (:mod:`lightning_mgpu.data.chat`); None for a plain token stream
+    chat: Optional[dict] = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1) + "\n"

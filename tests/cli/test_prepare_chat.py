@@ -1,0 +1,88 @@
+"""``mgpu-prepare --chat``: conversations through the tokenizer directory's own chat template, an answer mask by the
+template's generation markers or by prefix rendering, rows left out counted and named, a re-run that does nothing."""
+
+import json
+
+import numpy as np
+import pytest
+from chat_helpers import MARKED, PLAIN, REWRITING, conversations, make_chat_tokenizer, write_jsonl
+
+from lightning_mgpu.cli.prepare import main as prepare_main
+from lightning_mgpu.hf.chat_template import ChatTemplate
+
+CONVERSATION = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+                {"role": "assistant", "content": "hello you"}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "four"}]
+
+
+def answers(template: ChatTemplate, conversation: list) -> str:
+    ids, mask = template.render(conversation)
+    assert len(ids) == len(mask)
+    return template.tokenizer.decode([i for i, m in zip(ids, mask) if m])
+
+
+@pytest.mark.parametrize("source, rule, expected", [
+    (MARKED, "generation-markers", "hello you<|im_end|>four<|im_end|>"),
+    (PLAIN, "prefix-diff", "hello you<|im_end|>\nfour<|im_end|>\n")])
+def test_the_answer_mask_covers_exactly_the_assistant_turns(tmp_path, source, rule, expected):
+    """Both rules mark each assistant turn's text and its end-of-turn token, nothing of the prompts (the prefix rule
+    also the newline the template writes after a turn). Broken once: with the prefix rule's span starting at the
+    rendering without the generation prompt, '<|im_start|>assistant' was marked too: the prefix-diff case failed (and the two tests below)."""
+    template = ChatTemplate(make_chat_tokenizer(tmp_path / "tok", source))
+    assert template.rule == rule
+    assert answers(template, CONVERSATION) == expected
+
+
+def test_a_template_that_rewrites_earlier_turns_is_named_not_guessed(tmp_path):
+    from lightning_mgpu.hf.chat_template import ChatTemplateError
+
+    template = ChatTemplate(make_chat_tokenizer(tmp_path / "tok", REWRITING))
+    with pytest.raises(ChatTemplateError, match="turn 2 \\(assistant\\): the template renders"):
+        template.render(CONVERSATION)
+    assert answers(template, CONVERSATION[:3]) == "hello you<|im_end|>\n"  # one answer: nothing rewritten
+
+
+def test_prepare_chat_writes_mask_and_boundaries_counts_what_it_leaves_out_and_reruns_as_a_check(tmp_path, capsys):
+    tok = make_chat_tokenizer(tmp_path / "tok")
+    rows = conversations(40) + [{"text": "no conversation"}, "not json",
+                                {"messages": [{"role": "user", "content": "a question only"}]},
+                                {"messages": [{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}]}]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    argv = ["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "out"), str(data), "--workers", "2",
+            "--no-progress"]
+    prepare_main(argv)
+    printed = capsys.readouterr().out
+    assert "40 conversations" in printed and "left out: 4 no-conversation" in printed, printed
+    assert f"{data}:42: is not JSON" in printed and f"{data}:44: turn 1 has role 'wizard'" in printed, printed
+    out = tmp_path / "out"
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokens, mask = np.fromfile(out / "tokens.bin", np.uint16), np.fromfile(out / "mask.bin", np.uint8)
+    starts = np.fromfile(out / "documents.bin", np.uint64)
+    assert manifest["chat"]["mask_rule"] == "prefix-diff" and manifest["document_count"] == 40
+    assert len(starts) == 41 and starts[-1] == len(tokens) == len(mask) == manifest["token_count"]
+    eod = manifest["eod_id"]
+    assert list(np.flatnonzero(tokens == eod) + 1) == list(starts[1:])  # every conversation ends with its eod
+    template = ChatTemplate(tok)
+    first = [t for t in conversations(1)[0]["completion"].split()]
+    assert template.tokenizer.decode(tokens[starts[0]:starts[1]][mask[starts[0]:starts[1]] == 1]) == \
+        " ".join(first) + "<|im_end|>\n"
+    assert int(mask.sum()) == manifest["chat"]["answer_tokens"]
+    prepare_main(argv)
+    assert "is up to date" in capsys.readouterr().out
+
+
+def test_overlong_conversations_are_dropped_or_truncated_and_an_input_with_no_answer_is_refused(tmp_path, capsys):
+    tok = make_chat_tokenizer(tmp_path / "tok")
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations(12))
+    base = ["--chat", "--tokenizer", str(tok), str(data), "--workers", "1", "--max-tokens"]
+    prepare_main(base + ["60", "--out", str(tmp_path / "drop")])
+    dropped = json.loads((tmp_path / "drop" / "manifest.json").read_text())["chat"]
+    prepare_main(base + ["60", "--overlong", "truncate", "--out", str(tmp_path / "cut")])
+    cut = json.loads((tmp_path / "cut" / "manifest.json").read_text())["chat"]
+    assert dropped["left_out"]["overlong"] > 0 and cut["truncated"] == dropped["left_out"]["overlong"] - \
+        cut["left_out"].get("empty-mask", 0)
+    assert cut["conversations"] + sum(cut["left_out"].values()) == 12
+    with pytest.raises(SystemExit) as exit_:
+        prepare_main(base + ["8", "--overlong", "truncate", "--out", str(tmp_path / "none")])
+    assert exit_.value.code == 2
+    assert "no conversation has an answer token to train on (12 left out)" in capsys.readouterr().err
