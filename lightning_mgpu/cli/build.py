@@ -54,7 +54,8 @@ def build_module(spec: RunSpec) -> L.LightningModule:
         return HFCausalLM(str(Path(cfg.model.path).resolve()), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
                           warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps, min_lr_ratio=o.min_lr_ratio,
                           activation_checkpointing=cfg.model.activation_checkpointing, optimizer=o.name,
-                          muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype)
+                          muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype,
+                          adapters=OmegaConf.to_container(cfg.adapters, resolve=True), seed=cfg.adapters.seed)
     return LLMModule(spec.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
                      eps=o.eps, warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps,
                      min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,

@@ -57,6 +57,21 @@ class ModelConfig:
 
 
 @dataclass
+class AdaptersConfig:
+    """Adapters built by PEFT over a ``model=hf`` model (``adapters=lora``); the base is frozen, only they train."""
+
+    kind: str = "none"  #: none | lora
+    rank: int = 16  #: LoRA's rank r
+    alpha: float = 32.0  #: LoRA's alpha: the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  #: dropout on the adapter's input (0 keeps every layout's numbers equal to one process's)
+    #: all-linear (every linear layer but the head), or module names, e.g. [q_proj,k_proj,v_proj,o_proj]
+    targets: Any = "all-linear"
+    #: modules trained whole beside the adapters (PEFT's modules_to_save), e.g. [lm_head]; null: none
+    modules_to_save: Optional[list[str]] = None
+    seed: int = 0  #: the adapters' initial values are a function of this seed and each parameter's name
+
+
+@dataclass
 class SourceConfig:
     """One token source of a blend: a directory written by mgpu-prepare (or a flat token file) and its weight."""
 
@@ -336,6 +351,7 @@ class PlanConfig:
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    adapters: AdaptersConfig = field(default_factory=AdaptersConfig)
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

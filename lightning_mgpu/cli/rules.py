@@ -252,7 +252,20 @@ def group_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig])
     set (:func:`key_problems`); ``lightning_mgpu.cli.spec.resolve_run`` asks them all."""
     return (data_problems(cfg, data, model) + trainer_problems(cfg) + logger_problems(cfg) + optim_problems(cfg)
             + parallel_problems(cfg, model) + checkpoint_problems(cfg) + profile_problems(cfg)
-            + bad_steps_problems(cfg))
+            + bad_steps_problems(cfg) + adapter_problems(cfg))
+
+
+def adapter_problems(cfg: DictConfig) -> list[str]:
+    """``adapters.*``: the settings, then (for model=hf) whether PEFT finds the targets in the model's structure."""
+    settings = OmegaConf.to_container(cfg.adapters, resolve=True)
+    if settings["kind"] == "none":
+        return []
+    from lightning_mgpu.hf import lora
+
+    problems = lora.settings_problems(settings, cfg.model.name)
+    if problems or cfg.model.name != "hf":
+        return problems
+    return lora.target_problems(settings, str(cfg.model.path))
 
 
 def plan_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:

@@ -2,7 +2,8 @@
 model.path=DIR`` trains it (usable from Python too).
 
 It is what a user would write: the model from ``from_pretrained`` (``config.json`` and ``*.safetensors``; no remote
-code, no pickled weights), its own ``labels=`` loss, AdamW with the package's warm-up and cosine schedule. The parallel
+code, no pickled weights), wrapped by PEFT's LoRA when ``adapters`` asks (:mod:`lightning_mgpu.hf.lora`), its own
+``labels=`` loss, AdamW over what trains with the package's warm-up and cosine schedule. The parallel
 hooks come from the model's config (:mod:`lightning_mgpu.hf.hooks`); the two this module defines itself are the
 pipeline batch and loss of the package's data modules, whose batches are ``[batch, seq + 1]`` tokens: the first
 ``seq`` are the input and the last ``seq`` the targets (``shift_labels``), so every token of a sample has its target,
@@ -20,6 +21,9 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.engine.config import parameter_shape
+from lightning_mgpu.hf import lora
+from lightning_mgpu.hf.decoder import layers_name
+from lightning_mgpu.hf.model import find_hf_model
 from lightning_mgpu.hf.weights import PretrainedSlices, real_buffers
 from lightning_mgpu.lr_schedule import lr_multiplier
 from lightning_mgpu.optim.choice import build_optimizer
@@ -48,7 +52,7 @@ class HFCausalLM(L.LightningModule):
     def __init__(self, path: str, lr: float = 3e-4, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, warmup_steps: int = 10, max_steps: int = 1000, min_lr_ratio: float = 0.1,
                  activation_checkpointing: str = "none", optimizer: str = "adamw", muon_momentum: float = 0.95,
-                 muon_ns_dtype: str = "auto") -> None:
+                 muon_ns_dtype: str = "auto", adapters: Optional[dict] = None, seed: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.llm: Optional[torch.nn.Module] = None
@@ -62,13 +66,20 @@ class HFCausalLM(L.LightningModule):
             self.llm = load_causal_lm(str(Path(self.hparams.path)), on_meta=on_meta)
             if on_meta:
                 self._slices = PretrainedSlices(self.hparams.path, self.llm, prefix="llm.")
+            adapters = self.hparams.get("adapters")
+            if adapters and adapters.get("kind", "none") != "none":  # PEFT wraps it; what the base's files hold freezes
+                self.llm = lora.with_lora(self.llm, adapters)
+                if not on_meta:
+                    lora.initialise_adapters(self.llm, self.hparams.get("seed", 0), prefix="llm.")
 
     def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of parameter ``name`` (``llm.model.layers.0.mlp.up_proj.weight``), read from the directory's
         safetensors: only that slice is read."""
         if self._slices is None:
             raise RuntimeError("initial_value is asked only after configure_model built the model on the meta device")
-        return self._slices(name, shape, index)
+        if lora.is_adapter(name):
+            return lora.adapter_value(name, shape, self.hparams.get("seed", 0))[index]
+        return self._slices(lora.base_name(name), shape, index)
 
     def on_fit_start(self) -> None:
         if self._slices is not None and self._slices.read:
@@ -96,8 +107,9 @@ class HFCausalLM(L.LightningModule):
     def checkpointed_blocks(self) -> tuple[str, list[torch.nn.Module]]:
         """(``activation_checkpointing``: none | selective | full, the decoder layers this rank holds): ``parallelize``
         makes each recompute in backward (``lightning_mgpu.parallel.checkpointing``), as for ``LLMModule``'s blocks."""
-        base = getattr(self.llm, self.llm.base_model_prefix)
-        return self.hparams.activation_checkpointing, list(base.layers)
+        found = find_hf_model(self)  # the causal LM, also inside PEFT's wrappers
+        layers = getattr(found.base, layers_name(found.base, found.config) or "layers")
+        return self.hparams.activation_checkpointing, list(layers)
 
     # ---------------------------------------------- the package's batches through pipeline stages
     def pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,7 +121,8 @@ class HFCausalLM(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams
-        optimizer = build_optimizer(self.llm.named_parameters(), parameter_shape, hp.get("optimizer", "adamw"), hp.lr,
+        trained = [(name, p) for name, p in self.llm.named_parameters() if p.requires_grad]  # not a frozen base
+        optimizer = build_optimizer(trained, parameter_shape, hp.get("optimizer", "adamw"), hp.lr,
                                     hp.weight_decay, tuple(hp.betas), hp.eps, hp.get("muon_momentum", 0.95),
                                     hp.get("muon_ns_dtype", "auto"))
         schedule = torch.optim.lr_scheduler.LambdaLR(

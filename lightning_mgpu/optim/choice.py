@@ -41,8 +41,8 @@ def build_optimizer(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], 
     no_decay = [p for _, p in named if len(shape_of(p)) < 2]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     adamw = {"betas": tuple(betas), "eps": eps, **({"fused": True} if fused else {})}
-    if name != "muon":
-        return torch.optim.AdamW(groups, lr=lr, **adamw)
+    if name != "muon":  # a group with nothing to train (no 1-D parameter of a LoRA run) is left out: DeepSpeed drops it
+        return torch.optim.AdamW([group for group in groups if group["params"]], lr=lr, **adamw)
     return MuonWithAdamW([{"params": matrices, "muon": True}, *groups], lr=lr, weight_decay=weight_decay, adamw=adamw,
                          muon={"momentum": muon_momentum, "adjust_lr_fn": "match_rms_adamw",
                                "ns_dtype": None if muon_ns_dtype == "auto" else getattr(torch, muon_ns_dtype)})

@@ -1,0 +1,104 @@
+"""``mgpu-train model=hf model.path=DIR adapters=lora ...``: LoRA over a ``transformers`` directory from the command
+line, at tp2 x dp2 with sequence parallelism and ZeRO-1, against a plain PEFT loop in one process (the adapters'
+initial values written here from their stated rule); its checkpoint exported with ``mgpu-export --format peft``; bad
+settings and targets that match nothing refused before launch with the key and the fix."""
+
+import math
+import zlib
+
+import pytest
+import torch
+import transformers
+from cli_helpers import BIN, TINY_MODEL, cli_args, composed, read_metric
+from forked_cli import run_cli
+from helpers import global_batches, max_abs_diff
+
+from lightning_mgpu.cli.spec import config_problems
+from lightning_mgpu.lr_schedule import lr_multiplier
+
+peft = pytest.importorskip("peft")
+
+STEPS, LR, WARMUP, MIN_LR, DECAY, SEED = 4, 3e-3, 2, 0.1, 0.1, 3
+LORA = ["adapters=lora", "adapters.rank=4", "adapters.alpha=8", "adapters.targets=all-linear", f"adapters.seed={SEED}"]
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(5)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def stated_initial_values(model: torch.nn.Module) -> None:
+    """The rule the docs state: lora_A uniform in +-1/sqrt(fan_in) from a generator seeded by seed * 1000003 + the
+    CRC-32 of its name in the LightningModule; lora_B zero."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_A." in name:
+                g = torch.Generator().manual_seed(SEED * 1_000_003 + zlib.crc32(f"llm.{name}".encode()))
+                bound = 1 / math.sqrt(param.shape[1])
+                param.copy_(torch.rand(param.shape, generator=g) * 2 * bound - bound)
+            elif ".lora_B." in name:
+                param.zero_()
+
+
+def reference(directory, token_file) -> dict:
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, use_safetensors=True)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    stated_initial_values(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": DECAY},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=LR, betas=(0.9, 0.95), eps=1e-8)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, WARMUP, STEPS, MIN_LR))
+    losses, norms = [], []
+    for batch in global_batches(token_file, STEPS, global_batch=8, seq_len=16, seed=7):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        loss = torch.nn.functional.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, 0.3).item())
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grad_norms": norms, "model": model}
+
+
+def test_lora_from_the_command_line_at_parity_and_exported(llama_dir, token_file, tmp_path):
+    run_dir = tmp_path / "run"
+    data = [arg for arg in cli_args(token_file, STEPS) if arg not in TINY_MODEL and not arg.startswith("model.")]
+    args = [str(BIN / "mgpu-train"), "model=hf", f"model.path={llama_dir}", *LORA, *data, "trainer.devices=4",
+            "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1",
+            "optim.lr=3e-3", "optim.weight_decay=0.1", "checkpoint.every_n_steps=4", f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    expected = reference(llama_dir, token_file)
+    metrics = run_dir / "metrics.csv"
+    losses, norms = read_metric(metrics, "train/loss"), read_metric(metrics, "train/grad_norm")
+    assert max_abs_diff(losses, expected["losses"]) < 1e-5, (losses, expected["losses"])
+    assert max_abs_diff(norms, expected["grad_norms"]) < 1e-5, (norms, expected["grad_norms"])
+    checkpoint = next((run_dir / "checkpoints").glob("step-*4"))
+    export = run_cli([str(BIN / "mgpu-export"), str(checkpoint), str(tmp_path / "adapter"), "--format", "peft"],
+                     cwd=tmp_path)
+    assert export.returncode == 0, (export.stdout + export.stderr)[-3000:]
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(llama_dir),
+                                            tmp_path / "adapter")
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - expected["model"](input_ids=ids).logits).abs().max() < 1e-5
+
+
+def test_bad_adapter_settings_are_refused_before_launch(llama_dir):
+    problems = "\n".join(config_problems(composed("model=hf", f"model.path={llama_dir}", "adapters=lora",
+                                                  "adapters.rank=0", "adapters.dropout=1.5")))
+    assert "adapters.rank=0 must be at least 1" in problems and "adapters.dropout=1.5" in problems, problems
+    problems = "\n".join(config_problems(composed("model=hf", f"model.path={llama_dir}", "adapters=lora",
+                                                  "adapters.targets=[q_proj,qkv]")))
+    assert "adapters.targets: 'qkv' names no module" in problems and "q_proj'" not in problems, problems
+    problems = "\n".join(config_problems(composed("adapters=lora")))
+    assert "adapters=lora with model=tiny" in problems and "model=hf" in problems, problems
