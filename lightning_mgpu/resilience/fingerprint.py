@@ -20,6 +20,12 @@ fault was transient: said, the record removed, training goes on. If the same ran
 device corrupts what it holds: the run stops with :data:`EXIT_FAULTY_DEVICE`, which neither the agent nor a requeue
 script should restart on that host.
 
+What it covers is said as training starts (:func:`coverage`): the parameter tensors compared and over how many copies;
+never the optimizer state (moments, and ZeRO 1-2's fp32 master weights: one partition a rank, no second copy inside a
+replica to compare). At one data-parallel copy of every parameter it compares nothing: warned, not refused (a run on
+too few ranks to have copies, a debugging run, is legitimate, and the check then costs nothing), so the warning says
+what would make it compare.
+
 What it sees: a copy that changed at rest between two steps. Under ZeRO-0 every rank keeps its whole copy, and a flip
 stays until caught; under ZeRO 1-2 the engine rebuilds each rank's copy from the partitions after every step, so a
 flip lasts at most one step and is caught only when a check falls in it; ZeRO-3 holds no copies to compare (refused).
@@ -40,7 +46,7 @@ from typing import Any, Optional
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mgpu.resilience.restarts import EXIT_FAULTY_DEVICE
 from lightning_mgpu.resilience.rollback import complete_checkpoints, set_aside
@@ -133,6 +139,8 @@ class SilentCorruptionCheck(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
         self.last_good_step = trainer.global_step  # a resumed checkpoint's copies were checksummed when read
+        line, compared = coverage(trainer.strategy.layout, trainer.strategy.model.module, self.every_n_steps)
+        (rank_zero_info if compared else rank_zero_warn)(line)
         path = self._suspect_path()
         self._suspect = json.loads(path.read_text()) if path is not None and path.is_file() else None
 
@@ -202,6 +210,29 @@ class SilentCorruptionCheck(L.Callback):
             if int(path.name.split("-")[1]) > self.last_good_step:
                 moved.append(set_aside(path, ".corrupt"))
         return moved
+
+
+def coverage(layout: Any, module: torch.nn.Module, every_n_steps: int) -> tuple[str, bool]:
+    """(the line said at startup, whether anything is compared): this rank's parameter tensors that are compared and
+    over how many copies (dense ones over the data x context ranks, experts' over their data-parallel ranks), and what
+    is never compared; at one copy of everything, the line says why nothing is and what would change that."""
+    split = {"dense": 0, "expert": 0}
+    for p in module.parameters():
+        split["expert" if getattr(p, "expert_partition", None) else "dense"] += 1
+    copies = {"dense": layout.size("dp_cp"),
+              "expert": layout.size("edp") if layout.size("ep") > 1 else layout.size("dp_cp")}
+    said = [f"{split[k]} {k} parameter tensors over {copies[k]} copies" + ("" if copies[k] > 1 else " (not compared)")
+            for k in ("dense", "expert") if split[k]]
+    unchecked = "optimizer state (moments" + (f"; ZeRO-{layout.zero_stage}'s fp32 master weights, one partition a rank "
+                                              "with no copy to compare" if layout.zero_stage in (1, 2) else "") + ")"
+    compared = any(split[k] and copies[k] > 1 for k in split)
+    if not compared:
+        return (f"silent data corruption check (every {every_n_steps} steps): every parameter of this run has one "
+                f"data-parallel copy (data x context ranks: {layout.size('dp_cp')}), so the check compares nothing; it "
+                "needs two copies or more of a parameter: train on more data-parallel ranks, or leave the check out "
+                "(sdc.every_n_steps=null)"), False
+    return (f"silent data corruption check every {every_n_steps} steps: this rank's {'; '.join(said)}; never "
+            f"compared: {unchecked}"), True
 
 
 def _agreed(ranks: list[int], names: list[str]) -> tuple[list[int], list[str], list[str]]:
