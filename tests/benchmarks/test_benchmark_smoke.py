@@ -23,6 +23,7 @@ SMOKE = {
     "document_mask.py": "document mask ms",
     "fault_matrix.py": "runs ended bit-identical to the fault-free run",
     "resilience_cost.py": "ms per million parameters",
+    "fingerprint_step.py": "the check every step costs",
     "hf_families.py": "| family | layout | step-1 grad norm diff | max loss diff | verdict |",
     "hf_step_time.py": "ratio transformers / LLMModule",
     "moe_throughput.py": "all-to-all",
@@ -50,6 +51,7 @@ FIGURES = {
     "context_parallel.py": [(rf"^\s+2\s+balanced\s.*\s{_N}$", 0.0, 100.0)],  # MB sent with 2 context ranks
     "document_mask.py": [(rf"^\s+\d+\s+{_N}\s+{_N}\s+{_N}$", 0.0, 1e5)],
     "resilience_cost.py": [(rf"= {_N} ms per million parameters", 0.0, 1e4)],
+    "fingerprint_step.py": [(rf"check {_N} ms, rest of the step {_N} ms", 0.0, 1e5)],
     "fault_matrix.py": [(r"^\| \S+ \| \S+ \| [01] \| bit-identical \| ([1-9]) \| (\d+\.\d) \|$", 0.5, 600.0)],  # restarts, s
     "hf_families.py": [(r"^\| gemma2 \| tp2 \+ SP \| (\d\.\de[+-]\d\d) \| (\d\.\de[+-]\d\d) \| exact \|$",
                         -1.0, 1e-5)],  # grad norm and loss against one process
