@@ -39,6 +39,10 @@ def build_datamodule(spec: RunSpec) -> TokenFileDataModule:
         return StdlibCorpusDataModule(cache=d.cache, **common)
     if d.source == "text":
         return TextFilesDataModule(list(d.files), text_key=d.text_key, cache=d.cache, **common)
+    if d.source == "sft":
+        from lightning_mgpu.data.sft import SFTDataModule
+
+        return SFTDataModule(d.path, **common)
     if spec.data.sources:
         return TokenFileDataModule(sources=list(spec.data.sources), dtype=d.dtype, **common)
     return TokenFileDataModule(d.path, dtype=d.dtype, **common)

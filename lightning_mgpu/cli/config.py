@@ -83,8 +83,9 @@ class SourceConfig:
 class DataConfig:
     """Where tokens come from and how a global batch is made."""
 
-    source: str = "corpus"  #: corpus (built-in, offline) | text (files) | tokens (pre-tokenised file)
-    path: Optional[str] = None  #: token file, for source=tokens
+    #: corpus (built-in, offline) | text (files) | tokens (pre-tokenised file) | sft (conversations: mgpu-prepare --chat)
+    source: str = "corpus"
+    path: Optional[str] = None  #: token file, for source=tokens; the directory of mgpu-prepare --chat, for source=sft
     files: List[str] = field(default_factory=list)  #: glob patterns, for source=text
     dtype: str = "uint16"  #: token dtype, for source=tokens
     text_key: str = "text"  #: JSONL field, for source=text

@@ -30,6 +30,10 @@ def data_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig]) 
         out += token_source_problems(cfg, data)
     elif d.source == "text":
         out += text_file_problems(list(d.files), has_tokenizer=data.tokenizer is not None)
+    elif d.source == "sft":
+        from lightning_mgpu.cli.sft_rules import sft_problems
+
+        out += sft_problems(cfg, data)
     if d.get("sources") and d.source != "tokens":
         out.append(f"data.sources is set but data.source={d.source}: blends are of token sources; use data=tokens")
     if not 0.0 < d.val_fraction < 1.0:

@@ -19,7 +19,7 @@ ACCELERATORS = ("cpu", "gpu", "cuda", "auto")
 LAUNCHERS = ("local", "torchrun", "slurm")
 
 
-DATA_SOURCES = ("corpus", "text", "tokens")
+DATA_SOURCES = ("corpus", "text", "tokens", "sft")
 
 
 TOKEN_DTYPES = tuple(_NUMPY_TOKEN_DTYPES)

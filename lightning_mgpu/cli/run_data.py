@@ -89,7 +89,7 @@ def resolve_data(cfg: DictConfig) -> RunData:
     """The ``data`` group of ``cfg`` resolved: every manifest read once, the tokenizer found and loaded once."""
     sources = _blend(cfg)
     paths: tuple[str, ...] = ()
-    if cfg.data.source == "tokens":
+    if cfg.data.source in ("tokens", "sft"):
         named = tuple(str(p) for p, _ in sources if p and p != "???")  # a source without a path is refused
         paths = named if sources else (str(cfg.data.path),) if cfg.data.path else ()
     prepared = tuple(_prepared(path) for path in paths if is_prepared(path))

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
 import lightning as L
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
@@ -101,6 +102,7 @@ class SFTDataModule(L.LightningDataModule):
         self.batch_plan = BatchPlan(self.global_batch_size, self.micro_batch_size, dp_size, self.seq_len)
         self._dp_rank = dp_rank
         self._train, self._val = self.splits()
+        rank_zero_info(self.describe())
 
     def splits(self) -> tuple[PackedConversations, PackedConversations]:
         """(training, validation) conversations, packed; an error naming the fix when the directory has none."""
