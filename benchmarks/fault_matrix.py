@@ -19,8 +19,13 @@ of step 2); save and flush at the checkpoint of step 4 (``checkpoint.async_save`
 emergency checkpoint of step 3 (the same rank is sent SIGUSR2 inside the backward pass of step 2, a preemption);
 restore while the first restart restores step 2 (rank 1 - r is SIGKILLed as step 3 begins, to end the first attempt).
 
-``--smoke`` runs the fault-free run and one entry (SIGSEGV inside a collective on rank 1; an exception in a
-background writer, which the other ranks see only at the collective timeout, costs the suite too much time).
+A failed background write (an exception in one rank's background writer, ``raise@flush``) is checked for more: the
+output names the write that failed, and no resume reads the checkpoint it was writing, only an older published one
+(its ``.partial`` folder is never loaded).
+
+``--smoke`` runs the fault-free run and two entries: SIGSEGV inside a collective on rank 1, and a failed background
+write on rank 0 (every rank's write fails at once since the ranks agree on its status: 5.8 s a run here, no longer
+the collective timeout).
 ``--only KIND@PHASE:RANK,...`` runs the chosen entries.
 """
 
@@ -55,7 +60,9 @@ STEPS, EVERY = 6, 2
 #: the step each phase's fault counts (see the module docstring)
 PHASE_STEP = {"backward": 3, "collective": 3, "save": 4, "flush": 4, "emergency": 3, "restore": 2}
 RANKS = (0, 1)
-SMOKE_ENTRIES = (("SIGSEGV", "collective", 1),)
+SMOKE_ENTRIES = (("SIGSEGV", "collective", 1), ("raise", "flush", 0))
+#: what a failed background write says on every rank (lightning_mgpu.callbacks.checkpoint.CheckpointWriteError)
+WRITE_FAILED = "could not be written in the background"
 #: seconds a collective waits for a rank before the others name it lost (a stopped or GIL-holding rank)
 TIMEOUT_S = 10
 
@@ -103,11 +110,13 @@ def final_state(run_dir: Path) -> tuple[dict[str, torch.Tensor], int]:
     return weights, int(state["global_step"])
 
 
-def problems(code: int, out: str, run_dir: Path, reference: dict[str, torch.Tensor]) -> list[str]:
-    """What is wrong with one run's end (nothing: it recovered exactly)."""
+def problems(code: int, out: str, run_dir: Path, reference: dict[str, torch.Tensor],
+             failed_write: bool = False) -> list[str]:
+    """What is wrong with one run's end (nothing: it recovered exactly); ``failed_write``: an entry whose background
+    write fails, which must be named and whose checkpoint must never be resumed from."""
     if code != 0:
         return [f"exit status {code}"]
-    found = []
+    found = failed_write_problems(out) if failed_write else []
     weights, step = final_state(run_dir)
     differ = [k for k in reference if not torch.equal(reference[k], weights[k])]
     if differ:
@@ -118,6 +127,14 @@ def problems(code: int, out: str, run_dir: Path, reference: dict[str, torch.Tens
         if Path(path).name != f"step-{int(resumed_at):08d}":
             found.append(f"resumed from {path}, not a published checkpoint of step {resumed_at}")
     return found
+
+
+def failed_write_problems(out: str) -> list[str]:
+    """A failed background write of the checkpoint of step ``PHASE_STEP["flush"]``: named, and never read back."""
+    found = [] if WRITE_FAILED in out else [f"no line says the write failed ('{WRITE_FAILED}')"]
+    loaded = [int(step) for step, _ in re.findall(r"Resumed at step (\d+) from (\S+)", out)
+              if int(step) >= PHASE_STEP["flush"]]
+    return found + [f"resumed at step {step}, from the checkpoint whose write failed" for step in loaded]
 
 
 def restarts(run_dir: Path) -> int:
@@ -149,7 +166,7 @@ def main() -> None:
     for kind, phase, rank in entries():
         run_dir = tmp / f"{kind}-{phase}-{rank}"
         code, out, seconds = launch(token_file, run_dir, phase, environment(kind, phase, rank))
-        wrong = problems(code, out, run_dir, reference)
+        wrong = problems(code, out, run_dir, reference, failed_write=(kind, phase) == ("raise", "flush"))
         failed += bool(wrong)
         (tmp / f"{run_dir.name}.log").write_text(out)
         outcome = "; ".join(wrong) if wrong else "bit-identical"
