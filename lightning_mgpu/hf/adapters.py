@@ -95,6 +95,18 @@ def _lora_problem(name: str, style: str, layer: nn.Module) -> Optional[str]:
     return None
 
 
+def quantized_base_problems(model: nn.Module, where: str) -> list[str]:
+    """A base quantized to 4 or 8 bits (``from_pretrained(..., quantization_config=...)``, QLoRA) is not split or
+    partitioned here: its packed weights are not the tensors the plans, ZeRO and the checkpoints address."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None and not any(getattr(model, f"is_loaded_in_{bits}bit", False) for bits in (4, 8)):
+        return []
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", "4/8-bit")
+    return [f"{where} is quantized ({getattr(method, 'value', method)}): a quantized base (QLoRA) is not supported by "
+            "MGPUStrategy; load the base in bf16 (from_pretrained(..., dtype=torch.bfloat16), no quantization_config) "
+            "and train LoRA over it"]
+
+
 def adapter_plan(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """``plan`` (``{name pattern: style}`` over ``model``'s module names) with every entry that names one of PEFT's
     wrappers rewritten into entries for the wrapper's parts, by :data:`ADAPTER_STYLES`; and the problems (every

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.contract import ADAPTER_ATTRIBUTE, parallel_context
-from lightning_mgpu.hf.adapters import adapter_plan, adapter_record, unwrapped
+from lightning_mgpu.hf.adapters import adapter_plan, adapter_record, quantized_base_problems, unwrapped
 from lightning_mgpu.hf.context import apply_context_parallel
 from lightning_mgpu.hf.loss import causal_lm_loss
 from lightning_mgpu.hf.model import HFModel, find_hf_model
@@ -26,7 +26,7 @@ from lightning_mgpu.layout import ModelShape, ParallelLayout
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.plan_hooks import sequence_gather, sequence_scatter
 from lightning_mgpu.parallel.token_batch import token_batch
-from lightning_mgpu.problems import format_problems
+from lightning_mgpu.problems import format_problems, raise_problems
 
 #: Arguments of a model call that the pipeline's forward-only loss may pass over (the labels carry the same targets).
 PASSED_OVER = ("shift_labels", "use_cache", "return_dict", "num_items_in_batch")
@@ -111,6 +111,8 @@ def adopt(module: nn.Module, layout: ParallelLayout) -> Optional[HFHooks]:
     found = find_hf_model(module)
     if found is None:
         return None
+    raise_problems("Unsupported model", quantized_base_problems(found.model, f"{type(module).__name__}.{found.prefix}"
+                                                                             .rstrip(".")))
     hooks = HFHooks(found, module, layout)
     object.__setattr__(module, ADAPTER_ATTRIBUTE, hooks)
     return hooks

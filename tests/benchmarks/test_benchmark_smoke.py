@@ -26,6 +26,7 @@ SMOKE = {
     "fingerprint_step.py": "the check every step costs",
     "hf_families.py": "| family | layout | step-1 grad norm diff | max loss diff | verdict |",
     "hf_step_time.py": "ratio transformers / LLMModule",
+    "lora_step.py": "ratio LoRA / full fine-tuning",
     "moe_throughput.py": "all-to-all",
     "muon_step.py": "ratio Muon / AdamW",
     "overhead.py": "overhead ratio (ours / hand-written)",
@@ -34,6 +35,7 @@ SMOKE = {
     "planner_calibration.py": "| run | GPUs | layout |",
     "replica_updates.py": "| update | train loss",
     "setup_memory.py": "first-step peak GB",
+    "sft_data.py": "/s per process",
     "tp_vs_dtensor.py": "ratio ours/theirs",
     "zero_memory.py": "worst measured / paper ratio",
     # runs gpu_llama_mfu.py, gpu_planner_check.py and compile_blocks.py in their smoke modes and tabulates them
@@ -56,6 +58,8 @@ FIGURES = {
     "hf_families.py": [(r"^\| gemma2 \| tp2 \+ SP \| (\d\.\de[+-]\d\d) \| (\d\.\de[+-]\d\d) \| exact \|$",
                         -1.0, 1e-5)],  # grad norm and loss against one process
     "hf_step_time.py": [(rf"ratio transformers / LLMModule: {_N}", 0.05, 100.0)],
+    "lora_step.py": [(rf"ratio LoRA / full fine-tuning \(MGPUStrategy ZeRO-2, dp2\): step {_N}, memory {_N}", 0.01, 100.0),
+                     (rf"ratio MGPUStrategy ZeRO-2 / DDPStrategy \(LoRA, dp2\): step {_N}, memory {_N}", 0.01, 100.0)],
     "moe_throughput.py": [(r"expert parallel 2: ([\d,]+) tokens/s \((\d+) ms", 0.0, 1e9),
                           (rf"expert parallel 2: .* all-to-all {_N} MB a step per rank, planner {_N} MB", 0.0, 100.0)],
     "muon_step.py": [(rf"ratio Muon / AdamW: {_N}", 0.05, 100.0),
@@ -68,6 +72,8 @@ FIGURES = {
     "replica_updates.py": [(rf"^\| (?:sync|local|async)[^|]* \| {_N} \| {_N} \|", 0.0, 20.0),  # losses
                            (r"^\| (?:sync|local|async)[^|]* \| [\d.]+ \| [\d.]+ \| ([\d,]+) \|", 0.0, 1e10)],
     "setup_memory.py": [(rf"\| {_N} \| \d+\.\d+ \| \d+\.\d \|$", 0.0, 1000.0)],  # first-step peak GB per rank
+    "sft_data.py": [(rf"prefix-diff\s+1 process\(es\): [\d,]+ conversations in {_N} s", 0.0, 1e4),
+                    (rf"seq_len\s+256: [\d,]+ sequences, (\d+\.\d)% conversation tokens", 0.0, 100.0)],
     "tp_vs_dtensor.py": [(rf"ratio ours/theirs = {_N}", 0.01, 100.0)],
     "zero_memory.py": [(rf"worst measured / paper ratio: {_N}", 0.1, 100.0)],
     # on CPU the planner's GPU step time over the measured CPU one prints as 0.00: not bounded here

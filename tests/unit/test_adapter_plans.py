@@ -52,3 +52,15 @@ def test_what_has_no_split_rule_is_refused_by_module_and_tuner():
     _, problems = plan_of(peft.LoraConfig(r=4, target_modules=["embed_tokens"]))
     assert len(problems) == 1 and "llm.base_model.model.model.embed_tokens" in problems[0], problems
     assert "vocab_embedding_allreduce" in problems[0] and "target_modules" in problems[0]
+
+
+def test_a_quantized_base_is_refused_naming_the_module():
+    """transformers marks a model loaded with a bitsandbytes quantization_config ``is_loaded_in_4bit``; a CPU cannot
+    load one, so the mark is set as transformers sets it."""
+    from lightning_mgpu.hf.hooks import adopt
+    from lightning_mgpu.layout import LayoutRequest
+
+    holder = wrapped(peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    holder.llm.get_base_model().is_loaded_in_4bit = True
+    with pytest.raises(ValueError, match=r"Module\.llm\.base_model\.model is quantized.*QLoRA.*bf16"):
+        adopt(holder, LayoutRequest())
