@@ -14,7 +14,8 @@ from peft_helpers import fit_adapted, single_process_adapted
 
 from lightning_mgpu.testing import run_distributed
 
-#: LoRA on the attention only, for the mixture of experts (its experts are fused parameters, not linears).
+#: LoRA on the attention only, for the mixture of experts (its experts are fused parameters, not linears). DoRA runs
+#: where nothing splits its layers' features (ZeRO); under tensor parallelism it is refused (test_adapter_plans.py).
 ATTENTION = dict(targets=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 #: name -> (ranks, layers, strategy arguments, the runs: (kind, family, LoRA arguments))
@@ -26,18 +27,23 @@ LAYOUTS = {
     "pp2_zbv": (2, 4, dict(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="zbv",
                            num_microbatches=4), [("lora", "llama", {})]),
     "cp2_zero2": (2, 2, dict(context_parallel_size=2, zero_stage=2), [("lora", "llama", {}), ("lora", "qwen3", {})]),
-    "dp2_zero3": (2, 2, dict(zero_stage=3), [("lora", "llama", {}), ("lora", "qwen3_moe", ATTENTION)]),
+    "dp2_zero3": (2, 2, dict(zero_stage=3), [("lora", "llama", {}), ("lora", "qwen3_moe", ATTENTION),
+                                             ("lora", "qwen3", dict(use_dora=True))]),
     "tp2_pp2_dp2_zero1": (8, 2, dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1,
                                      num_microbatches=2), [("lora", "qwen3", {})]),
 }
-CASES = [(layout, f"{kind}-{family}") for layout, (_, _, _, runs) in LAYOUTS.items() for kind, family, _ in runs]
+def run_name(kind: str, family: str, lora: dict) -> str:
+    return f"{'dora' if lora.get('use_dora') else kind}-{family}"
+
+
+CASES = [(layout, run_name(*run)) for layout, (_, _, _, runs) in LAYOUTS.items() for run in runs]
 
 
 @functools.cache
 def every_run(layout: str) -> dict[str, tuple[list[dict], tuple]]:
     """Every run of ``layout`` in one launch of its ranks (a fresh Trainer each): name -> (each rank's results, run)."""
     ranks, n_layers, kw, runs = LAYOUTS[layout]
-    calls = {f"{kind}-{family}": (fit_adapted, (kind, family, ranks), dict(n_layers=n_layers, lora=lora, **kw))
+    calls = {run_name(kind, family, lora): (fit_adapted, (kind, family, ranks), dict(n_layers=n_layers, lora=lora, **kw))
              for kind, family, lora in runs}
     results = run_distributed(in_turn, ranks, calls)
     return {name: ([r[name] for r in results], run) for name, run in zip(calls, runs)}
