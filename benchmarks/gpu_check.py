@@ -3,7 +3,7 @@ one table with each figure beside its expectation. Budget: under 8 minutes on on
 
 What it runs, each as its own process (a failure of one does not hide the others):
 
-* ``pytest -m gpu tests/gpu``: bf16 training with NCCL at ZeRO 0/2/3 (communication overlap on by default from ZeRO-2),
+* ``pytest -m gpu tests/gpu``: bf16 training with NCCL at ZeRO 0/2/3, a LoRA step in bf16 at ZeRO 2/3 (communication overlap on by default from ZeRO-2),
   the context-parallel CUDA attention kernel against whole causal attention, fp8's GEMMs against torchao's
   ``Float8Linear`` and fp8 training with its size refusal, and (with two GPUs or more; skipped on one) a lost rank on
   NCCL named by the survivor;

@@ -128,3 +128,26 @@ def test_fp8_trains_on_one_gpu_and_refuses_sizes_the_kernels_cannot_take(token_f
     with pytest.raises(ValueError) as err:
         fit(replace(TINY, ffn_hidden=72))
     assert "fp8 layer model.layers.0.feed_forward.w1=(32, 72)" in str(err.value), str(err.value)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_a_lora_step_in_bf16_on_one_gpu(zero_stage):
+    """PEFT's LoRA over a tiny transformers Llama in bf16 on CUDA: the adapters move, the frozen base does not."""
+    peft = pytest.importorskip("peft")
+    from peft_helpers import AdaptedLM
+
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=MGPUStrategy(zero_stage=zero_stage),
+                        precision="bf16-mixed", max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, limit_val_batches=0)
+    module = AdaptedLM("lora", "llama")
+    before = {n: p.detach().float().cpu().clone() for n, p in module.named_parameters()}
+    trainer.fit(module)
+    from lightning_mgpu.engine import gathered
+
+    with gathered(list(module.parameters())):
+        after = {n: p.detach().float().cpu() for n, p in module.named_parameters()}
+    assert isinstance(module.llm, peft.PeftModel) and trainer.global_step == 3
+    assert all(torch.equal(after[n], before[n].to(torch.bfloat16).float()) for n, p in module.named_parameters()
+               if not p.requires_grad)
+    assert any(not torch.equal(after[n], before[n]) for n, p in module.named_parameters() if p.requires_grad)
