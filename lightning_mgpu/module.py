@@ -129,6 +129,10 @@ class LLMModule(L.LightningModule):
         backend = self.config.compile_backend if self.config.compile else None
         return backend, [m for m in self.model.modules() if isinstance(m, Block)]
 
+    def checkpoint_record(self) -> dict:
+        """Nothing beside Lightning's state: the model config is in the hyper-parameters."""
+        return {}
+
     def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of parameter ``name``'s initial value (``model.layers.0.attention.wq.weight``, whole shape
         ``shape``): the slice of a Hugging Face checkpoint's tensor (``init_from``; only that slice is read), or of the

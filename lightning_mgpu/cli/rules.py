@@ -261,11 +261,12 @@ def adapter_problems(cfg: DictConfig) -> list[str]:
     if settings["kind"] == "none":
         return []
     from lightning_mgpu.hf import lora
+    from lightning_mgpu.hf.module import load_causal_lm
 
     problems = lora.settings_problems(settings, cfg.model.name)
     if problems or cfg.model.name != "hf":
         return problems
-    return lora.target_problems(settings, str(cfg.model.path))
+    return lora.target_problems(settings, load_causal_lm(str(cfg.model.path), on_meta=True), str(cfg.model.path))
 
 
 def plan_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:

@@ -92,11 +92,8 @@ def settings_problems(settings: Mapping[str, Any], model_name: str) -> list[str]
     return out
 
 
-def target_problems(settings: Mapping[str, Any], path: str) -> list[str]:
-    """Whether PEFT finds the targets in the model of ``path`` (built on the meta device from its config.json)."""
-    from lightning_mgpu.hf.module import load_causal_lm
-
-    model = load_causal_lm(path, on_meta=True)
+def target_problems(settings: Mapping[str, Any], model: nn.Module, path: str) -> list[str]:
+    """Whether PEFT finds the targets in ``model``, the model of ``path`` built on the meta device."""
     names = [name for name, _ in model.named_modules()]
     asked = {"targets": [] if isinstance(settings["targets"], str) else list(settings["targets"]),
              "modules_to_save": list(settings.get("modules_to_save") or [])}
