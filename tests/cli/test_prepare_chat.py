@@ -86,3 +86,22 @@ def test_overlong_conversations_are_dropped_or_truncated_and_an_input_with_no_an
         prepare_main(base + ["8", "--overlong", "truncate", "--out", str(tmp_path / "none")])
     assert exit_.value.code == 2
     assert "no conversation has an answer token to train on (12 left out)" in capsys.readouterr().err
+
+
+def test_parquet_rows_give_the_tokens_and_mask_of_the_same_jsonl_rows(tmp_path):
+    """Parquet's messages column (a list of structs; rows with prompt/completion have it null) reads as the JSONL
+    does. Broken once (Arrow's null messages taken as a conversation): every prompt/completion row was left out."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    tok = make_chat_tokenizer(tmp_path / "tok")
+    rows = conversations(12)
+    write_jsonl(tmp_path / "chat.jsonl", rows)
+    full = [{"messages": r.get("messages"), "prompt": r.get("prompt"), "completion": r.get("completion")} for r in rows]
+    pq.write_table(pa.Table.from_pylist(full), tmp_path / "chat.parquet")
+    for name in ("chat.jsonl", "chat.parquet"):
+        prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / name.replace(".", "-")),
+                      str(tmp_path / name), "--workers", "1", "--no-progress"])
+    for file in ("tokens.bin", "mask.bin", "documents.bin"):
+        assert (tmp_path / "chat-jsonl" / file).read_bytes() == (tmp_path / "chat-parquet" / file).read_bytes(), file
+    assert json.loads((tmp_path / "chat-parquet" / "manifest.json").read_text())["document_count"] == 12
