@@ -31,7 +31,7 @@ from lightning_mgpu.cli.metrics_history import KeepMetricsBeforeResume
 from lightning_mgpu.cli.quiet import quiet_known_warnings
 from lightning_mgpu.cli.memory_check import memory_problems
 from lightning_mgpu.resilience.elastic import run_local_job
-from lightning_mgpu.resilience.restarts import EXIT_FAULTY_DEVICE, RestartRecord, attempt
+from lightning_mgpu.resilience.restarts import EXIT_FAULTY_DEVICE, RestartRecord, attempt, record_faulty_device
 from lightning_mgpu.cli.spec import RunSpec, run_spec
 from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
@@ -212,8 +212,10 @@ def _fit(spec: RunSpec, run_dir: Path, trainer: L.Trainer, strategy, module, dat
     stopped_to_go_back = [c for c in trainer.callbacks if isinstance(c, SilentCorruptionCheck) and c.corruption
                           or isinstance(c, RollbackOnSkips) and c.rollback]
     checks = [c for c in trainer.callbacks if isinstance(c, SilentCorruptionCheck)]
-    if any(c.corruption and c.corruption.persistent for c in checks):
-        raise SystemExit(EXIT_FAULTY_DEVICE)  # found again on the rerun: not restarted on these machines
+    persistent = [c.corruption for c in checks if c.corruption and c.corruption.persistent]
+    if persistent:  # found again on the rerun: named for the agent's record, not restarted on these machines
+        record_faulty_device(run_dir, persistent[0].record(), trainer.global_rank)
+        raise SystemExit(EXIT_FAULTY_DEVICE)
     if preempted is not None or stopped_to_go_back:  # resume with checkpoint.resume=auto (the launcher or scheduler
         raise SystemExit(REQUEUE_EXIT)  # starts it again): after a corruption or a rollback, from before it
     if cfg.checkpoint.save_last:

@@ -42,7 +42,7 @@ from typing_extensions import override
 
 from lightning_mgpu.resilience.preemption import REQUEUE_EXIT
 from lightning_mgpu.resilience.restarts import (EXIT_CRASH_LOOP, EXIT_FAULTY_DEVICE, EXIT_REFUSED, CrashLoop,
-                                                read_restarts)
+                                                read_faulty_device, read_restarts)
 
 #: The agent's record of the attempts that failed, in the run directory: one JSON line each.
 ATTEMPTS = "attempts.jsonl"
@@ -119,9 +119,12 @@ class LocalJobAgent(LocalElasticAgent):
         status, looping = exit_status(failure.exitcode), self.crash_loop.failed()
         said = f"mgpu-train: attempt {self.attempts} failed: rank {rank} exited with status {status}"
         then = "out of restarts"
+        faulty = read_faulty_device(self.run_dir) if status == EXIT_FAULTY_DEVICE else None
         if status in (EXIT_REFUSED, EXIT_FAULTY_DEVICE):
             self.stopped_with, then = status, "refused" if status == EXIT_REFUSED else "faulty device"
-            said = f"{said} ({then}); not restarted"
+            said = f"{said} ({then}); not restarted" + ("" if faulty is None else (
+                f"; persistent: rank(s) {sorted(int(r) for r in faulty['ranks'])} on host(s) "
+                f"{sorted(set(faulty['ranks'].values()))} corrupted their weights again on the rerun"))
         elif looping:
             self.stopped_with, then = EXIT_CRASH_LOOP, "crash loop"
             said = (f"{said}; {self.crash_loop.in_a_row} attempts in a row ended without a new optimizer step (none "
@@ -134,7 +137,8 @@ class LocalJobAgent(LocalElasticAgent):
             self._remaining_restarts = 0
         print(said, file=sys.stderr, flush=True)
         record = {"attempt": self.attempts, "ended": time.time(), "rank": rank, "status": status,
-                  "reached": self.crash_loop.reached, "then": then}
+                  "reached": self.crash_loop.reached, "then": then,
+                  **({"persistent": faulty["ranks"]} if faulty is not None else {})}
         with (self.run_dir / ATTEMPTS).open("a") as out:
             out.write(json.dumps(record) + "\n")
         self.attempts += then == "restart"

@@ -24,6 +24,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 #: The attempt number of a job under torch's elastic agent (0 first), set by the agent for every rank it starts.
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 PROGRESS, RESTARTS = "progress.json", "restarts.jsonl"
+#: In the run directory, written by every rank before it exits with :data:`EXIT_FAULTY_DEVICE`: the ranks named
+#: persistent and their hosts, which the agent copies into its record of the attempt (``attempts.jsonl``).
+FAULTY_DEVICE = "faulty-device.json"
 #: Exit status of a refused configuration, command line or checkpoint (as argparse uses for a bad command line): a
 #: restart would be refused again.
 EXIT_REFUSED = 2
@@ -84,6 +87,24 @@ class CrashLoop:
         self.in_a_row = 0 if self.reached > self.best else self.in_a_row + 1
         self.best = max(self.best, self.reached)
         return self.limit > 0 and self.in_a_row >= self.limit
+
+
+def record_faulty_device(run_dir: Path, finding: dict, rank: int) -> None:
+    """Before exiting with :data:`EXIT_FAULTY_DEVICE`: write ``finding`` (the step, the ranks named and their hosts)
+    as :data:`FAULTY_DEVICE`. Every rank writes the same finding (atomically, each through its own temporary file), so
+    whichever rank's exit the agent sees first, the record is already there."""
+    path = Path(run_dir) / FAULTY_DEVICE
+    tmp = path.with_suffix(f".{rank}.tmp")
+    tmp.write_text(json.dumps({**finding, "persistent": True}))
+    os.replace(tmp, path)
+
+
+def read_faulty_device(run_dir: Path) -> Optional[dict]:
+    """The finding :func:`record_faulty_device` wrote into ``run_dir``, or None."""
+    try:
+        return json.loads((Path(run_dir) / FAULTY_DEVICE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def read_restarts(run_dir: Path) -> list[dict]:

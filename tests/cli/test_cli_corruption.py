@@ -4,8 +4,10 @@ the checkpoints written since the copies last agreed and exits with 75; the agen
 flip and reruns those steps. A flip that does not come back (transient) lets the run end with the weights, bit for bit,
 of a run that never met it; one that comes back on the rerun (persistent) stops the job with 77, not restarted."""
 
+import json
 import os
 import re
+import socket
 from pathlib import Path
 
 import torch
@@ -46,7 +48,7 @@ def test_a_flipped_bit_is_caught_named_rolled_back_and_found_transient(token_fil
         "step-00000002", "step-00000003", "step-00000003.corrupt", "step-00000004", "step-00000004.corrupt",
         "step-00000005", "step-00000005.corrupt"]
     code, clean = launch(token_file, tmp_path / "clean", {})
-    assert code == 0 and "silent data corruption" not in clean
+    assert code == 0 and "silent data corruption: " not in clean  # no finding (the startup line says "check every")
     got = load_file(newest_checkpoint(checkpoints) / "model.safetensors")
     expected = load_file(newest_checkpoint(tmp_path / "clean" / "checkpoints") / "model.safetensors")
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
@@ -62,6 +64,13 @@ def test_a_flip_that_comes_back_on_the_rerun_stops_as_a_faulty_device(token_file
     assert re.search(rf"attempt 2 failed: rank \d exited with status {FAULTY_DEVICE_EXIT} \(faulty device\); not "
                      "restarted", output)
     assert "transient" not in output
+    # the agent's record of the attempt names the rank found persistent and its host (here, this machine)
+    host = socket.gethostname()
+    assert "corrupted their weights again on the rerun" in output and f"persistent: rank(s) [1] on host(s) " \
+        f"['{host}']" in output, output[-3000:]
+    last = json.loads((tmp_path / "run" / "attempts.jsonl").read_text().splitlines()[-1])
+    assert last["then"] == "faulty device" and last["status"] == FAULTY_DEVICE_EXIT and \
+        last["persistent"] == {"1": host}, last
     # the rerun's checkpoints after step 2 are set aside beside the first attempt's; step 2 stays for a restart elsewhere
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir()) == [
         "step-00000002", "step-00000003.corrupt", "step-00000003.corrupt-2", "step-00000004.corrupt",
