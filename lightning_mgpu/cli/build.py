@@ -29,7 +29,7 @@ def build_tokenizer(spec: RunSpec):
 
 
 def build_datamodule(spec: RunSpec) -> TokenFileDataModule:
-    """The data module of ``data.source`` (the data rules accept only corpus, text and tokens)."""
+    """The data module of ``data.source`` (the data rules accept only corpus, text, tokens and sft)."""
     cfg = spec.config
     d = cfg.data
     common = dict(seq_len=d.seq_len, global_batch_size=d.global_batch_size, micro_batch_size=d.micro_batch_size,
