@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -27,23 +26,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from step_timer import Timer  # noqa: E402
 from smoke import sized  # noqa: E402
 
 DIM, LAYERS, HEADS, KV, FFN, VOCAB = sized((256, 4, 8, 4, 768, 256), (32, 2, 4, 2, 64, 64))
 SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((128, 8, 20, 5, 3), (16, 2, 3, 1, 1))
 LAYOUT = dict(tensor_parallel_size=2, sequence_parallel=True, zero_stage=1)
-
-
-class Timer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._last = None
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        now = time.perf_counter()
-        if self._last is not None:
-            self.times.append(now - self._last)
-        self._last = now
 
 
 class HFModule(L.LightningModule):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,23 +32,12 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mgpu import MGPUStrategy  # noqa: E402
 from lightning_mgpu.testing import reset_peak_resident, resident_bytes, run_distributed  # noqa: E402
+from step_timer import Timer  # noqa: E402
 from smoke import sized  # noqa: E402
 
 DIM, LAYERS, HEADS, FFN, VOCAB = sized((256, 4, 8, 768, 1024), (32, 2, 4, 64, 64))
 SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((128, 8, 12, 3, 3), (16, 2, 3, 1, 1))
 KINDS = ("lora", "full", "lora_ddp")
-
-
-class Timer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._last = None
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        now = time.perf_counter()
-        if self._last is not None:
-            self.times.append(now - self._last)
-        self._last = now
 
 
 class FineTune(L.LightningModule):

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,6 +27,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from step_timer import Timer  # noqa: E402
 from smoke import SMOKE, sized  # noqa: E402
 
 DIM, LAYERS, HEADS, KV, FFN, VOCAB = sized((256, 4, 8, 4, 768, 256), (32, 2, 4, 2, 64, 64))
@@ -36,18 +36,6 @@ LAYOUT = dict(tensor_parallel_size=2, zero_stage=1)
 DEVICES = sized(4, 2)  # tp2 x dp2; the smoke run tp2 alone (half the processes on the suite's cores)
 PARITY_LAYOUT = dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)
 PARITY_STEPS = 10
-
-
-class Timer(L.Callback):
-    def __init__(self) -> None:
-        self.times: list[float] = []
-        self._last = None
-
-    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        now = time.perf_counter()
-        if self._last is not None:
-            self.times.append(now - self._last)
-        self._last = now
 
 
 class Quiet(LLMModule):

@@ -134,3 +134,31 @@ def search_once_per_shape(monkeypatch, *where: str) -> None:
     rows."""
     for name in where:
         monkeypatch.setattr(name, lambda *args: list(_searched(*args)))
+
+
+def trained_like_the_cli(model: "torch.nn.Module", token_file, steps: int, lr: float, warmup: int, min_lr: float,
+                         decay: float) -> dict:
+    """A ``model=hf`` run as a plain loop over what trains: the model's loss on the data module's global batches
+    (inputs = all but the last token, every next token its target), AdamW with decay on matrices, the warm-up and
+    cosine schedule, the global grad norm before clipping at 0.3. Each step's loss and grad norm, and the model."""
+    import torch
+
+    from helpers import global_batches
+    from lightning_mgpu.lr_schedule import lr_multiplier
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": decay},
+                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                                  lr=lr, betas=(0.9, 0.95), eps=1e-8)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, warmup, steps, min_lr))
+    losses, norms = [], []
+    for batch in global_batches(token_file, steps, global_batch=8, seq_len=16, seed=7):
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        loss = torch.nn.functional.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, 0.3).item())
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grad_norms": norms, "model": model}

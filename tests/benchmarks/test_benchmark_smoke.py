@@ -83,7 +83,7 @@ FIGURES = {
                      (r"fp8 rowwise tokens/s over bf16 .* \| ([+-]\d+\.\d) \|", -100.0, 1e4)],
 }
 #: run by gpu_check.py (its smoke table shows each ran), or not a benchmark
-COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "gpu_fp8.py", "smoke.py"}
+COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "gpu_fp8.py", "smoke.py", "step_timer.py"}
 
 
 def test_every_benchmark_has_a_smoke_run():

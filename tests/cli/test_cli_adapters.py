@@ -9,12 +9,11 @@ import zlib
 import pytest
 import torch
 import transformers
-from cli_helpers import BIN, TINY_MODEL, cli_args, composed, read_metric
+from cli_helpers import BIN, TINY_MODEL, cli_args, composed, read_metric, trained_like_the_cli
 from forked_cli import run_cli
-from helpers import global_batches, max_abs_diff
+from helpers import max_abs_diff
 
 from lightning_mgpu.cli.spec import config_problems
-from lightning_mgpu.lr_schedule import lr_multiplier
 
 peft = pytest.importorskip("peft")
 
@@ -47,25 +46,11 @@ def stated_initial_values(model: torch.nn.Module) -> None:
 
 
 def reference(directory, token_file) -> dict:
+    """The same run as a plain loop (``trained_like_the_cli``) of PEFT's model over the directory's."""
     base = transformers.AutoModelForCausalLM.from_pretrained(directory, use_safetensors=True)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     stated_initial_values(model)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": DECAY},
-                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, WARMUP, STEPS, MIN_LR))
-    losses, norms = [], []
-    for batch in global_batches(token_file, STEPS, global_batch=8, seq_len=16, seed=7):
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        loss = torch.nn.functional.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(params, 0.3).item())
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "grad_norms": norms, "model": model}
+    return trained_like_the_cli(model, token_file, STEPS, LR, WARMUP, MIN_LR, DECAY)
 
 
 def test_lora_from_the_command_line_at_parity_and_exported(llama_dir, token_file, tmp_path):

@@ -8,9 +8,9 @@ import shlex
 import pytest
 import torch
 import transformers
-from cli_helpers import BIN, TINY_MODEL, cli_args, composed, read_metric
+from cli_helpers import BIN, TINY_MODEL, cli_args, composed, read_metric, trained_like_the_cli
 from forked_cli import run_cli
-from helpers import global_batches, max_abs_diff
+from helpers import max_abs_diff
 
 from lightning_mgpu.cli.machine import machine_problems
 from lightning_mgpu.cli.plan import plan_report
@@ -18,7 +18,6 @@ from lightning_mgpu.cli.spec import config_problems
 from lightning_mgpu.hf.names import from_hf_config, planning_shape
 from lightning_mgpu.planner import GPUS, ClusterSpec
 from lightning_mgpu.planner.search import candidates
-from lightning_mgpu.lr_schedule import lr_multiplier
 
 STEPS = 4
 LR, WARMUP, MIN_LR, DECAY = 3e-3, 2, 0.1, 0.1
@@ -37,26 +36,9 @@ def qwen3_dir(tmp_path_factory):
 
 
 def reference(directory, token_file) -> dict:
-    """The same run as a plain loop: the model's own loss on the data module's global batches (inputs = all but the
-    last token, every next token its target), AdamW with decay on matrices, the warm-up and cosine schedule, the
-    global grad norm before clipping at 0.3."""
+    """The same run as a plain loop (``trained_like_the_cli``) of the directory's model."""
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, use_safetensors=True)
-    params = list(model.parameters())
-    optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": DECAY},
-                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                                  lr=LR, betas=(0.9, 0.95), eps=1e-8)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, WARMUP, STEPS, MIN_LR))
-    losses, norms = [], []
-    for batch in global_batches(token_file, STEPS, global_batch=8, seq_len=16, seed=7):
-        inputs, targets = batch[:, :-1], batch[:, 1:]
-        loss = torch.nn.functional.cross_entropy(model(input_ids=inputs).logits.flatten(0, 1), targets.flatten())
-        loss.backward()
-        norms.append(torch.nn.utils.clip_grad_norm_(params, 0.3).item())
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return {"losses": losses, "grad_norms": norms, "model": model}
+    return trained_like_the_cli(model, token_file, STEPS, LR, WARMUP, MIN_LR, DECAY)
 
 
 def data_and_trainer(token_file) -> list[str]:
