@@ -24,14 +24,17 @@ PARTLY_FROZEN = ("model.embed_tokens.", "model.layers.0.")
 
 
 def lora_model(family: str, n_layers: int = 2, targets: Any = "all-linear", base: Optional[str] = None,
-               **lora: Any) -> torch.nn.Module:
-    """The tiny model of ``family`` (or the one saved in ``base``, loaded as a user loads a pretrained model) with LoRA
-    adapters (rank 4, alpha 8, no dropout unless asked), as PEFT makes them."""
+               base_dtype: Optional[str] = None, **lora: Any) -> torch.nn.Module:
+    """The tiny model of ``family`` (or the one saved in ``base``, loaded as a user loads a pretrained model; stored in
+    ``base_dtype`` if given, while PEFT keeps the adapters in fp32) with LoRA adapters (rank 4, alpha 8, no dropout
+    unless asked), as PEFT makes them."""
     import transformers
     from peft import LoraConfig, get_peft_model
 
     model = tiny_model(family, n_layers) if base is None else \
         transformers.AutoModelForCausalLM.from_pretrained(base, local_files_only=True)
+    if base_dtype is not None:
+        model = model.to(getattr(torch, base_dtype))
     torch.manual_seed(5)
     return get_peft_model(model, LoraConfig(**{"r": 4, "lora_alpha": 8, "target_modules": targets, **lora}))
 
@@ -103,6 +106,7 @@ def fit_adapted(rank: int, kind: str, family: str, devices: int, steps: int = 3,
             "frozen_with_grads": [n for n, p in params.items() if not p.requires_grad and p.grad is not None],
             "master_elements": master_elements(strategy.model.optimizer),
             "zero_ranks": strategy.layout.size("dp_cp"),
+            "dtypes": sorted({f"{p.dtype} {'trains' if p.requires_grad else 'frozen'}" for p in params.values()}),
             "weights": None if whole is None else {canonical(k): v for k, v in whole.items()}}
 
 

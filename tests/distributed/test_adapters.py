@@ -16,6 +16,7 @@ from lightning_mgpu.testing import run_distributed
 
 #: LoRA on the attention only, for the mixture of experts (its experts are fused parameters, not linears). DoRA runs
 #: where nothing splits its layers' features (ZeRO); under tensor parallelism it is refused (test_adapter_plans.py).
+#: A base stored in bf16 under fp32 adapters (32-true) keeps its dtype and trains as in one process.
 ATTENTION = dict(targets=["q_proj", "k_proj", "v_proj", "o_proj"])
 
 #: name -> (ranks, layers, strategy arguments, the runs: (kind, family, LoRA arguments))
@@ -28,12 +29,13 @@ LAYOUTS = {
                            num_microbatches=4), [("lora", "llama", {})]),
     "cp2_zero2": (2, 2, dict(context_parallel_size=2, zero_stage=2), [("lora", "llama", {}), ("lora", "qwen3", {})]),
     "dp2_zero3": (2, 2, dict(zero_stage=3), [("lora", "llama", {}), ("lora", "qwen3_moe", ATTENTION),
-                                             ("lora", "qwen3", dict(use_dora=True))]),
+                                             ("lora", "qwen3", dict(use_dora=True)),
+                                             ("lora", "llama", dict(base_dtype="bfloat16"))]),
     "tp2_pp2_dp2_zero1": (8, 2, dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1,
                                      num_microbatches=2), [("lora", "qwen3", {})]),
 }
 def run_name(kind: str, family: str, lora: dict) -> str:
-    return f"{'dora' if lora.get('use_dora') else kind}-{family}"
+    return f"{'dora' if lora.get('use_dora') else kind}-{family}" + ("-bf16_base" if lora.get("base_dtype") else "")
 
 
 CASES = [(layout, run_name(*run)) for layout, (_, _, _, runs) in LAYOUTS.items() for run in runs]
@@ -70,17 +72,23 @@ def test_adapters_train_as_in_one_process(layout, name):
     results, (kind, family, lora) = every_run(layout)[name]
     expected = single_process_adapted(kind, family, global_batches(results), n_layers, lora)
     assert_adapters_split(results, expected, kw)
+    # a bf16 base rounds the layers' inputs: the first step is exact, after it the fp32 sums' order (1e-7) flips some
+    # roundings (measured: 3.4e-5 in loss at step 3, dp2 ZeRO-3)
+    tol = 1e-4 if lora.get("base_dtype") else 1e-5
     for r in results:
-        assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5, (r["rank"], r["losses"], expected["losses"])
-        assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5, (r["grad_norms"], expected["grad_norms"])
+        assert abs(r["losses"][0] - expected["losses"][0]) < 1e-6, (r["losses"], expected["losses"])
+        assert max_abs_diff(r["losses"], expected["losses"]) < tol, (r["rank"], r["losses"], expected["losses"])
+        assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < tol, (r["grad_norms"], expected["grad_norms"])
         # what trains here is what trains in one process (the placeholder of a rank with nothing to train is not)
         assert set(r["trainable"]) <= set(expected["trainable"]), set(r["trainable"]) - set(expected["trainable"])
         assert not r["frozen_with_grads"], r["frozen_with_grads"]
+        if lora.get("base_dtype"):  # the base stays bf16 on every rank, the adapters fp32
+            assert r["dtypes"] == ["torch.bfloat16 frozen", "torch.float32 trains"], r["dtypes"]
     trained = results[0]["weights"]
     assert set(trained) == set(expected["weights"]), set(trained) ^ set(expected["weights"])
     for weight, value in expected["weights"].items():
         if weight in expected["trainable"]:
-            assert torch.allclose(trained[weight], value, rtol=0, atol=1e-5), weight
+            assert torch.allclose(trained[weight], value, rtol=0, atol=tol), weight
         else:  # frozen: bit for bit
             assert torch.equal(trained[weight], value), weight
     # the adapters moved (a test of a run that trained nothing would pass the rest)
