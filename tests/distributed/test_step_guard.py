@@ -156,7 +156,8 @@ class TokenSteps(Dataset):
         return MOE_STEPS
 
     def __getitem__(self, step: int) -> torch.Tensor:
-        return torch.randint(0, MOE.vocab_size, (4, SEQ + 1), generator=torch.Generator().manual_seed(100 * self.dp + step))
+        seeded = torch.Generator().manual_seed(100 * self.dp + step)
+        return torch.randint(0, MOE.vocab_size, (4, SEQ + 1), generator=seeded)
 
 
 class GuardedMoE(LLMModule):
