@@ -58,3 +58,20 @@ def conversations(n: int, seed: int = 0) -> list[dict]:
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
     return path
+
+
+def short_conversations(n: int) -> list[dict]:
+    """Conversations of one to three short turns: 10 to 33 tokens with the test tokenizer, unequal answers."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    words = "cat sat mat dog ran far home back".split()
+    say = lambda k: " ".join(rng.choice(words, k))  # noqa: E731
+    rows = []
+    for i in range(n):
+        turns = []
+        for _ in range(1 + i % 2):
+            turns += [{"role": "user", "content": say(rng.integers(1, 3))},
+                      {"role": "assistant", "content": say(rng.integers(1, 6))}]
+        rows.append({"messages": turns})
+    return rows

@@ -59,7 +59,8 @@ def build_module(spec: RunSpec) -> L.LightningModule:
                           warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps, min_lr_ratio=o.min_lr_ratio,
                           activation_checkpointing=cfg.model.activation_checkpointing, optimizer=o.name,
                           muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype,
-                          adapters=OmegaConf.to_container(cfg.adapters, resolve=True), seed=cfg.adapters.seed)
+                          adapters=OmegaConf.to_container(cfg.adapters, resolve=True), seed=cfg.adapters.seed,
+                          eod_token_id=spec.model.eod_token_id if cfg.data.source == "sft" else None)
     return LLMModule(spec.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
                      eps=o.eps, warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps,
                      min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,

@@ -26,11 +26,12 @@ def sft_problems(cfg: DictConfig, data: RunData) -> list[str]:
     if source.manifest is None:
         return [f"data.path: {source.error}"]
     out = []
-    if cfg.model.get("name") == "hf":
-        out.append("model=hf with data=sft: a transformers model as it is takes no document boundaries and averages its "
-                   "labels= loss per call, so packed conversations would attend to each other and the loss would not be "
-                   "the global answer-token mean; not supported yet: fine-tune the package's model "
-                   "(model.init_from=hf:DIR) or use your own training_step")
+    p = cfg.parallel
+    if cfg.model.get("name") == "hf" and (p.pipeline_parallel_size > 1 or p.context_parallel_size > 1):
+        out.append(f"model=hf with data=sft at parallel.pipeline_parallel_size={p.pipeline_parallel_size}, "
+                   f"context_parallel_size={p.context_parallel_size}: a transformers model's document mask and "
+                   "positions do not travel between pipeline stages or context shards yet; use tensor and data "
+                   "parallelism (ZeRO) with model=hf, or the package's model (model.init_from=hf:DIR) for pp and cp")
     if not d.get("document_mask"):
         out.append("data.document_mask=false with data=sft: packed conversations would attend to each other; set "
                    "data.document_mask=true (the default of data=sft)")

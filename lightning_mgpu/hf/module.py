@@ -23,10 +23,12 @@ from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.engine.config import parameter_shape
 from lightning_mgpu.hf import lora
 from lightning_mgpu.hf.decoder import layers_name
+from lightning_mgpu.hf.documents import document_arguments, items_per_part
 from lightning_mgpu.hf.model import find_hf_model
 from lightning_mgpu.hf.weights import PretrainedSlices, real_buffers
 from lightning_mgpu.lr_schedule import lr_multiplier
 from lightning_mgpu.optim.choice import build_optimizer
+from lightning_mgpu.parallel.token_batch import token_batch
 
 
 def load_causal_lm(path: str, on_meta: bool = False) -> torch.nn.Module:
@@ -52,11 +54,13 @@ class HFCausalLM(L.LightningModule):
     def __init__(self, path: str, lr: float = 3e-4, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-8, warmup_steps: int = 10, max_steps: int = 1000, min_lr_ratio: float = 0.1,
                  activation_checkpointing: str = "none", optimizer: str = "adamw", muon_momentum: float = 0.95,
-                 muon_ns_dtype: str = "auto", adapters: Optional[dict] = None, seed: int = 0) -> None:
+                 muon_ns_dtype: str = "auto", adapters: Optional[dict] = None, seed: int = 0,
+                 eod_token_id: Optional[int] = None) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.llm: Optional[torch.nn.Module] = None
         self._slices: Optional[PretrainedSlices] = None
+        self._items: Optional[torch.Tensor] = None  # num_items_in_batch of this step's micro-batches (documents)
 
     def configure_model(self) -> None:
         """Under ``MGPUStrategy`` (which builds on the meta device because :meth:`initial_value` is defined) only the
@@ -87,9 +91,32 @@ class HFCausalLM(L.LightningModule):
                            f"{self._slices.total:,} parameter elements (its own slices)")
             self._slices.close()
 
-    def loss(self, batch: torch.Tensor) -> torch.Tensor:
-        inputs, targets = batch[:, :-1], batch[:, 1:].contiguous()  # transformers' own loss views the labels flat
-        return self.llm(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False).loss
+    def loss(self, batch: Any) -> torch.Tensor:
+        """The model's own ``labels=`` loss. With ``eod_token_id`` (packed documents, e.g. ``data=sft``): attention
+        within each document, positions restarting at each, the target after an end-of-document token skipped, and
+        ``num_items_in_batch`` the global batch's counted targets (:mod:`lightning_mgpu.hf.documents`)."""
+        inputs, targets = self._inputs_targets(batch)
+        eod, extra = self.hparams.get("eod_token_id"), {}
+        if eod is not None:
+            extra = document_arguments(inputs, eod, next(self.llm.parameters()).dtype)
+            extra["num_items_in_batch"] = self._items if self._items is not None else \
+                (targets != -100).sum().clamp(min=1)
+        return self.llm(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False, **extra).loss
+
+    def _inputs_targets(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, labels = token_batch(batch)
+        inputs = ids[:, :-1]
+        targets = (ids if labels is None else labels)[:, 1:].contiguous()  # transformers' loss views the labels flat
+        eod = self.hparams.get("eod_token_id")
+        return inputs, targets if eod is None else targets.masked_fill(inputs == eod, -100)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.hparams.get("eod_token_id") is not None:
+            self._items = items_per_part(self, self._inputs_targets(batch)[1], training=True)
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        if self.hparams.get("eod_token_id") is not None:
+            self._items = items_per_part(self, self._inputs_targets(batch)[1], training=False)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int = 0) -> torch.Tensor:
         return self.loss(batch)
@@ -98,6 +125,7 @@ class HFCausalLM(L.LightningModule):
         self.log("val/loss", self.loss(batch), prog_bar=True, sync_dist=True)
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        self._items = None
         loss = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach().float()
         self.log("train/loss", loss * self.trainer.accumulate_grad_batches, prog_bar=True, on_step=True)
         context = parallel_context(self)

@@ -34,8 +34,9 @@ def test_data_sft_refuses_what_cannot_train_before_launch(chat_dir, tmp_path):
         in short, short
     assert "data.document_mask=false with data=sft" in problems(f"data.path={chat_dir / 'chat'}", "data.seq_len=96",
                                                                 "data.document_mask=false")
-    assert "model=hf with data=sft: a transformers model as it is takes no document boundaries" in \
-        problems(f"data.path={chat_dir / 'chat'}", "data.seq_len=96", "model=hf", "model.path=/nowhere")
+    assert "model=hf with data=sft at parallel.pipeline_parallel_size=2, context_parallel_size=1: a transformers" in \
+        problems(f"data.path={chat_dir / 'chat'}", "data.seq_len=96", "model=hf", "model.path=/nowhere",
+                 "parallel.pipeline_parallel_size=2")
     plain = tmp_path / "plain"
     (tmp_path / "a.txt").write_text("some text " * 50)
     prepare_main(["--tokenizer", str(make_tokenizer(tmp_path / "tok", 300, 20_000)), "--out", str(plain),
