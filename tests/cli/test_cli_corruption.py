@@ -2,7 +2,8 @@
 weights (three data-parallel copies, ZeRO-0) is caught by the next fingerprint check, which names rank 1, sets aside
 the checkpoints written since the copies last agreed and exits with 75; the agent's restart resumes from before the
 flip and reruns those steps. A flip that does not come back (transient) lets the run end with the weights, bit for bit,
-of a run that never met it; one that comes back on the rerun (persistent) stops the job with 77, not restarted."""
+of a run that never met it; one that comes back on the rerun (persistent), once or at every step, stops the job with
+77, not restarted, the agent's record naming the rank and its host."""
 
 import json
 import os
@@ -75,3 +76,18 @@ def test_a_flip_that_comes_back_on_the_rerun_stops_as_a_faulty_device(token_file
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir()) == [
         "step-00000002", "step-00000003.corrupt", "step-00000003.corrupt-2", "step-00000004.corrupt",
         "step-00000004.corrupt-2", "step-00000005.corrupt", "step-00000005.corrupt-2"]
+
+
+def test_a_flip_at_every_step_is_named_persistent_at_the_first_check_of_the_rerun(token_file, tmp_path):
+    """Rank 1 flips a bit as every step begins, in every attempt (a device that keeps computing wrong): the first check
+    (as step 2 begins) names it, the restart reruns from step 0 (no checkpoint predates the corruption), meets it at
+    the same check, and the job stops with 77, the agent's record naming rank 1 on this host persistent."""
+    code, output = launch(token_file, tmp_path / "run", {"MGPU_FLIP_RANK_AT": "1:1,1:2,1:3,1:4",
+                                                         "MGPU_FAULT_ATTEMPTS": "every"})
+    assert code == FAULTY_DEVICE_EXIT, output[-3000:]
+    found = "silent data corruption: rank 1 holds a copy of model.tok_embeddings.weight that differs from its " \
+            "data-parallel peers at step 2 (the copies agreed at step 0)"
+    assert output.count(found) == 2 and "transient" not in output, output[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "attempts.jsonl").read_text().splitlines()]
+    assert [(r["status"], r["then"]) for r in records] == [(75, "restart"), (FAULTY_DEVICE_EXIT, "faulty device")]
+    assert records[-1]["persistent"] == {"1": socket.gethostname()}, records
