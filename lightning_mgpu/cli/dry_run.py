@@ -65,7 +65,7 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
             experts = sum(p.numel() for layer in moe_layers(kept) for p in layer.experts.parameters())
             matrices = sum(p.numel() for n, p in kept.named_parameters() if muon_steps(n, p.shape))
             held = RankParameters(sum(p.numel() for p in kept.parameters()) - experts, experts,
-                                  sum(p.numel() for p in kept.parameters()) - matrices)
+                                  sum(p.numel() for p in kept.parameters()) - matrices, **frozen_share(kept))
             planned = rank_parameter_split(model_config, T, P, len(ids), pp_rank, stage_ids=ids,
                                            boundaries=strategy.pipeline_boundaries, ep=layout.size("ep"))
             states = rank_model_state_bytes(held, layout.zero_stage, layout.size("dp_cp"), layout.size("ep"),
@@ -75,6 +75,15 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
                                     planned.experts))
     shares.sort(key=lambda share: (share.pp_rank, share.tp_rank))
     return layout, shares
+
+
+def frozen_share(kept: torch.nn.Module) -> dict:
+    """``RankParameters``' frozen fields of a built share (``adapters=lora`` freezes the base): what it stores without
+    a gradient, master or optimizer state, so the dry run's model states count it as the planner does."""
+    expert_ids = {id(p) for layer in moe_layers(kept) for p in layer.experts.parameters()}
+    frozen = [p for p in kept.parameters() if not p.requires_grad]
+    return dict(frozen=sum(p.numel() for p in frozen if id(p) not in expert_ids),
+                experts_frozen=any(id(p) in expert_ids for p in frozen))
 
 
 def built_share(spec: RunSpec, layout: ParallelLayout, strategy: MGPUStrategy, tp_rank: int, pp_rank: int

@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.cli.config import ModelConfig
 from lightning_mgpu.cli.run_data import RunData
 from lightning_mgpu.models import LlamaConfig
+from lightning_mgpu.planner.adapters import LoraShape, lora_shape
 
 #: ``model.<key>`` overrides of a named shape: every ``ModelConfig`` field that is a ``LlamaConfig`` field, by the
 #: same name (the options applied from outside, recomputation and compilation, are passed apart).
@@ -30,7 +32,8 @@ def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:
         from lightning_mgpu.hf.names import planning_shape
 
         model = replace(planning_shape(json.loads((Path(m.path) / "config.json").read_text())),
-                        activation_checkpointing=m.activation_checkpointing)  # HFCausalLM applies it to the layers
+                        activation_checkpointing=m.activation_checkpointing,  # HFCausalLM applies it to the layers
+                        adapters=_adapters(cfg))
     elif m.init_from:  # the checkpoint's shape, whatever model.name says
         from lightning_mgpu.hf.names import from_hf_config, hf_path
 
@@ -46,3 +49,10 @@ def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:
         if eod is not None and eod < model.vocab_size:
             model = replace(model, eod_token_id=eod)
     return model
+
+
+def _adapters(cfg: DictConfig) -> Optional[LoraShape]:
+    """``adapters.*`` as the planner counts them (the base frozen, the adapters trained); ``None`` without adapters or
+    for a config composed without the group."""
+    group = cfg.get("adapters")
+    return None if group is None else lora_shape(OmegaConf.to_container(group, resolve=True))

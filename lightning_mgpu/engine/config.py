@@ -11,7 +11,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_mgpu.buckets import bucket_elements_for
+from lightning_mgpu.buckets import bucket_elements_for, persistence_threshold
 from lightning_mgpu.layout import ParallelLayout
 
 def parameter_elements(param: nn.Parameter) -> int:
@@ -76,7 +76,7 @@ def _zero_section(layout: ParallelLayout, model: nn.Module, nvme_path: Optional[
         zero.update({
             "stage3_prefetch_bucket_size": bucket,
             # Parameters below this stay whole on every rank; DeepSpeed's 1e5 would keep a small model unsharded.
-            "stage3_param_persistence_threshold": int(min(100_000, max(1, largest // 8))),
+            "stage3_param_persistence_threshold": persistence_threshold(largest),
             "stage3_max_live_parameters": max(bucket, 1_000_000),
             "stage3_max_reuse_distance": max(bucket, 1_000_000),
         })

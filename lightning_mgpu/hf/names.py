@@ -142,6 +142,9 @@ class TransformersShape(LlamaConfig):
     #: layers are expert layers (Qwen-MoE's ``decoder_sparse_step`` and ``mlp_only_layers`` place dense ones anywhere)
     moe_layer: Optional[LayerExtras] = None
     moe_layers: tuple[bool, ...] = ()
+    #: ``adapters=lora``: the adapters' shape (:class:`lightning_mgpu.planner.adapters.LoraShape`), which freezes the
+    #: rest in the planner's count; ``None``: every weight trains
+    adapters: Optional[object] = None
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe_layers[index] if self.moe_layers else super().is_moe_layer(index)

@@ -303,6 +303,8 @@ def rank_model_state_bytes(held: RankParameters, zero_stage: int, data_context: 
     """:func:`model_state_bytes` of a rank's parameters: the dense ones partitioned over the ``data_context`` ranks
     holding the same weights, the routed experts over the ``data_context / ep`` holding the same experts (the edp
     group); the buckets, one engine's, sized from all of them. ``optimizer="muon"``: the matrices keep one momentum."""
+    if held.frozen or held.experts_frozen:
+        return _adapter_run_state_bytes(held, zero_stage, data_context, ep, precision, pipelined, overlap)
     muon_dense, muon_experts = held.muon() if optimizer == "muon" else (0, 0)
     dense = model_state_bytes(held.dense, zero_stage, data_context, precision, pipelined, overlap, muon_dense)
     if not held.experts:
@@ -310,6 +312,31 @@ def rank_model_state_bytes(held: RankParameters, zero_stage: int, data_context: 
     experts = model_state_bytes(held.experts, zero_stage, max(1, data_context // ep), precision, pipelined, overlap,
                                 muon_experts)
     out = {key: dense[key] + experts[key] for key in dense}
+    out["buffers"] = model_state_bytes(held.total, zero_stage, data_context, precision, pipelined, overlap)["buffers"]
+    return out
+
+
+def frozen_parameter_bytes(n_params: int, zero_stage: int, dp: int, precision: str = "bf16-mixed") -> float:
+    """A frozen parameter's only cost: its storage, ``w`` bytes (``w / N`` under ZeRO-3, which partitions it with the
+    rest). The engine gives the optimizer only what trains, so a frozen weight has no gradient, no fp32 master and no
+    optimizer state (tests/distributed/test_adapters.py measures it)."""
+    w = 4 if precision == "32-true" else 2
+    return n_params * (w / dp if zero_stage == 3 else w)
+
+
+def _adapter_run_state_bytes(held: RankParameters, zero_stage: int, data_context: int, ep: int, precision: str,
+                             pipelined: bool, overlap: bool) -> dict[str, float]:
+    """:func:`rank_model_state_bytes` of a rank whose base is frozen (``adapters=lora``): the trainable parameters
+    (adapters, saved modules) cost everything :func:`model_state_bytes` counts, the frozen ones their storage alone;
+    the buckets are sized from all the rank holds, as the engine sizes them (``lightning_mgpu.engine.config``). At
+    ZeRO-3 the adapters below the persistence threshold are also held whole (measured: their partition and a whole
+    copy, tests/distributed/test_adapter_memory.py)."""
+    out = model_state_bytes(held.dense - held.frozen, zero_stage, data_context, precision, pipelined, overlap)
+    out["parameters"] += frozen_parameter_bytes(held.frozen, zero_stage, data_context, precision)
+    if zero_stage == 3:  # DeepSpeed keeps a parameter below its persistence threshold whole, beside its partition
+        out["parameters"] += held.persistent * (4 if precision == "32-true" else 2)
+    if held.experts:
+        out["parameters"] += frozen_parameter_bytes(held.experts, zero_stage, max(1, data_context // ep), precision)
     out["buffers"] = model_state_bytes(held.total, zero_stage, data_context, precision, pipelined, overlap)["buffers"]
     return out
 

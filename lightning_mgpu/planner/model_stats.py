@@ -9,6 +9,9 @@ from typing import Optional, Sequence
 
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.models.llama_plan import balanced_boundaries
+from lightning_mgpu.buckets import persistence_threshold
+from lightning_mgpu.planner.adapters import (largest_parameter, layer_adapter_matrices, persistent_parameters,
+                                             saved_module_parameters)
 from lightning_mgpu.planner.experts import (moe_dense_parameters, moe_layer_count, moe_recomputed_weights,
                                             routed_parameters)
 
@@ -49,6 +52,13 @@ class RankParameters:
     #: of ``dense``, the vectors and tables no matrix optimizer steps (embeddings, head, norms, routers): what stays
     #: on AdamW under Muon (``lightning_mgpu.optim.choice.muon_steps``)
     vectors_and_tables: int = 0
+    #: of ``dense``, the frozen base's (``adapters=lora``): stored, never given a gradient, master or optimizer state
+    frozen: int = 0
+    #: whether the routed experts are frozen too (the base of an adapter run)
+    experts_frozen: bool = False
+    #: of the trainable ones, those ZeRO-3 keeps whole on every rank beside their partition (below the engine's
+    #: persistence threshold: LoRA's adapters, mostly)
+    persistent: int = 0
 
     def muon(self) -> tuple[int, int]:
         """(dense, expert) parameters Muon steps: every expert, the dense ones but the vectors and tables."""
@@ -102,7 +112,23 @@ def _rank_parameter_split(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: i
         if s == stages - 1:
             head = cfg.dim + (0 if cfg.tie_embeddings and stages == 1 else vocab_rows * cfg.dim)
             dense, vectors = dense + head, vectors + head
-    return RankParameters(dense, experts, vectors)
+    return _with_adapters(cfg, RankParameters(dense, experts, vectors), tp, bounds, ids, stages)
+
+
+def _with_adapters(cfg: LlamaConfig, base: RankParameters, tp: int, bounds: list[int], ids: list[int],
+                   stages: int) -> RankParameters:
+    """``base`` frozen and the rank's LoRA adapters added, when the shape carries ``adapters`` (``adapters=lora``:
+    :mod:`lightning_mgpu.planner.adapters`); ``base`` as it is otherwise."""
+    lora = getattr(cfg, "adapters", None)
+    if lora is None:
+        return base
+    first, last = 0 in ids, stages - 1 in ids
+    layers = [j for s in ids for j in range(bounds[s], bounds[s + 1])]
+    matrices = [m for j in layers for m in layer_adapter_matrices(cfg, lora, tp, cfg.is_moe_layer(j))]
+    added = sum(matrices) + saved_module_parameters(cfg, lora, tp, first, last)
+    persistent = persistent_parameters(matrices, persistence_threshold(largest_parameter(cfg, tp, first, last)))
+    return RankParameters(base.dense + added, base.experts, base.vectors_and_tables, frozen=base.dense,
+                          experts_frozen=True, persistent=persistent)
 
 
 def rank_parameters(cfg: LlamaConfig, tp: int = 1, pp: int = 1, stages_per_rank: int = 1,
