@@ -5,7 +5,10 @@ user/assistant exchanges of 1-10 words) rendered with the tests' 400-token BPE c
 that has ``{% generation %}`` markers and once with one that has none (the prefix-diff rule renders each conversation
 once per assistant turn more), with 1 and 2 processes. Prints conversations per second in all and per process, then
 the packing (best-fit decreasing) of the prepared conversations at several sequence lengths: the share of each
-sequence's tokens that are conversations' (the rest is padding) and that are answers'.
+sequence's tokens that are conversations' (the rest is padding) and that are answers', beside padding each
+conversation to a sequence of its own (as many sequences as conversations; at one sequence length a step with the document mask took the time of one
+without it in benchmarks/document_mask.py, so the ratio of the sequence counts estimates that of the steps an epoch
+takes; step times of the two are not measured here).
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def main() -> None:
         per = p.capacity * len(p.sequences)
         print(f"seq_len {seq_len:>5}: {len(p.sequences):,} sequences, {p.efficiency:.1%} conversation tokens "
               f"({p.used_tokens / len(p.sequences):.1f} per sequence), {train.answer_tokens() / per:.1%} answer tokens "
-              f"({train.answer_tokens() / len(p.sequences):.1f} per sequence)")
+              f"({train.answer_tokens() / len(p.sequences):.1f} per sequence); padded, one conversation a sequence: "
+              f"{len(train.starts) - 1:,} sequences, {p.used_tokens / ((len(train.starts) - 1) * p.capacity):.1%} "
+              f"conversation tokens")
 
 
 if __name__ == "__main__":
