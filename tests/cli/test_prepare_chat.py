@@ -105,3 +105,21 @@ def test_parquet_rows_give_the_tokens_and_mask_of_the_same_jsonl_rows(tmp_path):
     for file in ("tokens.bin", "mask.bin", "documents.bin"):
         assert (tmp_path / "chat-jsonl" / file).read_bytes() == (tmp_path / "chat-parquet" / file).read_bytes(), file
     assert json.loads((tmp_path / "chat-parquet" / "manifest.json").read_text())["document_count"] == 12
+
+
+def test_a_failing_template_is_counted_per_conversation_and_a_directory_without_one_refused(tmp_path, capsys):
+    """With a template that rewrites earlier turns, the conversations with two or more answers are left out as
+    template-failed (counted by hand from the rows), the others kept; a tokenizer without a chat template is refused
+    by name. Broken once (the ChatTemplateError not caught per row): the whole preparation stopped."""
+    rows = conversations(30)
+    multi = sum(1 for r in rows if sum(t["role"] == "assistant" for t in r.get("messages", [])) > 1)
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    tok = make_chat_tokenizer(tmp_path / "tok", REWRITING)
+    prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "out"), str(data), "--workers", "1"])
+    chat = json.loads((tmp_path / "out" / "manifest.json").read_text())["chat"]
+    assert 0 < multi < 30 and chat["left_out"] == {"template-failed": multi} and chat["conversations"] == 30 - multi
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}))
+    with pytest.raises(SystemExit):
+        prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "none"), str(data)])
+    assert f"--tokenizer '{tok}' has no chat template" in capsys.readouterr().err
