@@ -61,7 +61,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def short_conversations(n: int) -> list[dict]:
-    """Conversations of one to three short turns: 10 to 33 tokens with the test tokenizer, unequal answers."""
+    """Conversations of one or two short exchanges (unequal answers): 10 to about 70 tokens with the test tokenizer."""
     import numpy as np
 
     rng = np.random.default_rng(1)
