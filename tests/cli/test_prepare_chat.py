@@ -123,3 +123,23 @@ def test_a_failing_template_is_counted_per_conversation_and_a_directory_without_
     with pytest.raises(SystemExit):
         prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "none"), str(data)])
     assert f"--tokenizer '{tok}' has no chat template" in capsys.readouterr().err
+
+
+def test_an_end_of_document_token_the_template_writes_is_refused_and_tool_turns_are_not_answers(tmp_path, capsys):
+    """A tokenizer whose eos is the template's end of turn (as Qwen's <|im_end|>) would cut every conversation at its
+    first turn: refused, naming --eod-token; with --eod-token <|endoftext|> it prepares. A tool turn's content is not
+    marked (the answers are the assistant's only). Broken once (no eod-inside check): nothing was refused."""
+    tok = make_chat_tokenizer(tmp_path / "tok")
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token": "<|im_end|>"}))
+    data = write_jsonl(tmp_path / "chat.jsonl", conversations(6))
+    with pytest.raises(SystemExit):
+        prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "a"), str(data), "--workers", "1"])
+    err = capsys.readouterr().err
+    assert "occurs inside 6 rendered conversation(s)" in err and "choose with --eod-token" in err, err
+    prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "b"), str(data), "--workers", "1",
+                  "--eod-token", "<|endoftext|>"])
+    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["document_count"] == 6
+    tool = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "asking"},
+            {"role": "tool", "content": "rain"}, {"role": "assistant", "content": "it rains"}]
+    assert answers(ChatTemplate(tok), tool) == "asking<|im_end|>\nit rains<|im_end|>\n"
