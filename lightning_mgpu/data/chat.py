@@ -33,7 +33,7 @@ from lightning_mgpu.data.chat_encoding import OVERLONG, REASONS, ChatSettings, R
 from lightning_mgpu.data.chat_rows import read_rows
 from lightning_mgpu.data.manifest import MANIFEST_FILE, TOKEN_DTYPES, TOKENS_FILE, Manifest, dtype_for, sampled_sha256
 from lightning_mgpu.data.prepare import PrepareError, PrepareResult, _existing, _expand, _publish, describe_sources
-from lightning_mgpu.data.tokenizer import Tokenizer, file_sha256
+from lightning_mgpu.data.tokenizer import EOD_CANDIDATES, Tokenizer, file_sha256
 
 MASK_FILE, DOCUMENTS_FILE = "mask.bin", "documents.bin"
 #: Rows sent to a process at a time.
@@ -79,7 +79,7 @@ def prepare_chat(inputs: Sequence[str | Path], tokenizer: str | Path, out: str |
     except ChatTemplateError as err:
         raise PrepareError([str(err)]) from None
     tok = Tokenizer(tokenizer)
-    eod_name, eod_id = tok.eod_token(eod_token)
+    eod_name, eod_id = tok.eod_token(eod_token or _end_of_text(tok))
     settings = ChatSettings(str(Path(tokenizer).resolve()), eod_id, max_tokens, overlong)
     chat = {"template_sha256": template.sha256, "mask_rule": template.rule, "max_tokens": max_tokens,
             "overlong": overlong}
@@ -88,6 +88,12 @@ def prepare_chat(inputs: Sequence[str | Path], tokenizer: str | Path, out: str |
     if existing is not None and _same_chat(Path(out), existing, chat):
         return PrepareResult(existing, True, 0.0, workers)
     return _write(Path(out), files, settings, workers, tok, eod_name, sources, chat)
+
+
+def _end_of_text(tok: Tokenizer) -> Optional[str]:
+    """The first of the usual end-of-text tokens the vocabulary has: a chat model's ``eos_token`` is often its end of
+    turn (Qwen's ``<|im_end|>``, Llama 3's ``<|eot_id|>``), which the template writes inside every conversation."""
+    return next((t for t in EOD_CANDIDATES if tok.token_id(t) is not None), None)
 
 
 def _option_problems(workers: int, max_tokens: Optional[int], overlong: str) -> list[str]:

@@ -126,20 +126,22 @@ def test_a_failing_template_is_counted_per_conversation_and_a_directory_without_
 
 
 def test_an_end_of_document_token_the_template_writes_is_refused_and_tool_turns_are_not_answers(tmp_path, capsys):
-    """A tokenizer whose eos is the template's end of turn (as Qwen's <|im_end|>) would cut every conversation at its
-    first turn: refused, naming --eod-token; with --eod-token <|endoftext|> it prepares. A tool turn's content is not
-    marked (the answers are the assistant's only). Broken once (no eod-inside check): nothing was refused."""
+    """A tokenizer whose eos is the template's end of turn (as Qwen's <|im_end|>): by default the end-of-text token
+    <|endoftext|> ends conversations instead; --eod-token <|im_end|> would cut every conversation at its first turn:
+    refused, naming --eod-token. A tool turn's content is not marked (the answers are the assistant's only). Broken
+    once each: without the eod-inside check nothing was refused; with the eos as default, the default run failed."""
     tok = make_chat_tokenizer(tmp_path / "tok")
     config = tmp_path / "tok" / "tokenizer_config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "eos_token": "<|im_end|>"}))
     data = write_jsonl(tmp_path / "chat.jsonl", conversations(6))
     with pytest.raises(SystemExit):
-        prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "a"), str(data), "--workers", "1"])
+        prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "a"), str(data), "--workers", "1",
+                      "--eod-token", "<|im_end|>"])
     err = capsys.readouterr().err
     assert "occurs inside 6 rendered conversation(s)" in err and "choose with --eod-token" in err, err
-    prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "b"), str(data), "--workers", "1",
-                  "--eod-token", "<|endoftext|>"])
-    assert json.loads((tmp_path / "b" / "manifest.json").read_text())["document_count"] == 6
+    prepare_main(["--chat", "--tokenizer", str(tok), "--out", str(tmp_path / "b"), str(data), "--workers", "1"])
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["document_count"] == 6 and manifest["eod_token"] == "<|endoftext|>"
     tool = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "asking"},
             {"role": "tool", "content": "rain"}, {"role": "assistant", "content": "it rains"}]
     assert answers(ChatTemplate(tok), tool) == "asking<|im_end|>\nit rains<|im_end|>\n"
