@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
                    help=f"tokenizing processes (default: the CPUs available, here {default_workers()})")
     p.add_argument("--eod-token", default=None, metavar="TOKEN",
                    help="the token appended after every document (default: the tokenizer's eos token, or "
-                        "<|end_of_text|>, <|endoftext|>, </s> if it has one)")
+                        "<|end_of_text|>, <|endoftext|>, </s> if it has one; with --chat those first, then the eos "
+                        "token, which chat templates often write at every turn's end)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace what DIR holds when it was prepared from other inputs or with another tokenizer")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
