@@ -114,10 +114,17 @@ def run(args, cwd, timeout=240, env=None, fork=True):
 HF_FAMILIES = REPO / "tests" / "data" / "hf"
 
 
+#: Fine-tuning recipes of a Hugging Face directory whose name does not say ``_hf_``: recipe -> the family it is written
+#: for (the full fine-tune of "an 8B directory" is checked with Llama-3-8B's).
+HF_RECIPE_FAMILIES = {"lora_qwen3_8b_1node": "qwen3_8b", "lora_llama3_70b_2node": "llama3_70b",
+                      "finetune_8b_1node": "llama3_8b"}
+
+
 def recipe_overrides(recipe: str) -> list[str]:
-    """``recipe=NAME``, and for a recipe that trains a Hugging Face directory (``NAME`` = ``FAMILY_hf_...``) the
-    ``model.path`` of its family's ``config.json``, as a user gives their download's."""
-    family = recipe.split("_hf_")[0] if "_hf_" in recipe else None
+    """``recipe=NAME``, and for a recipe that trains a Hugging Face directory (``NAME`` = ``FAMILY_hf_...``, or one
+    of :data:`HF_RECIPE_FAMILIES`) the ``model.path`` of its family's ``config.json``, as a user gives their
+    download's."""
+    family = HF_RECIPE_FAMILIES.get(recipe) or (recipe.split("_hf_")[0] if "_hf_" in recipe else None)
     return [f"recipe={recipe}"] + ([f"model.path={HF_FAMILIES / family}"] if family else [])
 
 
