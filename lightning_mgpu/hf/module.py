@@ -141,7 +141,7 @@ class HFCausalLM(L.LightningModule):
 
     # ---------------------------------------------- the package's batches through pipeline stages
     def pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch[:, :-1], batch[:, 1:]
+        return batch[:, :-1], batch[:, 1:].contiguous()  # transformers' loss views the labels flat
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.llm.loss_function(logits=logits, labels=targets, shift_labels=targets,
@@ -149,7 +149,8 @@ class HFCausalLM(L.LightningModule):
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams
-        trained = [(name, p) for name, p in self.llm.named_parameters() if p.requires_grad]  # not a frozen base
+        # what trains, not a frozen base; from the module, which also holds a frozen pipeline stage's placeholder
+        trained = [(name.removeprefix("llm."), p) for name, p in self.named_parameters() if p.requires_grad]
         optimizer = build_optimizer(trained, parameter_shape, hp.get("optimizer", "adamw"), hp.lr,
                                     hp.weight_decay, tuple(hp.betas), hp.eps, hp.get("muon_momentum", 0.95),
                                     hp.get("muon_ns_dtype", "auto"))

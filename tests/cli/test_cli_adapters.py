@@ -45,10 +45,10 @@ def stated_initial_values(model: torch.nn.Module) -> None:
                 param.zero_()
 
 
-def reference(directory, token_file) -> dict:
+def reference(directory, token_file, targets="all-linear") -> dict:
     """The same run as a plain loop (``trained_like_the_cli``) of PEFT's model over the directory's."""
     base = transformers.AutoModelForCausalLM.from_pretrained(directory, use_safetensors=True)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
     stated_initial_values(model)
     return trained_like_the_cli(model, token_file, STEPS, LR, WARMUP, MIN_LR, DECAY)
 
@@ -76,6 +76,23 @@ def test_lora_from_the_command_line_at_parity_and_exported(llama_dir, token_file
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - expected["model"](input_ids=ids).logits).abs().max() < 1e-5
+
+
+def test_lora_on_the_last_layer_only_at_pp2(llama_dir, token_file, tmp_path):
+    """Adapters on the second layer alone: pipeline rank 0 (embeddings, layer 0) trains nothing, and trains."""
+    targets = ["model.layers.1.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    run_dir = tmp_path / "run"
+    data = [arg for arg in cli_args(token_file, STEPS) if arg not in TINY_MODEL and not arg.startswith("model.")]
+    args = [str(BIN / "mgpu-train"), "model=hf", f"model.path={llama_dir}", *LORA, f"adapters.targets=[{','.join(targets)}]",
+            *data, "parallel.pipeline_parallel_size=2", "parallel.zero_stage=1", "optim.lr=3e-3",
+            "optim.weight_decay=0.1", f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    expected = reference(llama_dir, token_file, targets)
+    metrics = run_dir / "metrics.csv"
+    losses, norms = read_metric(metrics, "train/loss"), read_metric(metrics, "train/grad_norm")
+    assert max_abs_diff(losses, expected["losses"]) < 1e-5, (losses, expected["losses"])
+    assert max_abs_diff(norms, expected["grad_norms"]) < 1e-5, (norms, expected["grad_norms"])
 
 
 def test_bad_adapter_settings_are_refused_before_launch(llama_dir):

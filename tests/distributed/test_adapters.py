@@ -26,7 +26,7 @@ LAYOUTS = {
     "pp2_1f1b_zero1": (2, 2, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=1),
                        [("lora", "llama", {}), ("lora", "qwen3", {}), ("frozen", "llama", {})]),
     "pp2_zbv": (2, 4, dict(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="zbv",
-                           num_microbatches=4), [("lora", "llama", {})]),
+                           num_microbatches=4), [("lora", "llama", {}), ("frozen", "llama", {})]),
     "cp2_zero2": (2, 2, dict(context_parallel_size=2, zero_stage=2), [("lora", "llama", {}), ("lora", "qwen3", {})]),
     "dp2_zero3": (2, 2, dict(zero_stage=3), [("lora", "llama", {}), ("lora", "qwen3_moe", ATTENTION),
                                              ("lora", "qwen3", dict(use_dora=True)),

@@ -3,12 +3,9 @@ pipeline loss on the last stage, over 2 micro-batches of 1F1B on 2 ranks, agains
 directory's model on the same batches -- the mean next-token cross-entropy written here, the global grad norm before
 clipping, torch's AdamW at a constant LR -- loss and grad norm each step within 1e-5.
 
-It fails today, and is marked so (strict: it must be unmarked when fixed): ``HFCausalLM.pipeline_batch`` hands on the
-targets as the view ``batch[:, 1:]``, and transformers' ``ForCausalLMLoss`` calls ``shift_labels.view(-1)`` on them
-("view size is not compatible with input tensor's size and stride"), so ``mgpu-train model=hf`` with
-``parallel.pipeline_parallel_size`` > 1 stops at its first step. With the targets made contiguous there
-(``batch[:, 1:].contiguous()``, as ``HFCausalLM.loss`` does) this test passes (checked on 2026-12-06 by patching the
-method in a scratch run)."""
+It failed until ``HFCausalLM.pipeline_batch`` handed on contiguous targets: transformers' ``ForCausalLMLoss`` calls
+``shift_labels.view(-1)``, which the view ``batch[:, 1:]`` refuses ("view size is not compatible with input tensor's
+size and stride"), so ``mgpu-train model=hf`` with ``parallel.pipeline_parallel_size`` > 1 stopped at its first step."""
 
 from __future__ import annotations
 
@@ -21,7 +18,6 @@ import torch.nn.functional as F
 import transformers
 from hf_helpers import tiny_model, token_ids
 from helpers import max_abs_diff
-from torch.multiprocessing.spawn import ProcessRaisedException
 from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUStrategy
@@ -77,9 +73,6 @@ def directory(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.xfail(strict=True, raises=ProcessRaisedException,  # a rank's RuntimeError, as the launch reports it
-                   reason="HFCausalLM.pipeline_batch's targets are a non-contiguous view, which transformers' loss "
-                   "cannot view(-1); see the module docstring")
 def test_hf_causal_lm_pipeline_loss_matches_one_process(directory):
     results = run_distributed(pipelined, 2, directory)
     expected = one_process(directory)
