@@ -23,6 +23,7 @@ from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.parallel.parallelize import parallelize
 from lightning_mgpu.models.moe import moe_layers
 from lightning_mgpu.optim.choice import muon_steps
+from lightning_mgpu.buckets import persistence_threshold
 from lightning_mgpu.planner.memory import rank_model_state_bytes
 from lightning_mgpu.planner.model_stats import RankParameters, rank_parameter_split
 from lightning_mgpu.planner.replicas import replica_traffic
@@ -79,11 +80,16 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
 
 def frozen_share(kept: torch.nn.Module) -> dict:
     """``RankParameters``' frozen fields of a built share (``adapters=lora`` freezes the base): what it stores without
-    a gradient, master or optimizer state, so the dry run's model states count it as the planner does."""
+    a gradient, master or optimizer state, and the trainable parameters ZeRO-3 would keep whole (at most the
+    engine's persistence threshold), so the dry run's model states count them as the planner does."""
     expert_ids = {id(p) for layer in moe_layers(kept) for p in layer.experts.parameters()}
     frozen = [p for p in kept.parameters() if not p.requires_grad]
+    if not frozen:
+        return {}
+    threshold = persistence_threshold(max(p.numel() for p in kept.parameters()))
     return dict(frozen=sum(p.numel() for p in frozen if id(p) not in expert_ids),
-                experts_frozen=any(id(p) in expert_ids for p in frozen))
+                experts_frozen=any(id(p) in expert_ids for p in frozen),
+                persistent=sum(p.numel() for p in kept.parameters() if p.requires_grad and p.numel() <= threshold))
 
 
 def built_share(spec: RunSpec, layout: ParallelLayout, strategy: MGPUStrategy, tp_rank: int, pp_rank: int

@@ -35,3 +35,23 @@ def test_plan_counts_the_base_as_frozen():
     assert (params, grads, optim) == ("16.4", "0.0", "0.0")  # 2 (N + ADAPTERS) = 16.4 GB; 3.8M adapters: 0.0 GB
     full = plan_report(composed(*RUN, "plan.per_stage=true"), [])
     assert re.search(r"\n\s+0\s+0\s+16\.4\s+16\.4\s+12\.3\s", full)  # 2 N, 2 N, 12 N / 8
+
+
+def test_dry_run_counts_the_frozen_base_as_the_planner_does():
+    """The dry run's model states of each built tensor rank (PEFT's module on meta, split) equal the planner's at tp2
+    ZeRO-3, where the adapters at or below the persistence threshold (100,000 elements here) are also kept whole."""
+    from lightning_mgpu.cli.dry_run import rank_shares
+    from lightning_mgpu.cli.spec import run_spec
+    from lightning_mgpu.planner.memory import rank_model_state_bytes
+    from lightning_mgpu.planner.model_stats import rank_parameter_split
+
+    cfg = composed(*RUN, "parallel.tensor_parallel_size=2", "parallel.zero_stage=3", "adapters=lora")
+    spec = run_spec(cfg, launching=False)
+    planned = rank_parameter_split(spec.model, 2)
+    # rank 16 at tp 2, per layer: q 16 x 4096 + 2048 x 16, k and v 16 x 4096 + 512 x 16, o 16 x 2048 + 4096 x 16,
+    # gate and up 16 x 4096 + 6144 x 16, down 16 x 6144 + 4096 x 16: every matrix at most 98,304 elements
+    assert planned.persistent == 36 * (98_304 + 2 * 73_728 + 98_304 + 3 * 163_840)
+    _, shares = rank_shares(spec)
+    assert len(shares) == 2
+    for share in shares:
+        assert share.bytes == rank_model_state_bytes(planned, 3, 4, 1, "bf16-mixed", False, overlap=True)
