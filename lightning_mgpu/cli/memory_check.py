@@ -14,7 +14,7 @@ from lightning_mgpu.cli.machine import _inside_slurm_job, _wants_gpu
 from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.layout import chunks_per_rank, divisors
 from lightning_mgpu.planner.hardware import GPUS
-from lightning_mgpu.planner.model_stats import max_rank_split
+from lightning_mgpu.planner.model_stats import RankParameters, max_rank_split
 from lightning_mgpu.planner.process import ProcessMemory, host_memory, process_memory
 from lightning_mgpu.planner.replicas import master_share, outer_copy_bytes
 from lightning_mgpu.planner.search import USABLE_MEMORY
@@ -108,6 +108,17 @@ def memory_problems(spec: RunSpec) -> list[str]:
     return [_memory_refusal(spec, need, budget)]
 
 
+def _held_note(held: RankParameters, dp: int, ep: int) -> str:
+    """What the fullest rank's count holds apart: routed experts (partitioned over fewer ranks) and, in an adapter
+    run, the frozen base, which costs its storage alone; so a reader sees why the states are what they are."""
+    note = (f"; of them {held.experts / 1e6:,.0f}M of routed experts, ZeRO over the {dp // ep} holding the same "
+            "experts" if held.experts else "")
+    if held.frozen:
+        note += (f"; {(held.total - held.frozen - (held.experts if held.experts_frozen else 0)) / 1e6:,.1f}M train "
+                 "(adapters), the rest is the frozen base: its weights only, no gradient, master or optimizer state")
+    return note
+
+
 def _memory_refusal(spec: RunSpec, need: ProcessMemory, budget: MemoryBudget) -> str:
     p, t, d, model = spec.layout, spec.config.trainer, spec.config.data, spec.model
     n = budget.processes
@@ -123,10 +134,9 @@ def _memory_refusal(spec: RunSpec, need: ProcessMemory, budget: MemoryBudget) ->
     held = max_rank_split(model, tp, pp, stages, p.expert_parallel_size)
     parts = [f"{need.baseline / GB:.1f} GB libraries"] if need.baseline else []
     states = "model states" if budget.on_gpu else "model states at the first optimizer step's peak"
-    experts = (f"; of them {held.experts / 1e6:,.0f}M of routed experts, ZeRO over the "
-               f"{dp // p.expert_parallel_size} holding the same experts" if held.experts else "")
     parts += [f"{need.model_states / GB:.1f} GB {states} ({held.total / 1e6:,.0f}M parameters on the fullest rank, "
-              f"{t.precision}, ZeRO-{p.zero_stage} over {dp} data-parallel rank{'s' if dp > 1 else ''}{experts})",
+              f"{t.precision}, ZeRO-{p.zero_stage} over {dp} data-parallel rank{'s' if dp > 1 else ''}"
+              f"{_held_note(held, dp, p.expert_parallel_size)})",
               f"{need.activations / GB:.1f} GB activations (micro-batch {d.micro_batch_size} x {d.seq_len} tokens)"]
     breakdown = f"per {'GPU' if budget.on_gpu else 'process'}: " + " + ".join(parts)
     if need.whole_model:

@@ -55,3 +55,16 @@ def test_dry_run_counts_the_frozen_base_as_the_planner_does():
     assert len(shares) == 2
     for share in shares:
         assert share.bytes == rank_model_state_bytes(planned, 3, 4, 1, "bf16-mixed", False, overlap=True)
+
+
+def test_memory_refusal_says_what_trains():
+    """A LoRA run that cannot fit (a Llama-3-70B base whole on each of 16 GPUs) is refused with the adapters' count:
+    80 layers x 16 (8192 + 8192) q, 16 (8192 + 1024) k and v, 16 (8192 + 8192) o, 16 (8192 + 28672) gate, up, down."""
+    from lightning_mgpu.cli.memory_check import memory_problems
+
+    cfg = composed("model=hf", f"model.path={HF_FAMILIES / 'llama3_70b'}", "trainer=gpu", "trainer.devices=8",
+                   "trainer.num_nodes=2", "parallel.zero_stage=1", "data.seq_len=4096", "data.micro_batch_size=1",
+                   "data.global_batch_size=64", "adapters=lora")
+    adapters = 80 * 16 * (2 * 8192 + 2 * (8192 + 1024) + 2 * 8192 + 3 * (8192 + 28672))
+    [refusal] = memory_problems(resolved(cfg))
+    assert f"; {adapters / 1e6:,.1f}M train (adapters), the rest is the frozen base" in refusal, refusal
