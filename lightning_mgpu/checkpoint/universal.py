@@ -38,22 +38,28 @@ from lightning_mgpu.engine import ParameterState, moments_of
 from lightning_mgpu.engine.experts import schedules_by_origin, schedules_for_groups
 from lightning_mgpu.engine.pieces import Piece, assemble, own_piece
 from lightning_mgpu.layout import ParallelLayout, canonical_name, container_prefix
-from lightning_mgpu.parallel.frozen import is_placeholder
+from lightning_mgpu.checkpoint.frozen_weights import (FROZEN, check_trained_now, frozen_value, keeps_frozen,
+                                                      left_out_names, saved_parameters, set_frozen)
 
 
-def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str = "", defer: bool = False
-                  ) -> tuple[dict, list]:
+def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str = "", defer: bool = False,
+                  keep_frozen: bool = True) -> tuple[dict, list]:
     """``prefix``: this replica's keys, when replicas that step apart each save their own weights and moments.
-    ``defer``: under ZeRO 1-2, this rank's pieces (:class:`Deferred`), assembled later, instead of whole tensors."""
+    ``defer``: under ZeRO 1-2, this rank's pieces (:class:`Deferred`), assembled later, instead of whole tensors.
+    ``keep_frozen``: frozen parameters' values too (``checkpoint.frozen_weights``)."""
     access = ParameterState(engine)
     mesh = DeviceMesh.from_group(layout.group("tp"), "cpu")
     experts = expert_mesh(layout) if layout.size("ep") > 1 else None
     state: dict[str, Any] = {}
     params = []
     stages = container_prefix(engine.module)
-    for name, param in trained_parameters(engine.module):
+    for name, param in saved_parameters(engine.module, keep_frozen):
         fqn = canonical_name(name, layout, stages)
         params.append((fqn, param))
+        if not param.requires_grad:  # frozen: its value, nothing else to save
+            state[f"{prefix}param/{fqn}"] = as_saved(frozen_value(param) if fill else access.like(param), param,
+                                                     layout, mesh, experts)
+            continue
         for key in (None, *moments_of(param)) if access.trains else (None,):  # an engine that evaluates: weights
             # an expert's pieces lie over its own data-parallel ranks, not the ones ``assemble`` reads: copied now
             expert = getattr(param, "expert_partition", None) is not None
@@ -67,22 +73,6 @@ def _tensor_state(engine: Any, layout: ParallelLayout, fill: bool, prefix: str =
         state[f"{prefix}buffer/{fqn}"] = buffer.detach().float().clone() if fill else torch.zeros_like(buffer).float()
     state["step"] = torch.tensor(float(access.step()))
     return state, params
-
-
-def trained_parameters(module: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters a checkpoint holds: those that train. A frozen one (``requires_grad=False``: a fine-tune's base)
-    has no master copy or optimizer state and never changes, so it is the module's own on resume (built or loaded by
-    it, as when the run started) and costs the checkpoint nothing; its name is recorded (:func:`frozen_names`)."""
-    return [(name, p) for name, p in module.named_parameters() if p.requires_grad and not is_placeholder(name)]
-
-
-def frozen_names(module: torch.nn.Module, layout: ParallelLayout) -> list[str]:
-    """The layout-independent names of every frozen parameter of the model, from every rank (collective)."""
-    stages = container_prefix(module)
-    mine = [canonical_name(name, layout, stages) for name, p in module.named_parameters() if not p.requires_grad]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return sorted({name for names in everyone for name in names})
 
 
 def persistent_buffers(module: torch.nn.Module, layout: ParallelLayout) -> list[tuple[str, torch.Tensor]]:
@@ -125,9 +115,11 @@ def universal_state(engine: Any, layout: ParallelLayout, trainer_state: dict, re
     a fresh fp32 copy out of the engine (``ParameterState.get`` clones), which training may change at once. With
     ``replica_sync`` (a ``ReplicaSync``), each replica's own weights and moments and the outer step's
     (``checkpoint.replica_state``). ``defer``: ZeRO 1-2 tensors as this rank's pieces (:class:`Deferred`)."""
+    keep = keeps_frozen(trainer_state)
     state, params = _tensor_state(engine, layout, fill=True, prefix=replica_state.prefix(layout, replica_sync),
-                                  defer=defer)
-    trainer_state = dict(trainer_state, **{FROZEN: frozen_names(engine.module, layout)})
+                                  defer=defer, keep_frozen=keep)
+    trainer_state = dict(trainer_state, **{FROZEN: [] if keep else left_out_names(engine.module, layout)})
+    params = [(fqn, p) for fqn, p in params if p.requires_grad]
     if replica_sync is not None:
         state.update(replica_state.outer_tensors(engine, layout, replica_sync, params, fill=True))
         trainer_state = dict(trainer_state, **{replica_state.KEY: replica_state.counters(layout, replica_sync)})
@@ -185,20 +177,6 @@ def _check_optimizer_state(path: str | Path, wanted: dict, saved: dict) -> None:
                          "start from its weights alone (mgpu-export it, then model.init_from=hf:DIR)")
 
 
-#: The trainer-state key of the frozen parameters' names (not saved: the module's own on resume).
-FROZEN = "frozen_parameters"
-
-
-def _check_frozen(path: str | Path, saved: list[str], now: list[str]) -> None:
-    """The rule: a run resumes with the parameters frozen that were frozen when it saved (they are not in the
-    checkpoint; a parameter frozen now but trained then would silently lose its training)."""
-    lost = sorted(set(now) - set(saved))
-    if lost:
-        raise ValueError(f"{path} was saved by a run that trained {len(lost)} parameter(s) frozen now (first: "
-                         f"{lost[0]}), so their trained values would be lost; freeze the same parameters as the run "
-                         "that saved it, or start a new run from its exported weights (mgpu-export)")
-
-
 def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replica_sync: Any = None,
                    fitting: bool = True) -> dict:
     """Load a checkpoint written by any layout into this rank's engine; return the trainer state. With
@@ -209,8 +187,13 @@ def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replic
     metadata = read_dcp_metadata(path)  # refused here with its own message, not wrapped in DCP's
     prefix = replica_state.prefix(layout, replica_sync)
     state, params = _tensor_state(engine, layout, fill=False, prefix=prefix)
-    _check_optimizer_state(path, state, metadata.state_dict_metadata)
-    _check_frozen(path, trainer_state.pop(FROZEN, []), frozen_names(engine.module, layout))
+    saved = metadata.state_dict_metadata
+    left_out = {f"{prefix}param/{fqn}" for fqn, p in params if not p.requires_grad} - set(saved)  # a base, by record
+    state = {k: v for k, v in state.items() if k not in left_out}
+    trainer_state.pop(FROZEN, None)
+    check_trained_now(path, params, saved, prefix)
+    _check_optimizer_state(path, state, saved)
+    frozen, params = [(f, p) for f, p in params if not p.requires_grad], [(f, p) for f, p in params if p.requires_grad]
     if replica_sync is not None:
         state.update(replica_state.outer_tensors(engine, layout, replica_sync, params, fill=False))
     dcp.load(state, storage_reader=SafeFileSystemReader(path))
@@ -226,6 +209,9 @@ def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replic
                    if f"{prefix}{k}/{fqn}" in state}
         access.set(param, value, moments, step)
     access.finish()
+    for fqn, param in frozen:
+        if f"{prefix}param/{fqn}" in state:
+            set_frozen(param, from_saved(state[f"{prefix}param/{fqn}"], param, layout, access.like(param)))
     for fqn, buffer in persistent_buffers(engine.module, layout):
         with torch.no_grad():
             buffer.copy_(state[f"{prefix}buffer/{fqn}"])

@@ -20,6 +20,7 @@ import torch
 
 from lightning_mgpu.checkpoint.files import CONFIG, WEIGHTS, read_consolidated
 from lightning_mgpu.checkpoint.formats import format_of, is_consolidated
+from lightning_mgpu.checkpoint.frozen_weights import ADAPTER_RECORD
 from lightning_mgpu.checkpoint.store import verify
 from lightning_mgpu.checkpoint.universal import read_model_shapes, read_parameters, read_trainer_state
 from lightning_mgpu.cli.errors import ConfigError, exit_on_refusal
@@ -101,6 +102,9 @@ def export_adapters(checkpoint: Path, out: Path, format: str, merge: bool, base:
     from lightning_mgpu.hf.adapter_export import export_merged, export_peft
 
     problems = export_problems(checkpoint, out)
+    if checkpoint.is_dir() and format_of(checkpoint) != "universal":
+        problems.append(f"checkpoint {str(checkpoint)!r} is not a universal checkpoint: adapters are exported from one "
+                        "(checkpoint.format=universal, the default)")
     if format == "peft" and merge:
         problems.append("--merge writes the merged model's weights (--format hf), --format peft the adapters alone; "
                         "choose one")
@@ -124,7 +128,11 @@ def export(checkpoint: Path, out: Path, dtype: torch.dtype = torch.float32,
         raise ConfigError(problems, what="arguments")
     verify(checkpoint)
     shard_bytes = parse_size(max_shard_size) or 0  # a size: refused above if not
-    source = trained_from(read_trainer_state(checkpoint)) if format_of(checkpoint) == "universal" else None
+    state = read_trainer_state(checkpoint) if format_of(checkpoint) == "universal" else {}
+    if state.get(ADAPTER_RECORD):
+        raise ConfigError([f"{checkpoint} holds a run's adapters, not its frozen base: export them with --format peft, "
+                           "or the base with them merged with --merge"], what="arguments")
+    source = trained_from(state) if state else None
     if source is not None:  # a transformers model trained as it is (model=hf)
         written = _export_transformers_run(checkpoint, source, out, dtype, shard_bytes)
     else:

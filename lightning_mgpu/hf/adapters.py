@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 from torch import nn
 
+from lightning_mgpu.checkpoint.frozen_weights import ADAPTER_RECORD
+
 #: base style -> (style of lora_A, style of lora_B)
 ADAPTER_STYLES = {
     "colwise": ("grad_sum", "colwise"),
@@ -147,8 +149,9 @@ def _parts(name: str, style: str, module: nn.Module, problems: list[str]) -> dic
     return entries
 
 
-#: The checkpoint record's key (``checkpoint_record``): what :mod:`lightning_mgpu.hf.adapter_export` reads.
-RECORD = "adapters"
+#: The checkpoint record's key (``checkpoint_record``): what :mod:`lightning_mgpu.hf.adapter_export` reads, and what
+#: tells a checkpoint to leave the frozen base out.
+RECORD = ADAPTER_RECORD
 
 
 def peft_model(module: nn.Module) -> Optional[tuple[str, nn.Module]]:

@@ -34,8 +34,12 @@ def runs(tmp_path_factory):
     first = run_distributed(in_turn, 2, {
         "lora": (fit_adapted, ("lora", "llama", 2), dict(steps=2, lora=lora, save_to=str(root / "lora2"), **FIRST)),
         "full": (fit_adapted, ("full", "llama", 2), dict(steps=2, save_to=str(root / "full2"), **FIRST))})
-    second = run_distributed(fit_adapted, 2, "lora", "llama", 2, steps=4, lora=lora, ckpt_path=str(root / "lora2"),
-                             save_to=str(root / "lora4"), **SECOND)
+    both = run_distributed(in_turn, 2, {
+        "lora": (fit_adapted, ("lora", "llama", 2), dict(steps=4, lora=lora, ckpt_path=str(root / "lora2"),
+                                                         save_to=str(root / "lora4"), **SECOND)),
+        # no adapters, embeddings and layer 0 frozen: pipeline rank 0 trains nothing but its placeholder
+        "frozen": (fit_adapted, ("frozen", "llama", 2), dict(steps=1, save_to=str(root / "frozen_pp"), **SECOND))})
+    second = [r["lora"] for r in both]
     batches = global_batches([r["lora"] for r in first]) + global_batches(second)
     return root, first, second, single_process_adapted("lora", "llama", batches, lora=lora)
 
@@ -89,3 +93,35 @@ def test_an_export_of_a_run_without_adapters_is_refused(runs, capsys):
         export_main([str(root / "full2"), str(root / "nothing"), "--format", "peft"])
     assert exit_.value.code == 2
     assert "holds no adapters" in capsys.readouterr().err
+
+
+def saved_keys(path: Path) -> set[str]:
+    from lightning_mgpu.checkpoint.safe_reader import read_dcp_metadata
+
+    return set(read_dcp_metadata(path).state_dict_metadata)
+
+
+def test_frozen_weights_are_saved_by_value_unless_adapters_name_their_base(runs):
+    """A partly frozen run without adapters saves its frozen weights (value only), never a stage's placeholder; an
+    adapter run leaves its base out and records its names; resuming it into a run that trains the base is refused."""
+    from lightning_mgpu.checkpoint.universal import read_trainer_state
+
+    root = runs[0]
+    frozen = saved_keys(root / "frozen_pp")
+    assert "param/llm.model.embed_tokens.weight" in frozen and "exp_avg/llm.model.embed_tokens.weight" not in frozen
+    assert not any("placeholder" in key for key in frozen), sorted(frozen)
+    adapters = saved_keys(root / "lora4")
+    assert not any("base_layer" in key or "embed_tokens" in key for key in adapters), sorted(adapters)[:5]
+    assert "llm.base_model.model.model.embed_tokens.weight" in read_trainer_state(root / "lora4")["frozen_parameters"]
+    with pytest.raises(Exception, match="holds no value of .* parameter.*that train now"):
+        run_distributed(fit_adapted, 2, "lora", "llama", 2, steps=3, ckpt_path=str(root / "lora2"),
+                        lora=dict(base=str(root / "base"), targets=["q_proj", "v_proj"],
+                                  modules_to_save=["embed_tokens"]), **FIRST)
+
+
+def test_a_whole_model_export_of_an_adapter_run_is_refused(runs, capsys):
+    root = runs[0]
+    with pytest.raises(SystemExit) as exit_:
+        export_main([str(root / "lora4"), str(root / "whole")])
+    assert exit_.value.code == 2
+    assert "--format peft" in capsys.readouterr().err
