@@ -127,12 +127,15 @@ def _data_parallel(cfg: LlamaConfig, cluster: ClusterSpec, tp: int, pp: int, vir
                    ep: int, zero_stage: int, overlap: bool, compute: float,
                    microbatches: int) -> tuple[float, float, float]:
     """(gradient reduction, ZeRO-3 gathers, what of them is not hidden) in seconds: the dense gradients over the
-    ``data_context`` ranks, the routed experts' over the ``data_context / ep`` holding the same experts."""
+    ``data_context`` ranks, the routed experts' over the ``data_context / ep`` holding the same experts. A frozen
+    base (``adapters=lora``) has no gradient to reduce, but ZeRO-3 still gathers its partitioned weights."""
     gpu = cluster.gpu
     dp_bw = gpu.inter_node_bandwidth if cluster.nodes > 1 else gpu.intra_node_bandwidth
     held = max_rank_split(cfg, tp, pp, virtual, ep)
-    reduction = _ring(2.0 * held.dense, data_context, dp_bw) + _ring(2.0 * held.experts, data_context // ep, dp_bw)
-    gathers = 0.5 * reduction if zero_stage == 3 else 0.0
+    experts = _ring(2.0 * held.experts, data_context // ep, dp_bw)
+    reduction = _ring(2.0 * (held.dense - held.frozen), data_context, dp_bw) + (0.0 if held.experts_frozen else experts)
+    # an all-gather of every weight is half an all-reduce of it
+    gathers = 0.5 * (_ring(2.0 * held.dense, data_context, dp_bw) + experts) if zero_stage == 3 else 0.0
     exposed = reduction + gathers
     if overlap and zero_stage >= 2:
         last_backward = (2 / 3) * compute / max(1, microbatches) if pp == 1 else 0.0
