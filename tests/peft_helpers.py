@@ -55,18 +55,26 @@ def build(kind: str, family: str, n_layers: int, **lora: Any) -> torch.nn.Module
     return partly_frozen_model(family, n_layers) if kind == "frozen" else tiny_model(family, n_layers)
 
 
+def make_optimizer(params: list[torch.nn.Parameter], name: str) -> torch.optim.Optimizer:
+    """SGD (the default: weights comparable after the last step), or AdamW (its moments in the checkpoints)."""
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    return torch.optim.SGD(params, lr=LORA_LR)
+
+
 class AdaptedLM(L.LightningModule):
     """PEFT as the user writes it: nothing about parallelism."""
 
-    def __init__(self, kind: str, family: str, n_layers: int = 2, **lora: Any) -> None:
+    def __init__(self, kind: str, family: str, n_layers: int = 2, optimizer: str = "sgd", **lora: Any) -> None:
         super().__init__()
         self.llm = build(kind, family, n_layers, **lora)
+        self.optimizer_name = optimizer
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.llm(input_ids=batch, labels=batch).loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=LORA_LR)
+        return make_optimizer([p for p in self.parameters() if p.requires_grad], self.optimizer_name)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(token_ids(), batch_size=MICRO)
@@ -80,7 +88,7 @@ def canonical(name: str) -> str:
 
 def fit_adapted(rank: int, kind: str, family: str, devices: int, steps: int = 3, n_layers: int = 2,
                 lora: Optional[dict] = None, save_to: Optional[str] = None, ckpt_path: Optional[str] = None,
-                **strategy_kwargs: Any) -> dict:
+                optimizer: str = "sgd", **strategy_kwargs: Any) -> dict:
     """One ``Trainer.fit`` of :class:`AdaptedLM`; what it saw, the local shapes, which parameters train, and the whole
     trained weights (rank 0) gathered from every shard and stage."""
     from lightning_mgpu.checkpoint.consolidate import consolidated_state_dict
@@ -89,7 +97,7 @@ def fit_adapted(rank: int, kind: str, family: str, devices: int, steps: int = 3,
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy_kwargs), max_steps=steps,
                         gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[seen], limit_val_batches=0)
-    module = AdaptedLM(kind, family, n_layers, **(lora or {}))
+    module = AdaptedLM(kind, family, n_layers, optimizer, **(lora or {}))
     trainer.fit(module, ckpt_path=ckpt_path)
     if save_to:
         trainer.save_checkpoint(save_to)
@@ -118,12 +126,12 @@ def master_elements(optimizer: Any) -> int:
 
 
 def single_process_adapted(kind: str, family: str, batches: list[torch.Tensor], n_layers: int = 2,
-                           lora: Optional[dict] = None) -> dict:
+                           lora: Optional[dict] = None, optimizer: str = "sgd") -> dict:
     """The same training as a plain loop: the model's own loss, the trainable parameters' norm before clipping at
     ``CLIP``, SGD; the weights after the last step."""
     model = build(kind, family, n_layers, **(lora or {}))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=LORA_LR)
+    optimizer = make_optimizer(trainable, optimizer)
     losses, norms = [], []
     for batch in batches:
         loss = model(input_ids=batch, labels=batch).loss

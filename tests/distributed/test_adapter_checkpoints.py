@@ -1,6 +1,6 @@
 """An adapter run's checkpoints and exports, as a user meets them: LoRA over a model loaded with ``from_pretrained``
 from a directory, trained 2 steps at tp2 with sequence parallelism and saved; resumed on pp2 at ZeRO-1 (another
-layout) for 2 more and saved again. The checkpoints hold what trains (a fraction of a full fine-tune's, same layout);
+layout) for 2 more and saved again, with AdamW (its moments travel in the checkpoint). The checkpoints hold what trains (a fraction of a full fine-tune's, same layout);
 the 4 steps equal one plain PEFT loop; ``mgpu-export --format peft`` writes what ``PeftModel.from_pretrained`` loads to
 the trained model's logits, and ``--merge`` what ``from_pretrained`` loads to PEFT's own merged model's logits."""
 
@@ -32,16 +32,17 @@ def runs(tmp_path_factory):
     tiny_model("llama").save_pretrained(base)
     lora = dict(base=str(base), targets=["q_proj", "v_proj"])
     first = run_distributed(in_turn, 2, {
-        "lora": (fit_adapted, ("lora", "llama", 2), dict(steps=2, lora=lora, save_to=str(root / "lora2"), **FIRST)),
+        "lora": (fit_adapted, ("lora", "llama", 2), dict(steps=2, lora=lora, save_to=str(root / "lora2"),
+                                                         optimizer="adamw", **FIRST)),
         "full": (fit_adapted, ("full", "llama", 2), dict(steps=2, save_to=str(root / "full2"), **FIRST))})
     both = run_distributed(in_turn, 2, {
         "lora": (fit_adapted, ("lora", "llama", 2), dict(steps=4, lora=lora, ckpt_path=str(root / "lora2"),
-                                                         save_to=str(root / "lora4"), **SECOND)),
+                                                         save_to=str(root / "lora4"), optimizer="adamw", **SECOND)),
         # no adapters, embeddings and layer 0 frozen: pipeline rank 0 trains nothing but its placeholder
         "frozen": (fit_adapted, ("frozen", "llama", 2), dict(steps=1, save_to=str(root / "frozen_pp"), **SECOND))})
     second = [r["lora"] for r in both]
     batches = global_batches([r["lora"] for r in first]) + global_batches(second)
-    return root, first, second, single_process_adapted("lora", "llama", batches, lora=lora)
+    return root, first, second, single_process_adapted("lora", "llama", batches, lora=lora, optimizer="adamw")
 
 
 def test_an_adapter_checkpoint_holds_what_trains_and_resumes_on_another_layout(runs):

@@ -22,7 +22,10 @@ ATTENTION = dict(targets=["q_proj", "k_proj", "v_proj", "o_proj"])
 #: name -> (ranks, layers, strategy arguments, the runs: (kind, family, LoRA arguments))
 LAYOUTS = {
     "tp2_sp": (2, 2, dict(tensor_parallel_size=2, sequence_parallel=True),
-               [("lora", "llama", {}), ("lora", "qwen3", {}), ("lora", "qwen3_moe", ATTENTION), ("frozen", "llama", {})]),
+               [("lora", "llama", {}), ("lora", "qwen3", {}), ("lora", "qwen3_moe", ATTENTION), ("frozen", "llama", {}),
+                # the head trained whole beside the adapters (split over the vocabulary), and Phi-3's fused q/k/v and
+                # gate/up (column-parallel outputs gathered, row-parallel inputs split)
+                ("lora", "llama", dict(modules_to_save=["lm_head"])), ("lora", "phi3", {})]),
     "pp2_1f1b_zero1": (2, 2, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=1),
                        [("lora", "llama", {}), ("lora", "qwen3", {}), ("frozen", "llama", {})]),
     "pp2_zbv": (2, 4, dict(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="zbv",
@@ -35,7 +38,8 @@ LAYOUTS = {
                                      num_microbatches=2), [("lora", "qwen3", {})]),
 }
 def run_name(kind: str, family: str, lora: dict) -> str:
-    return f"{'dora' if lora.get('use_dora') else kind}-{family}" + ("-bf16_base" if lora.get("base_dtype") else "")
+    extra = {"base_dtype": "-bf16_base", "modules_to_save": "-saved_head"}
+    return f"{'dora' if lora.get('use_dora') else kind}-{family}" + "".join(v for k, v in extra.items() if k in lora)
 
 
 CASES = [(layout, run_name(*run)) for layout, (_, _, _, runs) in LAYOUTS.items() for run in runs]
