@@ -1,4 +1,5 @@
-"""Layout-independent checkpoints: every parameter's fp32 value and Adam moments, saved as sharded tensors with
+"""Layout-independent checkpoints: every trained parameter's fp32 value and Adam moments (a frozen one's value alone,
+or under adapters nothing: ``checkpoint.frozen_weights``), saved as sharded tensors with
 ``torch.distributed.checkpoint`` so that any other layout loads its own slice.
 
 Each rank contributes, per parameter it holds, the fp32 master weight and the two Adam moments of its
