@@ -82,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="hf: the model's weights as from_pretrained loads them; peft: an adapter run's adapters "
                              "(adapter_model.safetensors + adapter_config.json) as PeftModel.from_pretrained loads them")
     parser.add_argument("--merge", action="store_true",
-                        help="with --format hf, an adapter run's adapters merged into its base's weights")
+                        help="with --format hf, an adapter run's adapters merged into its base's weights, written "
+                             "with the base's own shards and dtype (--dtype and --max-shard-size do not apply)")
     parser.add_argument("--base", default=None,
                         help="an adapter run's base model directory (default: the one its checkpoint records)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")

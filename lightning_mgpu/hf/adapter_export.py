@@ -68,10 +68,15 @@ def rebuilt_peft_model(record: Mapping[str, Any], base: Path, tensors: Mapping[s
         model = get_peft_model(AutoModelForCausalLM.from_config(config), configs[first], adapter_name=first)
         for name in others:
             model.add_adapter(name, configs[name])
-    missing = sorted(set(tensors) - set(dict(model.named_parameters())))
-    if missing:
-        raise ValueError(f"the checkpoint's tensor {missing[0]} (and {len(missing) - 1} more) is not a parameter of "
-                         f"the PEFT model its record describes over {base}; give the base it was trained on (--base)")
+    params = dict(model.named_parameters())
+    extra = sorted(set(tensors) - set(params))
+    absent = sorted(name for name, p in params.items() if p.requires_grad and name not in tensors)
+    problems = [f"the checkpoint's tensor {extra[0]} (and {len(extra) - 1} more) is not a parameter of the PEFT model "
+                f"its record describes over {base}; give the base it was trained on (--base)"] if extra else []
+    problems += [f"the checkpoint holds no {absent[0]} (and {len(absent) - 1} more) of what the PEFT model trains: it "
+                 "was not written by this run's adapters"] if absent else []
+    if problems:
+        raise ValueError(format_problems("Cannot rebuild the adapters", problems))
     model.load_state_dict(dict(tensors), strict=False, assign=True)
     return model
 
@@ -116,6 +121,12 @@ def export_merged(checkpoint: Path, out: Path, base: Optional[Path] = None) -> l
     from safetensors.torch import save_file
 
     record, where = adapter_source(checkpoint, base)
+    moved = sorted(name for name, text in record["configs"].items()
+                   if str(json.loads(text).get("init_lora_weights", True)).lower() not in ("true", "false", "gaussian"))
+    if moved:
+        raise ValueError(f"adapter(s) {moved} were initialised by an init_lora_weights that changes the base's weights "
+                         "(PiSSA, OLoRA, ...): merging them onto the base directory's files would be wrong; export "
+                         "with --format peft and convert with PEFT")
     deltas, replaced = merged_deltas(rebuilt_peft_model(record, where, trained_tensors(checkpoint, record["prefix"])))
     out.mkdir(parents=True, exist_ok=True)
     written, used = [], set()
