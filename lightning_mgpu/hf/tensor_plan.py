@@ -130,4 +130,8 @@ def _token_wise(child: str, module: nn.Module) -> bool:
     sequence parallelism it runs on this rank's shard and sums its gradients; anything else (an attention the plan
     leaves whole, a convolution along the sequence) runs on the whole sequence on every rank."""
     names = (child.lower(), type(module).__name__.lower())
+    if any("norm" in name for name in names):
+        return True
+    if any("attn" in name or "attention" in name for name in names):  # GraniteMoeAttention: "moe" in a family name
+        return False
     return any(part in name for part in TOKEN_WISE for name in names)

@@ -200,3 +200,21 @@ def test_stages_in_turn_compute_the_whole_model_with_per_layer_config_lists():
         whole = model(input_ids=ids).logits
         staged = HFStage(found, 2, 4)(HFStage(found, 0, 2)(ids))
     assert torch.allclose(staged, whole, atol=1e-6), (staged - whole).abs().max()
+
+
+def test_an_attention_named_after_its_mixture_of_experts_family_runs_on_the_whole_sequence():
+    """GraniteMoE's attention class is ``GraniteMoeAttention``: "moe" in the family's name does not make it compute each
+    position on its own. Its plan leaves it whole, so under sequence parallelism it runs on the gathered sequence; its
+    norms (``post_attention_layernorm`` names attention) on this rank's shard."""
+    import torch
+    from hf_helpers import tiny_model
+
+    from lightning_mgpu.hf.model import find_hf_model
+    from lightning_mgpu.hf.tensor_plan import hf_tp_plan
+
+    holder = torch.nn.Module()
+    holder.llm = tiny_model("granitemoe")
+    plan = hf_tp_plan(find_hf_model(holder))
+    assert plan["llm.model.layers.*.self_attn"] == "whole_sequence_sp"
+    assert plan["llm.model.layers.*.post_attention_layernorm"] == "grad_sum_sp"
+    assert plan["llm.model.layers.*.block_sparse_moe"] == "grad_sum_sp"
