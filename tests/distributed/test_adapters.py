@@ -27,16 +27,22 @@ LAYOUTS = {
                 # gate/up (column-parallel outputs gathered, row-parallel inputs split)
                 ("lora", "llama", dict(modules_to_save=["lm_head"])), ("lora", "phi3", {})]),
     "pp2_1f1b_zero1": (2, 2, dict(pipeline_parallel_size=2, num_microbatches=2, zero_stage=1),
-                       [("lora", "llama", {}), ("lora", "qwen3", {}), ("frozen", "llama", {})]),
+                       [("lora", "llama", {}), ("lora", "qwen3", {}), ("lora", "qwen3_moe", ATTENTION),
+                        ("frozen", "llama", {})]),
     "pp2_zbv": (2, 4, dict(pipeline_parallel_size=2, virtual_pipeline_size=2, pipeline_schedule="zbv",
-                           num_microbatches=4), [("lora", "llama", {}), ("frozen", "llama", {})]),
-    "cp2_zero2": (2, 2, dict(context_parallel_size=2, zero_stage=2), [("lora", "llama", {}), ("lora", "qwen3", {})]),
-    "dp2_zero3": (2, 2, dict(zero_stage=3), [("lora", "llama", {}), ("lora", "qwen3_moe", ATTENTION),
-                                             ("lora", "qwen3", dict(use_dora=True)),
+                           num_microbatches=4), [("lora", "llama", {}), ("lora", "qwen3", {}),
+                                                 ("lora", "qwen3_moe", ATTENTION), ("frozen", "llama", {})]),
+    "cp2_zero2": (2, 2, dict(context_parallel_size=2, zero_stage=2), [("lora", "llama", {}), ("lora", "qwen3", {}),
+                                                                      ("lora", "qwen3_moe", ATTENTION)]),
+    "dp2_zero3": (2, 2, dict(zero_stage=3), [("lora", "llama", {}), ("lora", "qwen3", {}),
+                                             ("lora", "qwen3_moe", ATTENTION), ("lora", "qwen3", dict(use_dora=True)),
                                              ("lora", "llama", dict(base_dtype="bfloat16"))]),
     "tp2_pp2_dp2_zero1": (8, 2, dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1,
-                                     num_microbatches=2), [("lora", "qwen3", {})]),
+                                     num_microbatches=2), [("lora", "llama", {}), ("lora", "qwen3", {}),
+                                                           ("lora", "qwen3_moe", ATTENTION)]),
 }
+
+
 def run_name(kind: str, family: str, lora: dict) -> str:
     extra = {"base_dtype": "-bf16_base", "modules_to_save": "-saved_head"}
     return f"{'dora' if lora.get('use_dora') else kind}-{family}" + "".join(v for k, v in extra.items() if k in lora)
