@@ -342,3 +342,17 @@ def in_turn(rank: int, calls: dict[str, tuple]) -> dict[str, Any]:
     one world size: a launch's first run pays the rank's start (its first collectives, first kernels, pages copied
     from the parent), which the runs after it do not pay again."""
     return {name: fn(rank, *args, **kwargs) for name, (fn, args, kwargs) in calls.items()}
+
+
+class MeasureBeforeSecondStep(L.Callback):
+    """Adam moments exist (made by step 1) and step 2's gradients are not yet freed: the model-state peak, the bytes
+    of the live tensors the engine's module holds (``lightning_mgpu.testing.live_tensor_bytes``)."""
+
+    def __init__(self) -> None:
+        self.bytes = None
+
+    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
+        from lightning_mgpu.testing import live_tensor_bytes
+
+        if trainer.global_step == 1:
+            self.bytes = live_tensor_bytes(trainer.strategy.model.module)

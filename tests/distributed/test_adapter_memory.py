@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from helpers import MeasureBeforeSecondStep
 from hf_helpers import token_ids
 from torch.utils.data import DataLoader
 
@@ -55,17 +56,6 @@ class LoraLM(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(token_ids(), batch_size=2)
-
-
-class MeasureBeforeSecondStep(L.Callback):
-    """Adam moments exist (made by step 1) and step 2's gradients are not yet freed: the model-state peak."""
-
-    def __init__(self) -> None:
-        self.bytes = None
-
-    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
-        if trainer.global_step == 1:
-            self.bytes = live_tensor_bytes(trainer.strategy.model.module)
 
 
 def measure(rank: int, precision: str, kw: dict) -> tuple[int, int, int]:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import lightning as L
 import pytest
-from helpers import in_turn, make_token_file
+from helpers import MeasureBeforeSecondStep, in_turn, make_token_file
 
 from lightning_mgpu import LLMModule, MGPUStrategy
 from lightning_mgpu.data import TokenFileDataModule
@@ -16,17 +16,6 @@ from lightning_mgpu.planner.memory import rank_model_state_bytes
 from lightning_mgpu.testing import live_tensor_bytes, run_distributed
 
 MODEL = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=1024, vocab_size=256, max_seq_len=64)
-
-
-class MeasureBeforeSecondStep(L.Callback):
-    """Adam moments exist (made by step 1) and step 2's gradients are not yet freed: the model-state peak."""
-
-    def __init__(self) -> None:
-        self.bytes = None
-
-    def on_before_optimizer_step(self, trainer, module, optimizer) -> None:
-        if trainer.global_step == 1:
-            self.bytes = live_tensor_bytes(trainer.strategy.model.module)
 
 
 def measure(rank, token_file, devices, precision, kw, optimizer="adamw"):
