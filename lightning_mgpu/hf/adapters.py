@@ -38,6 +38,7 @@ from typing import Any, Optional
 from torch import nn
 
 from lightning_mgpu.checkpoint.frozen_weights import ADAPTER_RECORD
+from lightning_mgpu.parallel.plan import plan_pattern
 
 #: base style -> (style of lora_A, style of lora_B)
 ADAPTER_STYLES = {
@@ -113,8 +114,6 @@ def adapter_plan(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str]
     """``plan`` (``{name pattern: style}`` over ``model``'s module names) with every entry that names one of PEFT's
     wrappers rewritten into entries for the wrapper's parts, by :data:`ADAPTER_STYLES`; and the problems (every
     wrapper the rules cannot split). Entries that name no wrapper are kept as they are."""
-    from lightning_mgpu.parallel.plan import plan_pattern
-
     names = [(name, m) for name, m in model.named_modules() if name]
     out: dict[str, str] = {}
     problems: list[str] = []
