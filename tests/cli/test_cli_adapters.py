@@ -58,7 +58,8 @@ def test_lora_from_the_command_line_at_parity_and_exported(llama_dir, token_file
     data = [arg for arg in cli_args(token_file, STEPS) if arg not in TINY_MODEL and not arg.startswith("model.")]
     args = [str(BIN / "mgpu-train"), "model=hf", f"model.path={llama_dir}", *LORA, *data, "trainer.devices=4",
             "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1",
-            "optim.lr=3e-3", "optim.weight_decay=0.1", "checkpoint.every_n_steps=4", f"hydra.run.dir={run_dir}"]
+            "optim.lr=3e-3", "optim.weight_decay=0.1", "checkpoint.every_n_steps=4", "data.val_batches=1",
+            f"hydra.run.dir={run_dir}"]
     proc = run_cli(args, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -67,6 +68,7 @@ def test_lora_from_the_command_line_at_parity_and_exported(llama_dir, token_file
     losses, norms = read_metric(metrics, "train/loss"), read_metric(metrics, "train/grad_norm")
     assert max_abs_diff(losses, expected["losses"]) < 1e-5, (losses, expected["losses"])
     assert max_abs_diff(norms, expected["grad_norms"]) < 1e-5, (norms, expected["grad_norms"])
+    assert read_metric(metrics, "val/loss"), "no validation ran"
     checkpoint = next((run_dir / "checkpoints").glob("step-*4"))
     export = run_cli([str(BIN / "mgpu-export"), str(checkpoint), str(tmp_path / "adapter"), "--format", "peft"],
                      cwd=tmp_path)
