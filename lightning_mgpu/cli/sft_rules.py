@@ -31,11 +31,6 @@ def sft_problems(cfg: DictConfig, data: RunData) -> list[str]:
         out.append(f"parallel.context_parallel_size={p.context_parallel_size} with data=sft: the conversations' "
                    "boundaries do not follow the sequence split yet, and data=sft needs them; use "
                    "parallel.context_parallel_size=1 (tensor, pipeline and data parallelism keep one process's loss)")
-    if cfg.model.get("name") == "hf" and p.pipeline_parallel_size > 1:
-        out.append(f"model=hf with data=sft at parallel.pipeline_parallel_size={p.pipeline_parallel_size}: a "
-                   "transformers model's document mask and positions do not travel between pipeline stages yet; use "
-                   "tensor and data parallelism (ZeRO) with model=hf, or the package's model (model.init_from=hf:DIR) "
-                   "for pipeline stages")
     if not d.get("document_mask"):
         out.append("data.document_mask=false with data=sft: packed conversations would attend to each other; set "
                    "data.document_mask=true (the default of data=sft)")

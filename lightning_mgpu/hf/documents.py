@@ -14,27 +14,27 @@ from typing import Any
 import torch
 
 from lightning_mgpu.contract import parallel_context
+from lightning_mgpu.models.llama import document_positions
 
 IGNORE_INDEX = -100
 
 
-def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """``[batch, seq]``: the number of the document each token belongs to (0, 1, ... per sample)."""
-    ends = (tokens == eod).long()
-    return torch.cumsum(ends, dim=1) - ends
+def position_arguments(positions: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``position_ids`` and the block-diagonal causal ``attention_mask`` of packed documents given by their positions
+    (``[batch, seq]``, 0 where a document starts): token ``i``'s document starts at ``i - positions[i]``, so query ``i``
+    may see key ``j`` when ``i - positions[i] <= j <= i``. Positions are what pipeline stages hand on and what a
+    collator's ``position_ids`` say; every row allows its diagonal, so none is all masked."""
+    index = torch.arange(positions.shape[1], device=positions.device)
+    first = (index - positions).unsqueeze(-1)
+    allowed = (index <= index.unsqueeze(-1)) & (index >= first)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
+    return {"position_ids": positions, "attention_mask": mask[:, None]}
 
 
 def document_arguments(tokens: torch.Tensor, eod: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """``position_ids`` restarting at each document and the block-diagonal causal ``attention_mask`` of ``tokens``."""
-    docs = document_ids(tokens, eod)
-    seq = tokens.shape[1]
-    index = torch.arange(seq, device=tokens.device)
-    first = torch.zeros_like(docs)
-    starts = torch.where(docs[:, 1:] != docs[:, :-1], index[1:].expand_as(docs[:, 1:]), 0)
-    first[:, 1:] = torch.cummax(starts, dim=1).values
-    allowed = (docs[:, :, None] == docs[:, None, :]) & (index[None, :] <= index[:, None])[None]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=tokens.device).masked_fill(~allowed, torch.finfo(dtype).min)
-    return {"position_ids": index[None] - first, "attention_mask": mask[:, None]}
+    """``position_ids`` restarting at each document of ``tokens`` and the block-diagonal causal ``attention_mask``."""
+    return position_arguments(document_positions(tokens, eod), dtype)
 
 
 def items_per_part(module: Any, targets: torch.Tensor, training: bool) -> torch.Tensor:
@@ -47,8 +47,12 @@ def items_per_part(module: Any, targets: torch.Tensor, training: bool) -> torch.
     if replicas > 1:
         group = context.layout.group("dp") if context is not None else None
         counted = module.trainer.strategy.reduce(counted, group=group, reduce_op="sum")
-    micro = context.num_microbatches if context is not None and training else 1
+    pipeline = context.pipeline if context is not None else None
+    if pipeline is not None:  # which splits an evaluation batch into micro-batches too
+        micro = pipeline.n_microbatches
+    else:
+        micro = context.num_microbatches if context is not None and training else 1
     return counted.clamp(min=1) / (micro * replicas)
 
 
-__all__ = ["document_arguments", "document_ids", "items_per_part"]
+__all__ = ["document_arguments", "document_positions", "items_per_part", "position_arguments"]

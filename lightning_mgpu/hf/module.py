@@ -23,7 +23,7 @@ from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.engine.config import parameter_shape
 from lightning_mgpu.hf import lora
 from lightning_mgpu.hf.decoder import layers_name
-from lightning_mgpu.hf.documents import document_arguments, items_per_part
+from lightning_mgpu.hf.documents import document_arguments, document_positions, items_per_part
 from lightning_mgpu.hf.model import find_hf_model
 from lightning_mgpu.hf.weights import PretrainedSlices, real_buffers
 from lightning_mgpu.lr_schedule import lr_multiplier
@@ -95,6 +95,9 @@ class HFCausalLM(L.LightningModule):
         """The model's own ``labels=`` loss. With ``eod_token_id`` (packed documents, e.g. ``data=sft``): attention
         within each document, positions restarting at each, the target after an end-of-document token skipped, and
         ``num_items_in_batch`` the global batch's counted targets (:mod:`lightning_mgpu.hf.documents`)."""
+        context = parallel_context(self)
+        if context is not None and context.pipeline is not None:  # validation: the stages' forward, every rank
+            return context.pipeline.evaluate(*self.pipeline_batch(batch))
         inputs, targets = self._inputs_targets(batch)
         eod, extra = self.hparams.get("eod_token_id"), {}
         if eod is not None:
@@ -140,12 +143,17 @@ class HFCausalLM(L.LightningModule):
         return self.hparams.activation_checkpointing, list(layers)
 
     # ---------------------------------------------- the package's batches through pipeline stages
-    def pipeline_batch(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch[:, :-1], batch[:, 1:].contiguous()  # transformers' loss views the labels flat
+    def pipeline_batch(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        """(the first stage's input, the targets); with ``eod_token_id`` the input is ``(ids, positions)``: the
+        positions restart at each document and travel with the hidden states, every stage masks attention by them."""
+        inputs, targets = self._inputs_targets(batch)
+        eod = self.hparams.get("eod_token_id")
+        return (inputs if eod is None else (inputs, document_positions(inputs, eod))), targets
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        extra = {} if self._items is None else {"num_items_in_batch": self._items}  # documents: the global count
         return self.llm.loss_function(logits=logits, labels=targets, shift_labels=targets,
-                                      vocab_size=self.llm.config.vocab_size)
+                                      vocab_size=self.llm.config.vocab_size, **extra)
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams

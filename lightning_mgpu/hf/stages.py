@@ -18,12 +18,13 @@ forward's Python control flow (caches, mask functions), and its manual ``Pipelin
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 
 from lightning_mgpu.hf.decoder import DecoderParts
+from lightning_mgpu.hf.documents import position_arguments
 from lightning_mgpu.hf.model import HFModel
 from lightning_mgpu.layout import stage_count_problems, tied_embedding_problems
 from lightning_mgpu.models.llama_plan import balanced_boundaries, boundary_problems
@@ -74,10 +75,17 @@ class HFStage(nn.Module):
             self.add_module(self.head_name, view._modules[self.head_name])
         self._view = [view]  # in a list: the view is not a submodule (its parameters are the stage's own)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> Any:
+        """Logits on the last stage, hidden states elsewhere; with ``positions`` (packed documents, ``[batch, seq]``
+        int64, 0 where a document starts) attention stays within each document and a stage that is not the last hands
+        ``(hidden states, positions)`` on: positions are ``seq`` times smaller than the mask each stage builds."""
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        if positions is not None:
+            dtype = x.dtype if x.is_floating_point() else next(self.parameters()).dtype
+            given.update(position_arguments(positions, dtype))
         if not self.last:
-            return getattr(self, self.base_name)(**given, use_cache=False).last_hidden_state
+            hidden = getattr(self, self.base_name)(**given, use_cache=False).last_hidden_state
+            return hidden if positions is None else (hidden, positions)
         view = self._view[0]
         view._modules[self.head_name] = getattr(self, self.head_name)  # the head a tensor-parallel plan swapped in
         return type(view).forward(view, **given, use_cache=False).logits

@@ -10,7 +10,7 @@ gradients; then ``engine.step()`` clips by the global norm and updates.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.autograd.profiler as autograd_profiler
@@ -51,6 +51,8 @@ SCHEDULE_CLASSES = {
     "dualpipev": ScheduleDualPipeV,
 }
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+#: What the first stage takes: one tensor, or a tuple of its arguments (token ids and positions, say).
+StageInput = Union[torch.Tensor, tuple[torch.Tensor, ...]]
 
 
 def forward_only_order(layout: ParallelLayout, n_microbatches: int) -> dict[int, list[_Action]]:
@@ -126,17 +128,18 @@ class Pipeline:
     def _microbatch_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(output, target) / self.n_microbatches
 
-    def _run(self, run: Callable, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def _run(self, run: Callable, inputs: StageInput, targets: torch.Tensor) -> torch.Tensor:
+        """``inputs``: the first stage's argument, or a tuple of its arguments (token ids and positions, say)."""
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
+        args = (inputs if isinstance(inputs, tuple) else (inputs,)) if self.has_first else ()
         run(*args, target=targets if self.has_last else None, losses=losses)
         total = torch.stack([loss.detach().float() for loss in losses]).sum() if self.has_last else \
-            torch.zeros((), device=inputs.device)
+            torch.zeros((), device=targets.device)
         if self.layout.size("pp") > 1:
             dist.broadcast(total, src=self.last_rank, group=self.group)
         return total
 
-    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def train_step(self, inputs: StageInput, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; gradients stay in the engine for ``engine.step()``."""
         if self.timeline is not None:
             self.timeline.next_step()
@@ -144,7 +147,7 @@ class Pipeline:
             return self._run(self.schedule.step, inputs, targets)
 
     @torch.no_grad()
-    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def evaluate(self, inputs: StageInput, targets: torch.Tensor) -> torch.Tensor:
         """Forward only; the mean loss over the micro-batches on every rank."""
         if self.timeline is not None:
             self.timeline.pause()

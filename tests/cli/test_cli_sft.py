@@ -37,9 +37,6 @@ def test_data_sft_refuses_what_cannot_train_before_launch(chat_dir, tmp_path):
     assert "parallel.context_parallel_size=2 with data=sft: the conversations' boundaries" in \
         problems(f"data.path={chat_dir / 'chat'}", "data.seq_len=96", "trainer.devices=2",
                  "parallel.context_parallel_size=2")
-    assert "model=hf with data=sft at parallel.pipeline_parallel_size=2: a transformers" in \
-        problems(f"data.path={chat_dir / 'chat'}", "data.seq_len=96", "model=hf", "model.path=/nowhere",
-                 "parallel.pipeline_parallel_size=2")
     plain = tmp_path / "plain"
     (tmp_path / "a.txt").write_text("some text " * 50)
     prepare_main(["--tokenizer", str(make_tokenizer(tmp_path / "tok", 300, 20_000)), "--out", str(plain),

@@ -88,7 +88,8 @@ def test_a_transformers_model_on_packed_conversations_matches_each_run_alone_at_
     directory = tmp_path / "llama"
     transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
     expected = reference(out, directory, eod)
-    layouts = {"dp2": dict(zero_stage=1), "tp2": dict(tensor_parallel_size=2, sequence_parallel=True)}
+    layouts = {"dp2": dict(zero_stage=1), "tp2": dict(tensor_parallel_size=2, sequence_parallel=True),
+               "pp2": dict(pipeline_parallel_size=2)}
     runs = run_distributed(in_turn, 2, {name: (hf_fit, (out, directory, eod), layout)
                                         for name, layout in layouts.items()})
     for name in layouts:
