@@ -24,6 +24,7 @@ SMOKE = {
     "fault_matrix.py": "runs ended bit-identical to the fault-free run",
     "resilience_cost.py": "ms per million parameters",
     "fingerprint_step.py": "the check every step costs",
+    "fp8_curve.py": "| layout | recipe | step 1 | step 2 |",
     "hf_families.py": "| family | layout | step-1 grad norm diff | max loss diff | verdict |",
     "hf_step_time.py": "ratio transformers / LLMModule",
     "lora_step.py": "ratio LoRA / full fine-tuning",
@@ -55,6 +56,8 @@ FIGURES = {
     "resilience_cost.py": [(rf"= {_N} ms per million parameters", 0.0, 1e4)],
     "fingerprint_step.py": [(rf"check {_N} ms, rest of the step {_N} ms", 0.0, 1e5)],
     "fault_matrix.py": [(r"^\| \S+ \| \S+ \| [01] \| bit-identical \| ([1-9]) \| (\d+\.\d) \|$", 0.5, 600.0)],  # restarts, s
+    "fp8_curve.py": [(r"^\| tp2 \| rowwise \| (\d\.\de[+-]\d\d) \|", -1.0, 1e-5),  # step 1's loss against one process
+                     (r"fp8's own effect, .* max (\d\.\de[+-]\d\d)", 0.0, 1.0)],
     "hf_families.py": [(r"^\| gemma2 \| tp2 \+ SP \| (\d\.\de[+-]\d\d) \| (\d\.\de[+-]\d\d) \| exact \|$",
                         -1.0, 1e-5)],  # grad norm and loss against one process
     "hf_step_time.py": [(rf"ratio transformers / LLMModule: {_N}", 0.05, 100.0)],
