@@ -93,13 +93,14 @@ class ParallelModule(Protocol):
         partitioned: read a parameter's shape with :func:`lightning_mgpu.parameter_shape`, not ``param.shape``."""
 
 
-#: The hooks above, by name: what :func:`hook` may look up. One more is not in the protocol (``LLMModule`` has the
-#: replaceable ``kernel`` instead): ``context_parallel_attention(group, rank, size) -> int`` wires a module's attention and
-#: inputs for ``size`` context ranks itself (a model whose code is not ours, ``lightning_mgpu.hf``) and returns the
-#: number of attention layers wired (0: the module cannot be context-parallel).
+#: The hooks above, by name: what :func:`hook` may look up. Two more are not in the protocol, for a model whose code
+#: is not ours (``lightning_mgpu.hf``; ``LLMModule`` has the replaceable ``kernel`` and the package's own experts
+#: instead): ``context_parallel_attention(group, rank, size) -> int`` wires a module's attention and inputs for ``size``
+#: context ranks itself and returns the number of attention layers wired (0: the module cannot be context-parallel);
+#: ``expert_parallel(layout) -> list[str]`` keeps this rank's experts and routes tokens to the others' (notes).
 HOOKS = ("model_shape", "tensor_parallel_plan", "pipeline_stages", "pipeline_batch", "pipeline_loss",
          "context_parallel_batch", "context_parallel_attention", "compiled_blocks", "checkpointed_blocks", "initial_value",
-         "checkpoint_record")
+         "checkpoint_record", "expert_parallel")
 
 
 #: Where hooks given on a module's behalf are attached (``lightning_mgpu.hf`` gives them for a ``transformers`` model):

@@ -26,15 +26,21 @@ def _near(options: list[int], value: int) -> str:
     return ", ".join(str(o) for o in sorted(best)) or "1"
 
 
+#: ``model_type`` of the ``transformers`` mixtures of experts whose experts expert parallelism splits
+#: (``lightning_mgpu.hf.expert_parallel``); any other is refused ``expert_parallel_size > 1``.
+HF_EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
+
+
 def expert_problems(expert_parallel_size: int, data_context_ranks: Optional[int], num_experts: Optional[int],
                     tensor_parallel_size: int = 1, expert_hidden: Optional[int] = None,
                     experts_split: bool = True) -> list[Problem]:
     """The rules of expert parallelism, which folds over the data x context ranks of a replica
     (``data_context_ranks``, None while unknown): each expert lives on one rank of its expert-parallel group, so the
     group's size divides both those ranks and the experts (``num_experts``, None while the model is unknown, 0 for a
-    dense model); the tensor-parallel ranks split each expert's hidden width. A model whose experts the package does
-    not split yet (``experts_split=False``: a ``transformers`` mixture of experts) is refused any size above 1, since
-    every rank would still hold every expert and the setting would be silently ignored."""
+    dense model); the tensor-parallel ranks split each expert's hidden width (``expert_hidden``; 0 for experts kept
+    whole on every tensor-parallel rank, a ``transformers`` model's). A model whose experts the package does not split
+    (``experts_split=False``: a ``transformers`` mixture of experts outside :data:`HF_EXPERT_FAMILIES`) is refused any
+    size above 1, since every rank would still hold every expert and the setting would be silently ignored."""
     Ep = expert_parallel_size
     if not isinstance(Ep, int) or Ep < 1:
         return [Problem("expert_parallel_size", Ep, "must be a positive integer", "use 1 to disable expert parallelism")]
@@ -43,8 +49,9 @@ def expert_problems(expert_parallel_size: int, data_context_ranks: Optional[int]
         out.append(Problem("expert_parallel_size", Ep, "needs a mixture-of-experts model (num_experts=0)",
                            "set model.num_experts or expert_parallel_size=1"))
     if Ep > 1 and num_experts and not experts_split:
-        return out + [Problem("expert_parallel_size", Ep, f"cannot split the {num_experts} experts of a transformers "
-                              "mixture of experts yet: each rank would still hold every expert",
+        return out + [Problem("expert_parallel_size", Ep, f"cannot split the {num_experts} experts of this "
+                              "transformers mixture of experts (each rank would still hold every expert): expert "
+                              f"parallelism splits those of {' and '.join(HF_EXPERT_FAMILIES)} models only",
                               "use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over the data-parallel "
                               "ranks), or the package's own MoE model (model.num_experts), which expert parallelism "
                               "splits")]

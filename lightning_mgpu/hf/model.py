@@ -15,6 +15,7 @@ from torch import nn
 from lightning_mgpu.hf.decoder import DecoderParts, decoder_parts, layers_name
 from lightning_mgpu.hf.names import sliding_window
 from lightning_mgpu.layout import ModelShape
+from lightning_mgpu.split_rules import HF_EXPERT_FAMILIES
 
 #: The hook a LightningModule may define to name its model where it holds several: ``def hf_model(self): return
 #: self.student``.
@@ -79,7 +80,9 @@ class HFModel:
     def shape(self) -> ModelShape:
         """The numbers that constrain a split. ``qk_norm`` stays False: the q/k norms of a ``transformers`` model keep
         their weights whole and sum their gradients over the tensor-parallel group (``grad_sum``). Its attention
-        window and its pipeline stages constrain context parallelism (``split_rules.context_model_problems``)."""
+        window and its pipeline stages constrain context parallelism (``split_rules.context_model_problems``); its experts
+        stay whole on every tensor-parallel rank (no ``expert_hidden`` to divide), and expert parallelism splits those of
+        the families it covers (``split_rules.HF_EXPERT_FAMILIES``)."""
         c = self.config
         experts = int(getattr(c, "num_experts", 0) or getattr(c, "num_local_experts", 0)
                       or getattr(c, "n_routed_experts", 0) or 0)
@@ -87,9 +90,8 @@ class HFModel:
                           n_kv_heads=int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads),
                           ffn_hidden=int(c.intermediate_size), vocab_size=int(c.vocab_size),
                           tie_embeddings=bool(getattr(c, "tie_word_embeddings", False)), num_experts=experts,
-                          expert_hidden=int(getattr(c, "moe_intermediate_size", 0) or 0) if experts else 0,
                           sliding_window=sliding_window(c.to_dict()), context_with_pipeline=False,
-                          experts_split=False)
+                          experts_split=getattr(c, "model_type", None) in HF_EXPERT_FAMILIES)
 
 
 def find_hf_model(module: nn.Module) -> Optional[HFModel]:

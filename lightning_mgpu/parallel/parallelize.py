@@ -53,6 +53,8 @@ def parallelize(module: nn.Module, layout: ParallelLayout, device: torch.device,
     """
     notes = _tensor_parallel(module, layout, plan) + _context_parallel(module, layout)
     notes += apply_expert_parallel(module, layout)
+    if (split_experts := hook(module, "expert_parallel")) is not None:
+        notes += split_experts(layout)
     kept = module
     if layout.size("pp") > 1:
         kept = hook(module, "pipeline_stages")(layout.stage_ids(layout.rank("pp")), layout.num_stages, boundaries)

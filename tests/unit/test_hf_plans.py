@@ -128,16 +128,20 @@ def test_context_parallelism_is_refused_a_sliding_window_and_pipeline_stages():
         "sequence into chunks yet; use one of them"]
 
 
-def test_expert_parallelism_of_a_transformers_mixture_of_experts_is_refused_until_supported():
-    """Qwen3-MoE's 4 experts would stay whole on every rank under expert_parallel_size=2: refused, with the rule and
-    the fix, rather than accepted and ignored; DeepSeek V3 (n_routed_experts) alike; size 1 is accepted."""
-    refused = ("expert_parallel_size=2 cannot split the 4 experts of a transformers mixture of experts yet: each rank "
-               "would still hold every expert; use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over "
-               "the data-parallel ranks), or the package's own MoE model (model.num_experts), which expert "
-               "parallelism splits")
-    for family in ("qwen3_moe", "deepseek_v3"):
+def test_expert_parallelism_of_a_transformers_mixture_of_experts_is_refused_outside_the_families_it_splits():
+    """Qwen3-MoE's experts are split (lightning_mgpu.hf.expert_parallel), with tensor parallelism too (its experts
+    stay whole on the tensor-parallel ranks: no hidden width to divide); DeepSeek V3 (n_routed_experts) and GraniteMoE
+    would keep every expert on every rank under expert_parallel_size=2: refused, with the rule and the fix, rather
+    than accepted and ignored; size 1 is accepted."""
+    assert refusals("qwen3_moe", expert_parallel_size=2, zero_stage=1) == []
+    assert refusals("qwen3_moe", expert_parallel_size=2, tensor_parallel_size=2, zero_stage=1) == []
+    refused = ("expert_parallel_size=2 cannot split the 4 experts of this transformers mixture of experts (each rank "
+               "would still hold every expert): expert parallelism splits those of qwen3_moe and mixtral models "
+               "only; use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over the data-parallel ranks), "
+               "or the package's own MoE model (model.num_experts), which expert parallelism splits")
+    for family in ("deepseek_v3", "granitemoe"):
         assert refusals(family, expert_parallel_size=2, zero_stage=1) == [refused], family
-    assert refusals("qwen3_moe", zero_stage=1) == []
+        assert refusals(family, zero_stage=1) == []
 
 
 def test_several_models_need_the_naming_hook():
@@ -159,8 +163,8 @@ def test_a_pipeline_batch_is_token_ids_or_ids_and_labels_in_the_loaders_containe
     for container in (list, tuple):
         assert hooks.pipeline_batch(container([ids])) == (ids, ids)
         assert hooks.pipeline_batch(container([ids, labels])) == (ids, labels)
-    with pytest.raises(ValueError, match=r"keys \['attention_mask'\] that cannot travel between stages.*Fix: yield"):
-        hooks.pipeline_batch({"input_ids": ids, "attention_mask": ids})
+    with pytest.raises(ValueError, match=r"keys \['token_type_ids'\] that cannot travel between stages.*Fix: yield"):
+        hooks.pipeline_batch({"input_ids": ids, "token_type_ids": ids})
     with pytest.raises(ValueError, match=r"got list\(Tensor\[2, 4\], Tensor\[2, 4\], Tensor\[2, 4\]\): 3 elements"):
         hooks.pipeline_batch([ids, labels, ids])
     with pytest.raises(ValueError, match=r"the labels have shape \[2, 3\], the token ids \[2, 4\]"):

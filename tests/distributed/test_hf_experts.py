@@ -1,0 +1,172 @@
+"""Expert parallelism for a ``transformers`` Qwen3-MoE (and Mixtral) as it is, driven as a user drives it: a plain
+LightningModule holding the model, ``Trainer(strategy=MGPUStrategy(expert_parallel_size=2, ...))``.
+
+Each rank holds half the routed experts (local shapes asserted), tokens travel by all-to-all, and the model's router,
+top-k, normalisation and load-balancing loss (``output_router_logits=True``, coefficient 0.1) are its own. The
+reference is one process running the same model from the same weights, written here as a plain loop: each data rank's
+micro-batch through the model with transformers' own experts, the mean of their losses (what data parallelism
+computes: the model's auxiliary loss counts each micro-batch's tokens), the global gradient norm before clipping.
+Loss, gradient norm and the model's auxiliary loss (the router's statistics) each step within 1e-5."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import transformers
+from helpers import in_turn, max_abs_diff
+from hf_helpers import CLIP, LR, MICRO, VOCAB, token_ids
+from torch.utils.data import DataLoader
+
+from lightning_mgpu import MGPUStrategy, parameter_shape
+from lightning_mgpu.hf import find_hf_model
+from lightning_mgpu.hf.expert_parallel import router_loss_problems
+from lightning_mgpu.testing import run_distributed
+
+EXPERTS = 8
+STEPS = 3
+
+
+def routed_config(family: str, n_layers: int, aux: bool) -> Any:
+    """A tiny model of ``family`` with 8 experts, top-2; the load-balancing loss in the model's loss where ``aux``."""
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=n_layers,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                 num_experts_per_tok=2, output_router_logits=aux, router_aux_loss_coef=0.1, attn_implementation="sdpa")
+    if family == "mixtral":
+        return transformers.MixtralConfig(num_local_experts=EXPERTS, **shape)
+    return transformers.Qwen3MoeConfig(num_experts=EXPERTS, moe_intermediate_size=16, norm_topk_prob=True, **shape)
+
+
+def routed_model(family: str, n_layers: int, aux: bool) -> torch.nn.Module:
+    torch.manual_seed(11)
+    return transformers.AutoModelForCausalLM.from_config(routed_config(family, n_layers, aux))
+
+
+class RoutedLM(L.LightningModule):
+    """What a user writes: the model's own ``labels=`` loss; its auxiliary loss kept for the test to read."""
+
+    def __init__(self, family: str, n_layers: int, aux: bool) -> None:
+        super().__init__()
+        self.llm = routed_model(family, n_layers, aux)
+        self.aux_losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        out = self.llm(input_ids=batch, labels=batch)
+        if out.aux_loss is not None:
+            self.aux_losses.append(float(out.aux_loss.detach()))
+        return out.loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=0.0)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(token_ids(), batch_size=MICRO)
+
+
+class Seen(L.Callback):
+    def __init__(self) -> None:
+        self.batches, self.losses, self.grad_norms = [], [], []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.batches.append(batch.clone())
+        self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
+        self.grad_norms.append(trainer.strategy.last_grad_norm)
+
+
+def fit_routed(rank: int, devices: int, family: str = "qwen3_moe", n_layers: int = 2, aux: bool = True,
+               **strategy: Any) -> dict:
+    """One ``Trainer.fit`` of :class:`RoutedLM` on this rank: what it saw, its local shapes and coordinates."""
+    seen = Seen()
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy), max_steps=STEPS,
+                        gradient_clip_val=CLIP, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[seen])
+    module = RoutedLM(family, n_layers, aux)
+    trainer.fit(module)
+    layout = trainer.strategy.layout
+    return {"rank": rank, "batches": seen.batches, "losses": seen.losses, "grad_norms": seen.grad_norms,
+            "aux": module.aux_losses, "shapes": {n: tuple(parameter_shape(p)) for n, p in module.named_parameters()},
+            "coords": {axis: layout.rank(axis) for axis in ("tp", "pp", "dp", "ep")},
+            "implementation": module.llm.config._experts_implementation}
+
+
+def reference(family: str, n_layers: int, aux: bool, micro_batches: list[list[torch.Tensor]]) -> dict:
+    """One process, transformers' own experts: per step the mean of the data ranks' micro-batch losses (and
+    auxiliary losses), the global gradient norm before clipping at ``CLIP``, torch's AdamW."""
+    model = routed_model(family, n_layers, aux)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, norms, auxes = [], [], []
+    for parts in micro_batches:
+        outs = [model(input_ids=part, labels=part) for part in parts]
+        loss = sum(out.loss for out in outs) / len(outs)
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        auxes.append([float(out.aux_loss.detach()) for out in outs] if aux else [])
+    return {"losses": losses, "grad_norms": norms, "aux": auxes}
+
+
+def micro_batches(results: list[dict]) -> list[list[torch.Tensor]]:
+    """Each step's micro-batches, one per data-parallel coordinate, in dp order."""
+    by_dp = {r["coords"]["dp"]: r["batches"] for r in sorted(results, key=lambda r: r["rank"])}
+    return [[by_dp[d][step] for d in sorted(by_dp)] for step in range(STEPS)]
+
+
+#: name -> (ranks, run arguments). Runs of one world size share one launch.
+RUNS = {
+    "ep2_zero1": (2, dict(expert_parallel_size=2, zero_stage=1)),
+    "ep2_zero3": (2, dict(expert_parallel_size=2, zero_stage=3)),
+    "mixtral_ep2_zero1": (2, dict(family="mixtral", expert_parallel_size=2, zero_stage=1)),
+    "ep2_tp2": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, zero_stage=1)),
+    "ep2_pp2_1f1b": (4, dict(expert_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2, zero_stage=1,
+                             aux=False)),
+}
+#: The experts' local shapes (half of 8, each whole) by family: gate_up_proj, down_proj.
+LOCAL = {"qwen3_moe": ((EXPERTS // 2, 32, 32), (EXPERTS // 2, 32, 16)),
+         "mixtral": ((EXPERTS // 2, 96, 32), (EXPERTS // 2, 32, 48))}
+
+
+@functools.cache
+def launch(ranks: int) -> dict[str, list[dict]]:
+    calls = {name: (fit_routed, (ranks,), kw) for name, (n, kw) in RUNS.items() if n == ranks}
+    results = run_distributed(in_turn, ranks, calls)
+    return {name: [r[name] for r in results] for name in calls}
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_expert_parallel_equals_one_process(name):
+    ranks, kw = RUNS[name]
+    results = launch(ranks)[name]
+    family, aux = kw.get("family", "qwen3_moe"), kw.get("aux", True)
+    expected = reference(family, 2, aux, micro_batches(results))
+    pp = kw.get("pipeline_parallel_size", 1)
+    for r in results:
+        shapes = {n.removeprefix("llm."): s for n, s in r["shapes"].items()}
+        held = sorted({int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.")})
+        assert len(held) == 2 // pp
+        for layer in held:  # half the experts, each whole (tensor parallelism leaves them whole)
+            block = f"model.layers.{layer}.mlp"
+            assert (shapes[f"{block}.experts.gate_up_proj"], shapes[f"{block}.experts.down_proj"]) == LOCAL[family]
+            assert shapes[f"{block}.gate.weight"] == (EXPERTS, 32)  # the router sees every expert
+        assert r["implementation"] == "mgpu_expert_parallel"
+        assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5, (name, r["losses"], expected["losses"])
+        assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5, (name, r["grad_norms"],
+                                                                              expected["grad_norms"])
+        if aux:  # the model's load-balancing loss of this rank's micro-batch: the router's statistics
+            assert max_abs_diff(r["aux"], [step[r["coords"]["dp"]] for step in expected["aux"]]) < 1e-5, (
+                name, r["aux"], expected["aux"])
+
+
+def test_pipeline_stages_refuse_a_load_balancing_loss_they_would_leave_out():
+    """The model adds its load-balancing loss in its causal LM's forward, which pipeline stages do not run."""
+    found = find_hf_model(RoutedLM("qwen3_moe", 2, aux=True))
+    assert [str(p) for p in router_loss_problems(found, 2)] == [
+        "pipeline_parallel_size=2 with output_router_logits=True: Qwen3MoeForCausalLM adds its load-balancing loss in "
+        "its forward from every layer's router logits, which pipeline stages do not run, so the loss would be left "
+        "out; set the model's config.output_router_logits=False (no load-balancing loss), or pipeline_parallel_size=1"]
+    assert router_loss_problems(found, 1) == []
+    assert router_loss_problems(find_hf_model(RoutedLM("qwen3_moe", 2, aux=False)), 2) == []
