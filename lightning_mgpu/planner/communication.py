@@ -23,13 +23,15 @@ to what a step issues. Per micro-batch, with ``n = b s / C`` tokens on the rank 
   with an all-reduce of each bucket, each rank keeping its partition: what it issues is what is counted. Tensors
   ZeRO-3 pads to a multiple of the group size and those it keeps whole (below its persistence threshold) are not
   told apart: within 1 % for the models the package trains;
-* **ep** (``E_p > 1``), per mixture-of-experts layer and micro-batch: an all-to-all of each expert's token counts
-  forward, then the dispatch and combine forward and their adjoints backward, ``4 n k dim w`` at the mean load (each
-  rank's dispatch input is exactly its ``n k`` assignments; its combine input is what it received, which routing
-  decides, so only the group's sum is exact).
+* **ep** (``E_p > 1``), per mixture-of-experts layer and micro-batch: the dispatch and combine forward and their
+  adjoints backward, ``4 n k dim w`` at the mean load (each rank's dispatch input is exactly its ``n k``
+  assignments; its combine input is what it received, which routing decides, so only the group's sum is exact);
+  the routed experts' gradients go over ``edp`` as the dense ones over ``dp_cp``;
+* **rep** (``replica_update="local"``): on a step that ends a round (every ``sync_every``-th), the outer step
+  all-reduces the rank's fp32 master weights' change, ``4`` bytes per trainable parameter whatever the precision.
 
-Scalars (the gradient norm, the loss broadcast from the last stage, DeepSpeed's overflow checks) are not counted:
-each is a few bytes a step.
+Scalars (the gradient norm, the loss broadcast from the last stage, DeepSpeed's overflow checks, the experts' token
+counts and balancing statistics) are not counted: each is a few values a step.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class StepShape:
     sequence_parallel: bool = False
     forward_passes: int = 1  #: 2 with recomputation (the forward's collectives run again)
     element_bytes: int = 2  #: activations and gradients on the wire (2 in bf16, 4 in fp32)
+    replicas: int = 1  #: replicas stepping alone (``replica_update="local"``), each of ``dp`` ranks
 
 
 def step_volume(cfg: LlamaConfig, shape: StepShape, pp_rank: int = 0,
@@ -94,7 +97,7 @@ def step_volume(cfg: LlamaConfig, shape: StepShape, pp_rank: int = 0,
     if shape.ep > 1:
         tokens = shape.micro_batch * shape.seq_len / shape.cp
         out[("ep", "all_to_all")] += M * moe_layer_count(cfg, layers) * (
-            4 * tokens * cfg.experts_per_token * cfg.dim * shape.element_bytes + cfg.num_experts * 8)
+            4 * tokens * cfg.experts_per_token * cfg.dim * shape.element_bytes)
     held = rank_parameter_split(cfg, shape.tp, shape.pp, len(stages), pp_rank, stage_ids=stages,
                                 boundaries=bounds, ep=shape.ep)
     dense = (held.dense - held.frozen) * shape.element_bytes
@@ -104,6 +107,8 @@ def step_volume(cfg: LlamaConfig, shape: StepShape, pp_rank: int = 0,
         if size > 1 and params:
             for key, value in _zero(shape, params, axis).items():
                 out[key] += value
+    if shape.replicas > 1:  # a step that ends a round
+        out[("rep", "all_reduce")] += (held.dense - held.frozen + (0 if held.experts_frozen else held.experts)) * FP32
     return dict(out)
 
 
