@@ -47,9 +47,10 @@ def _cut_inputs(group_rank: int, size: int):
         if args:
             kwargs["input_ids"], args = args[0], args[1:]
         ids = kwargs.get("input_ids")
-        if ids is None or kwargs.get("attention_mask") is not None or kwargs.get("position_ids") is not None:
-            raise ValueError("under context parallelism call the model with input_ids= (and labels=) only: each rank "
-                             "cuts its chunks of the sequence and their positions itself")
+        if ids is None:
+            raise ValueError("under context parallelism call the model with input_ids= (and labels=): each rank cuts "
+                             "its chunks of the sequence and their positions itself")
+        _refuse_what_does_not_split(ids, kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None))
         positions = chunk_positions(ids.shape[1], group_rank, size, device=ids.device)
         kwargs["input_ids"] = ids.index_select(1, positions)
         kwargs["position_ids"] = positions.unsqueeze(0).expand(ids.shape[0], -1)
@@ -65,6 +66,26 @@ def _cut_inputs(group_rank: int, size: int):
         return args, kwargs
 
     return pre_hook
+
+
+def _refuse_what_does_not_split(ids: torch.Tensor, mask: Optional[torch.Tensor],
+                                positions: Optional[torch.Tensor]) -> None:
+    """A collator's ``attention_mask`` of ones and ``position_ids`` of ``0 ... seq - 1`` say what the chunks' causal
+    attention does already; a padding mask with holes, or positions that restart (packed documents), cannot be cut
+    into chunks: a ``ValueError`` naming each key given so."""
+    problems = []
+    if mask is not None and not bool((mask != 0).all()):
+        problems.append(f"attention_mask has {int((mask == 0).sum())} padding position(s) (zeros): a padding mask "
+                        "with holes cannot be split over context ranks; pack sequences without padding (every "
+                        "attention_mask value 1, or no attention_mask)")
+    if positions is not None:
+        whole = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        if positions.shape[-1] != ids.shape[1] or not torch.equal(positions.expand_as(ids), whole):
+            problems.append("position_ids are not 0 ... seq - 1 in every row (packed documents): their boundaries do "
+                            "not follow the sequence split under context parallelism; give no position_ids, or use "
+                            "context_parallel_size=1")
+    if problems:
+        raise ValueError("Cannot split this batch over context-parallel ranks: " + "; ".join(problems))
 
 
 def apply_context_parallel(found: HFModel, group: Any, rank: int, size: int) -> int:

@@ -21,12 +21,15 @@ IGNORE_INDEX = -100
 
 def position_arguments(positions: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``position_ids`` and the block-diagonal causal ``attention_mask`` of packed documents given by their positions
-    (``[batch, seq]``, 0 where a document starts): token ``i``'s document starts at ``i - positions[i]``, so query ``i``
-    may see key ``j`` when ``i - positions[i] <= j <= i``. Positions are what pipeline stages hand on and what a
-    collator's ``position_ids`` say; every row allows its diagonal, so none is all masked."""
+    (``[batch, seq]``): a document starts wherever a position is not one more than the one before, the rule by which
+    ``transformers`` reads packed ``position_ids`` given without a mask (``find_packed_sequence_indices``), so query
+    ``i`` sees key ``j <= i`` of its own document. Positions are what pipeline stages hand on and what a collator's
+    ``position_ids`` say; every row allows its diagonal, so none is all masked."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
+    docs = starts.cumsum(dim=1)
     index = torch.arange(positions.shape[1], device=positions.device)
-    first = (index - positions).unsqueeze(-1)
-    allowed = (index <= index.unsqueeze(-1)) & (index >= first)
+    allowed = (docs[:, :, None] == docs[:, None, :]) & (index[None, :] <= index[:, None])[None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
     mask = mask.masked_fill(~allowed, torch.finfo(dtype).min)
     return {"position_ids": positions, "attention_mask": mask[:, None]}

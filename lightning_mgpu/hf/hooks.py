@@ -4,8 +4,9 @@
 ``MGPUStrategy`` attaches them (:func:`adopt`) before it checks and splits the module; a hook the module defines itself
 is used instead of the one here. Tensor parallelism keeps the user's ``training_step`` (``model(..., labels=...)
 .loss``): the model's loss becomes the vocabulary-parallel one. Pipeline parallelism runs the model's own loss on the
-last stage over a batch of token ids (bare, in a list or tuple with optional labels, or a mapping with ``input_ids``
-and optionally ``labels``); a validation step calling the model with ``labels=`` gets the pipeline's loss.
+last stage over a batch of token ids (bare, in a list or tuple with optional labels, or a collator's mapping with
+``input_ids`` and optionally ``labels``, ``attention_mask`` and ``position_ids``, which travel with the hidden states);
+a validation step calling the model with ``labels=`` gets the pipeline's loss.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from lightning_mgpu.hf.tensor_plan import hf_tp_plan
 from lightning_mgpu.layout import ModelShape, ParallelLayout
 from lightning_mgpu.parallel.pipeline import stage_container
 from lightning_mgpu.parallel.plan_hooks import sequence_gather, sequence_scatter
-from lightning_mgpu.parallel.token_batch import token_batch
+from lightning_mgpu.parallel.token_batch import read_batch
 from lightning_mgpu.problems import format_problems, raise_problems
 
 #: Arguments of a model call that the pipeline's forward-only loss may pass over (the labels carry the same targets).
@@ -86,18 +87,28 @@ class HFHooks:
                 sequence_scatter(layers[0], group, True)
             sequence_gather(layers[-1], group, True)
 
-    def pipeline_batch(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input ids, labels) of a batch as the loader yields it (:func:`token_batch`: a tensor of token ids, a list
-        or tuple (ids[, labels]), or a mapping with ``input_ids`` and optionally ``labels``); the ids are their own
-        labels where none are given (the model shifts them)."""
-        ids, labels = token_batch(batch)
-        return ids, ids if labels is None else labels
+    def pipeline_batch(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        """(the first stage's input, labels) of a batch as the loader yields it (:func:`read_batch`: a tensor of token
+        ids, a list or tuple (ids[, labels]), or a collator's mapping with ``input_ids`` and optionally ``labels``,
+        ``attention_mask``, ``position_ids``); the ids are their own labels where none are given (the model shifts
+        them). A mask or positions make the input ``(ids, positions[, mask])``, which the stages hand on
+        (:class:`HFStage`); positions default to the model's own, ``0 ... seq - 1``."""
+        read = read_batch(batch)
+        labels = read.ids if read.labels is None else read.labels
+        if read.attention_mask is None and read.position_ids is None:
+            return read.ids, labels
+        positions = read.position_ids
+        if positions is None:
+            positions = torch.arange(read.ids.shape[1], device=read.ids.device).expand_as(read.ids).contiguous()
+        extra = () if read.attention_mask is None else (read.attention_mask,)
+        return (read.ids, positions, *extra), labels
 
     def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The model's own causal-LM loss of one micro-batch on the last stage."""
         return self.found.model.loss_function(logits=logits, labels=labels, vocab_size=self.found.config.vocab_size)
 
     def _pipelined_forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                           attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,
                            **ignored: Any) -> Any:
         """The model's ``forward`` once its stages are spread over ranks: the pipeline's forward-only loss (every
         rank gets it), for a validation or test step that calls ``model(input_ids=..., labels=...)``."""
@@ -107,9 +118,12 @@ class HFHooks:
         unused = sorted(key for key, value in ignored.items() if value is not None and key not in PASSED_OVER)
         if context is None or context.pipeline is None or input_ids is None or unused:
             raise RuntimeError(f"this model's layers are spread over pipeline stages: call it as model(input_ids=..., "
-                               f"labels=...) inside a validation or test step of the run (got {unused or 'no input_ids'}"
-                               "; masks and positions cannot travel between stages)")
-        return CausalLMOutputWithPast(loss=context.pipeline.evaluate(input_ids, input_ids if labels is None else labels))
+                               f"labels=..., attention_mask=..., position_ids=...) inside a validation or test step of "
+                               f"the run (got {unused or 'no input_ids'}; nothing else travels between stages)")
+        given = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask,
+                 "position_ids": position_ids}
+        return CausalLMOutputWithPast(loss=context.pipeline.evaluate(
+            *self.pipeline_batch({key: value for key, value in given.items() if value is not None})))
 
 
 def adopt(module: nn.Module, layout: ParallelLayout) -> Optional[HFHooks]:

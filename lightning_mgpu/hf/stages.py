@@ -75,17 +75,22 @@ class HFStage(nn.Module):
             self.add_module(self.head_name, view._modules[self.head_name])
         self._view = [view]  # in a list: the view is not a submodule (its parameters are the stage's own)
 
-    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None) -> Any:
-        """Logits on the last stage, hidden states elsewhere; with ``positions`` (packed documents, ``[batch, seq]``
-        int64, 0 where a document starts) attention stays within each document and a stage that is not the last hands
-        ``(hidden states, positions)`` on: positions are ``seq`` times smaller than the mask each stage builds."""
+    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                padding: Optional[torch.Tensor] = None) -> Any:
+        """Logits on the last stage, hidden states elsewhere. ``positions`` (``[batch, seq]``) are the model's
+        ``position_ids``; without a ``padding`` mask a break in them (not one more than the token before) starts a
+        document that attends only to itself, as ``transformers`` reads packed ``position_ids``; with one, the model
+        masks the padding itself. A stage that is not the last hands ``(hidden states, positions[, padding])`` on: they
+        are ``seq`` times smaller than the mask each stage builds."""
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        if positions is not None:
+        if positions is not None and padding is None:
             dtype = x.dtype if x.is_floating_point() else next(self.parameters()).dtype
             given.update(position_arguments(positions, dtype))
+        elif positions is not None:
+            given.update(position_ids=positions, attention_mask=padding)
         if not self.last:
             hidden = getattr(self, self.base_name)(**given, use_cache=False).last_hidden_state
-            return hidden if positions is None else (hidden, positions)
+            return (hidden, *(t for t in (positions, padding) if t is not None)) if positions is not None else hidden
         view = self._view[0]
         view._modules[self.head_name] = getattr(self, self.head_name)  # the head a tensor-parallel plan swapped in
         return type(view).forward(view, **given, use_cache=False).logits
