@@ -35,6 +35,9 @@ class LayerExtras:
     split: int = 0
     whole_vectors: int = 0
     split_vectors: int = 0
+    #: of ``whole``, the routed experts' weights (``base_model_ep_plan``'s ``grouped_gemm``): what expert
+    #: parallelism splits by expert (``lightning_mgpu.hf.expert_parallel``)
+    routed: int = 0
 
 
 def built_counts(hf: Mapping, shape: Any) -> dict:
@@ -93,13 +96,16 @@ def _layer_sizes(config_json: str, index: int) -> Optional[LayerExtras]:
     except (ValueError, KeyError, TypeError, AttributeError, ImportError, RuntimeError):  # a family it lacks, one
         return None  # without `layers`, or one needing another package
     plan = {plan_pattern(key): style for key, style in (getattr(config, "base_model_tp_plan", None) or {}).items()}
-    counts = dict(whole=0, split=0, whole_vectors=0, split_vectors=0)
+    routed = [plan_pattern(key) for key, style in (getattr(config, "base_model_ep_plan", None) or {}).items()
+              if style == "grouped_gemm"]
+    counts = dict(whole=0, split=0, whole_vectors=0, split_vectors=0, routed=0)
     for name, parameter in layer.named_parameters():
         module, _, kind = f"layers.{index}.{name}".rpartition(".")
         style = next((style for pattern, style in plan.items() if pattern.fullmatch(module)), None)
         part = "split" if style in SPLIT_WITH_BIAS or (style in SPLIT_WEIGHT_ONLY and kind != "bias") else "whole"
         counts[part] += parameter.numel()
         counts[f"{part}_vectors"] += parameter.numel() if parameter.dim() == 1 else 0
+        counts["routed"] += parameter.numel() if any(p.fullmatch(f"layers.{index}.{name}") for p in routed) else 0
     return LayerExtras(**counts)
 
 

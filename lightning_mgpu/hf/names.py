@@ -22,6 +22,7 @@ from lightning_mgpu.hf.experts_names import (FAMILIES, family_of, moe_export_pro
 from lightning_mgpu.hf.layer_sizes import LayerExtras, built_counts, transformers_parameters
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.problems import format_problems
+from lightning_mgpu.split_rules import HF_EXPERT_FAMILIES
 
 #: The ``model_type`` values of ``config.json`` that can be imported.
 MODEL_TYPES = ("llama", *FAMILIES)
@@ -150,7 +151,14 @@ class TransformersShape(LlamaConfig):
         return self.moe_layers[index] if self.moe_layers else super().is_moe_layer(index)
     qk_norm_whole: ClassVar[bool] = True
     context_with_pipeline: ClassVar[bool] = False
-    experts_split: ClassVar[bool] = False  # its experts stay whole on every rank (no expert parallelism yet)
+    #: the family (``config.json``'s ``model_type``): expert parallelism splits the experts of some
+    model_type: str = ""
+
+    @property
+    def experts_split(self) -> bool:
+        """Whether expert parallelism splits its routed experts (``split_rules.HF_EXPERT_FAMILIES``; every rank holds
+        every expert of the others)."""
+        return self.model_type in HF_EXPERT_FAMILIES
 
     def num_parameters(self, active: bool = False) -> int:
         return transformers_parameters(self, active)
@@ -171,7 +179,8 @@ def planning_shape(hf: Mapping) -> LlamaConfig:
     :func:`from_hf_config` refuses to import (biases, a sliding window, another family) does not change the sizes they
     count (the few bias elements aside)."""
     fields = _shape_fields(hf)
-    fields.update(qk_norm=hf.get("model_type") in _QK_NORM_FAMILIES, sliding_window=sliding_window(hf))
+    fields.update(qk_norm=hf.get("model_type") in _QK_NORM_FAMILIES, sliding_window=sliding_window(hf),
+                  model_type=str(hf.get("model_type") or ""))
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
     if experts:
         fields.update(num_experts=experts, experts_per_token=int(hf.get("num_experts_per_tok", 2)),

@@ -103,8 +103,10 @@ def _rank_parameter_split(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: i
             dense += moe * (_attention_and_norms(cfg, tp) + moe_dense_parameters(cfg, tp))
             experts += moe * routed_parameters(cfg, tp, ep)
             vectors += blocks * norms + moe * cfg.dim * cfg.num_experts  # norms, router gates
-        else:
-            dense += moe * (built.whole + built.split // tp)
+        else:  # the routed experts split by expert parallelism, whole on every tensor-parallel rank
+            routed = built.routed if ep > 1 else 0
+            dense += moe * (built.whole - routed + built.split // tp)
+            experts += moe * routed // ep
             vectors += (blocks - moe) * norms + moe * (built.whole_vectors + built.split_vectors // tp)
         if s == 0:
             dense += vocab_rows * cfg.dim

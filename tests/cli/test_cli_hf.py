@@ -17,6 +17,7 @@ from lightning_mgpu.cli.plan import plan_report
 from lightning_mgpu.cli.spec import config_problems
 from lightning_mgpu.hf.names import from_hf_config, planning_shape
 from lightning_mgpu.planner import GPUS, ClusterSpec
+from lightning_mgpu.planner.model_stats import rank_parameter_split
 from lightning_mgpu.planner.search import candidates
 
 STEPS = 4
@@ -108,25 +109,42 @@ QWEN3_30B_A3B = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausal
                  "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16"}
 
 
-def test_a_transformers_mixture_of_experts_gets_no_expert_parallelism_it_would_ignore(tmp_path):
-    """Its experts stay whole on every rank: the planner's search tries only expert_parallel_size=1 for a
-    Qwen3-30B-A3B directory on one node (the same shape as the package's own MoE gets 2, 4 and 8 too), mgpu-plan
-    prints only such commands, and mgpu-train refuses 2 before launch, naming the rule."""
+def test_a_transformers_mixture_of_experts_is_planned_with_its_experts_split(tmp_path):
+    """Qwen3-30B-A3B's experts are split by expert parallelism (lightning_mgpu.hf.expert_parallel): the planner's
+    search tries 1, 2, 4 and 8 as for the package's own MoE of the same shape, a rank's routed experts are counted
+    E / Ep of them (48 layers x 128 experts x 3 x 2048 x 768, halved at ep2: worked by hand), every command mgpu-plan
+    prints is accepted, and mgpu-train accepts 2 before launch; DeepSeek V3, whose experts are not split, is refused
+    2 naming the families that are."""
     cluster = ClusterSpec(1, 8, GPUS["h100_80gb"])
     as_is, own = planning_shape(QWEN3_30B_A3B), from_hf_config(QWEN3_30B_A3B)
-    assert {c.ep for c in candidates(as_is, cluster, 64, 4096)} == {1}
+    assert {c.ep for c in candidates(as_is, cluster, 64, 4096)} == {1, 2, 4, 8}
     assert {c.ep for c in candidates(own, cluster, 64, 4096)} == {1, 2, 4, 8}
+    routed = 48 * 128 * 3 * 2048 * 768
+    whole, halved = rank_parameter_split(as_is, 1, 1, ep=1), rank_parameter_split(as_is, 1, 1, ep=2)
+    assert (whole.experts, halved.experts) == (0, routed // 2)
+    assert whole.dense - halved.dense == routed
     directory = tmp_path / "qwen3_30b_a3b"
     directory.mkdir()
     (directory / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
     overrides = ["trainer=gpu", "cluster=local", "model=hf", f"model.path={directory}", "trainer.num_nodes=1",
                  "trainer.devices=8", "data.seq_len=4096"]
     report = plan_report(composed(*overrides), overrides)
-    commands = [line for line in report.splitlines() if line.startswith("  mgpu-train ")]
-    assert commands and all("parallel.expert_parallel_size=1" in line for line in commands), report
-    refused = config_problems(composed(*overrides, "parallel.expert_parallel_size=2"), launching=False)
-    assert any("parallel.expert_parallel_size=2 cannot split the 128 experts of a transformers mixture of experts"
-               in problem for problem in refused), refused
+    commands = [shlex.split(line)[1:] for line in report.splitlines() if line.startswith("  mgpu-train ")]
+    assert commands, report
+    for command in commands:
+        assert config_problems(composed(*command), launching=False) == [], command
+    accepted = config_problems(composed(*overrides, "parallel.expert_parallel_size=2"), launching=False)
+    assert not [problem for problem in accepted if "expert_parallel_size" in problem], accepted
+    deepseek = tmp_path / "deepseek"
+    deepseek.mkdir()
+    (deepseek / "config.json").write_text(json.dumps(transformers.DeepseekV3Config(
+        n_routed_experts=8, first_k_dense_replace=1, n_group=1, topk_group=1, num_hidden_layers=2, hidden_size=64,
+        intermediate_size=128, moe_intermediate_size=32,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=256).to_dict()))
+    refused = config_problems(composed(*overrides[:3], f"model.path={deepseek}", "trainer.devices=2",
+                                       "parallel.expert_parallel_size=2"), launching=False)
+    assert any("parallel.expert_parallel_size=2 cannot split the 8 experts of this transformers mixture of experts"
+               in problem and "qwen3_moe and mixtral" in problem for problem in refused), refused
 
 
 def test_every_command_mgpu_plan_prints_for_a_directory_is_accepted(tmp_path):
