@@ -3,26 +3,28 @@
 chaos run per mean interval, 20 s and 60 s), each to one of the job's ranks chosen at random: SIGKILL (a lost rank:
 the agent stops the other rank and restarts both from the newest checkpoint) or SIGTERM (a preemption: an emergency
 checkpoint, exit 75, a restart with no step lost), chosen at random. Each chaos run ends on the weights of the same run
-uninterrupted, bit for bit (both save their last step: ``checkpoint.save_last``), and its effective training time is
-the uninterrupted run's wall time (the same command, under the agent too) over its own: the share of the wall time
-that trained, what failures and restarts cost aside.
+uninterrupted, bit for bit (both save their last step: ``checkpoint.save_last``).
 
-The time a chaos run lost (its wall time less the uninterrupted run's) is split into Google's goodput buckets, from
-the job's own records (``attempts.jsonl``: when the agent saw each attempt end; ``restarts.jsonl``: when each restarted
-attempt had built its engine, restored its checkpoint and finished its first optimizer step) and the faults' times:
-checkpoint stalls (a preempted attempt, from the signal to its end: the step in flight and the emergency checkpoint),
-restart (from a SIGKILL, or a preempted attempt's end, to the next attempt's engine: the agent noticing, stopping the
-other rank, forking, process group, model and engine), restore (loading the checkpoint), re-trained steps (the steps
-lost, at the uninterrupted run's time per step) and other (the rest, the shared cores' noise included: it can be
-negative). The restart latency is from each SIGKILL to the restarted attempt's first optimizer step.
+The uninterrupted run (the same command, under the agent too) runs before, between and after the chaos runs, so that
+each chaos run has one on either side: the effective training time is their mean wall time over the chaos run's, printed
+with the range the uninterrupted runs' spread gives it. The time a chaos run lost (its wall time less theirs) is split
+from the job's own records (``lightning_mgpu.resilience.lost_time``: rank 0's step log, each restarted attempt's
+timestamps, the agent's record of each failed attempt) and the faults' times into buckets that a restart causes -- the
+step a SIGKILL cut short, the emergency checkpoint of a SIGTERM, the agent noticing, attempts that failed before
+stepping, the agent's stop and fork, building the run's objects, the process group, the engine, the restore, the first
+steps after the restore beyond the uninterrupted run's median step, the re-trained steps at that median, the periodic
+saves beyond the uninterrupted run's -- and two that the machine's load causes: the other steps beyond the median (less
+the uninterrupted run's own) and the runs' start and end. The restart latency is from each SIGKILL to the restarted
+attempt's first optimizer step.
 
-The smoke mode runs one short job beside the chaos thread with no fault (and so no agent), as its own reference,
-forked from this process rather than started as a fresh interpreter: it measures nothing.
+``--steps N`` and ``--gaps 20,60`` change the run (a short profiling run: ``--steps 3000 --gaps 20``). The smoke mode
+runs one short job with no fault (and so no agent), as its own reference, forked from this process rather than started
+as a fresh interpreter: it measures nothing.
 
-``--record PATH`` writes the timeline of the uninterrupted run and the first chaos run as JSON: every fault (seconds
-from the start, signal), the step the job had reached and its attempt, read from its ``progress.json`` every half
-second, and the job's ``restarts.jsonl`` and ``attempts.jsonl`` (``docs/pictures/chaos.py`` draws it). The smoke mode
-always writes it, into its temporary folder without the option.
+``--record PATH`` writes the timeline of the first uninterrupted run and the first chaos run as JSON: every fault
+(seconds from the start, signal), the step the job had reached and its attempt, read from its ``progress.json`` every
+half second, and the job's ``restarts.jsonl`` and ``attempts.jsonl`` (``docs/pictures/chaos.py`` draws it). The smoke
+mode always writes it, into its temporary folder without the option.
 """
 
 from __future__ import annotations
@@ -53,15 +55,23 @@ from helpers import make_token_file  # noqa: E402
 from smoke import SMOKE, sized  # noqa: E402
 
 from lightning_mgpu.checkpoint.universal import read_model_weights  # noqa: E402
-from lightning_mgpu.resilience.elastic import ATTEMPTS  # noqa: E402
-from lightning_mgpu.resilience.restarts import PROGRESS, read_restarts  # noqa: E402
+from lightning_mgpu.resilience.lost_time import MACHINE_BUCKETS, RESTART_BUCKETS, Job, lost_time  # noqa: E402
+from lightning_mgpu.resilience.restarts import PROGRESS  # noqa: E402
 
 BIN = Path(sys.executable).parent
+
+
+def option(name: str, default: str) -> str:
+    args = sys.argv[1:]
+    return args[args.index(name) + 1] if name in args else default
+
+
 #: steps of the run, checkpoint interval, mean seconds between faults (one chaos run each), whether faults are sent
-STEPS, EVERY, MEAN_GAPS_S, FAULTS = sized((12000, 100, (20.0, 60.0), True), (10, 5, (4.0,), False))
+STEPS, EVERY, MEAN_GAPS_S, FAULTS = sized(
+    (int(option("--steps", "12000")), 100, tuple(float(g) for g in option("--gaps", "20,60").split(",")), True),
+    (10, 5, (4.0,), False))
 #: seconds between two readings of the job's progress (the recorded timeline)
 SAMPLE_S = 0.5
-BUCKETS = ("restart", "restore", "re-trained steps", "checkpoint stalls")
 
 
 def command(token_file: Path, run_dir: Path, restarts: int) -> list[str]:
@@ -110,18 +120,19 @@ def progress(run_dir: Path, start: float, stop: threading.Event, samples: list) 
 
 @dataclass
 class Run:
-    """One run: its directory, wall seconds, start (unix time), faults sent as [seconds from the start, pid, signal],
-    progress samples, the job's records of its restarts and of its failed attempts, and the machine's 5-minute load
-    average at its end (other jobs on the cores make the wall times of two runs incomparable)."""
+    """One run: its directory, wall seconds, faults sent as [seconds from the start, pid, signal], progress samples,
+    the job's records (:class:`~lightning_mgpu.resilience.lost_time.Job`) and the machine's 1-minute load average at
+    its end (other jobs on the cores make the wall times of two runs incomparable)."""
 
     run_dir: Path
     wall_s: float
-    began: float
     faults: list
     samples: list
-    restarts: list
-    attempts: list
+    job: Job
     load: float
+
+    def median_step(self) -> float:
+        return self.job.median_step()
 
 
 def start_job(args: list[str], cwd: Path):
@@ -136,8 +147,8 @@ def start_job(args: list[str], cwd: Path):
 
 def run(token_file: Path, run_dir: Path, mean_gap_s: Optional[float]) -> Run:
     """The job, with faults every ``mean_gap_s`` on average (None: none)."""
-    start, done, samples = time.perf_counter(), [], []
-    began = time.time()
+    done, samples = [], []
+    began, start = time.time(), time.perf_counter()
     proc = start_job(command(token_file, run_dir, 50 if FAULTS else 0), run_dir.parent)
     stop = threading.Event()
     thread = threading.Thread(target=chaos, args=(psutil.Process(proc.pid), mean_gap_s, stop, done), daemon=True)
@@ -146,76 +157,71 @@ def run(token_file: Path, run_dir: Path, mean_gap_s: Optional[float]) -> Run:
     if mean_gap_s is not None and FAULTS:
         thread.start()
     out, err = proc.communicate(timeout=3600)
+    wall_s, ended = time.perf_counter() - start, time.time()
     out += err or ""
     stop.set()
     reader.join()
     if proc.returncode != 0:
         raise SystemExit(f"the {'chaos' if mean_gap_s else 'uninterrupted'} run failed ({proc.returncode}):\n"
                          f"{out[-4000:]}")
-    attempts = [json.loads(line) for line in (run_dir / ATTEMPTS).read_text().splitlines()] \
-        if (run_dir / ATTEMPTS).is_file() else []
-    return Run(run_dir, time.perf_counter() - start, began, [[round(t - began, 2), pid, name] for t, pid, name in done],
-               samples, read_restarts(run_dir), attempts, os.getloadavg()[1])
+    job = Job.read(run_dir, began, began + wall_s, [(t, name) for t, _, name in done])
+    return Run(run_dir, wall_s, [[round(t - began, 2), pid, name] for t, pid, name in done], samples, job,
+               os.getloadavg()[0])
 
 
-def step_time(whole: Run) -> float:
-    """Seconds per step of the uninterrupted run, from its first reading past step 0 to its last."""
-    trained = [(t, step) for t, step, _ in whole.samples if step > 0]
-    (t0, s0), (t1, s1) = trained[0], trained[-1]
-    return (t1 - t0) / max(1, s1 - s0)
+def latencies(job: Job) -> list[float]:
+    """From each SIGKILL to the first optimizer step of the attempt restarted after it."""
+    out = []
+    for record in job.restarts:
+        began = record.get("forked") or record["built"]
+        cause = max(((t, name) for t, name in job.faults if t < began), default=None)
+        if cause is not None and cause[1] == "SIGKILL":
+            out.append(record["stepped"] - cause[0])
+    return out
 
 
-def lost_time(chaos_run: Run, step_s: float) -> tuple[dict[str, float], list[float]]:
-    """(seconds lost per bucket, the restart latencies of the SIGKILLs): each failed attempt is matched with the
-    last fault before its end; an attempt that never stepped is restart time up to the next one that did."""
-    buckets, latencies = dict.fromkeys(BUCKETS, 0.0), []
-    restarted = {r["attempt"]: r for r in chaos_run.restarts}
-    faults = [(chaos_run.began + t, name) for t, _, name in chaos_run.faults]
-    since, cause = None, None
-    for ended in chaos_run.attempts:
-        fault_t, name = max((f for f in faults if f[0] <= ended["ended"]), default=(ended["ended"], "SIGKILL"))
-        if since is None:
-            since, cause = fault_t, (fault_t, name)
-            if name == "SIGTERM":  # the step in flight and the emergency checkpoint, until the ranks exited
-                buckets["checkpoint stalls"] += ended["ended"] - fault_t
-                since = ended["ended"]
-        record = restarted.get(ended["attempt"] + 1)
-        if record is None:  # the next attempt failed before its first step: its time is restart time too
-            continue
-        buckets["restart"] += record["set_up"] - since
-        buckets["restore"] += record["restored"] - record["set_up"]
-        buckets["re-trained steps"] += record["lost_steps"] * step_s
-        if cause[1] == "SIGKILL":
-            latencies.append(record["stepped"] - cause[0])
-        since = None
-    return buckets, latencies
+def mean_buckets(chaos_run: Run, references: list[Run], median: float) -> dict[str, float]:
+    """The chaos run's lost seconds by bucket, against each of ``references`` (the uninterrupted runs beside it), the
+    mean of those."""
+    each = [lost_time(chaos_run.job, ref.job, EVERY, median) for ref in references]
+    return {name: statistics.fmean(b[name] for b in each) for name in each[0]}
 
 
-def report(chaos_run: Run, whole: Run, mean_gap_s: float) -> dict:
-    """Print one chaos run beside the uninterrupted one; return what ``--record`` keeps of it."""
+def report(chaos_run: Run, beside: list[Run], everyone: list[Run], mean_gap_s: float) -> dict:
+    """Print one chaos run beside the uninterrupted ones (``beside``: before and after it; ``everyone``: all of them);
+    return what ``--record`` keeps of it."""
     final = f"checkpoints/step-{STEPS:08d}"
-    _, want = read_model_weights(whole.run_dir / final)
+    _, want = read_model_weights(beside[0].run_dir / final)
     _, got = read_model_weights(chaos_run.run_dir / final)
     diff = max((want[k] - got[k]).abs().max().item() for k in want)
+    job, median = chaos_run.job, statistics.median(r.median_step() for r in everyone)
     kinds = {name: sum(1 for *_, n in chaos_run.faults if n == name) for name in ("SIGKILL", "SIGTERM")}
-    buckets, latencies = lost_time(chaos_run, step_time(whole))
-    lost_s = chaos_run.wall_s - whole.wall_s
+    faults, whole_s = max(1, len(chaos_run.faults)), statistics.fmean(r.wall_s for r in beside)
+    walls = [r.wall_s for r in everyone]
     print(f"mean {mean_gap_s:.0f} s between faults: {len(chaos_run.faults)} faults ({kinds['SIGKILL']} SIGKILL, "
-          f"{kinds['SIGTERM']} SIGTERM to a random rank), {len(chaos_run.restarts)} restarts, "
-          f"{sum(r['lost_steps'] for r in chaos_run.restarts)} steps lost and trained again")
+          f"{kinds['SIGTERM']} SIGTERM to a random rank), {len(job.restarts)} restarts, "
+          f"{sum(r['lost_steps'] for r in job.restarts)} steps lost and trained again")
     print(f"  under chaos {chaos_run.wall_s:.1f} s (load average {chaos_run.load:.1f}): effective training time "
-          f"{whole.wall_s / chaos_run.wall_s:.1%}; final weights max |diff| {diff:.1e}")
-    print(f"  lost {lost_s:.1f} s: " + ", ".join(f"{k} {v:.1f} s" for k, v in buckets.items())
-          + f", other {lost_s - sum(buckets.values()):.1f} s; without other (the wall times' noise with it): "
-          f"{1 - sum(buckets.values()) / chaos_run.wall_s:.1%} of the chaos run trained")
-    if latencies:
-        print(f"  from a SIGKILL to the next optimizer step: median {statistics.median(latencies):.2f} s, "
-              f"max {max(latencies):.2f} s ({len(latencies)} restarts)")
+          f"{whole_s / chaos_run.wall_s:.1%} (the uninterrupted runs' spread: {min(walls) / chaos_run.wall_s:.1%} to "
+          f"{max(walls) / chaos_run.wall_s:.1%}); final weights max |diff| {diff:.1e}")
+    buckets = mean_buckets(chaos_run, beside, median)
+    lost_s, restart_s = chaos_run.wall_s - whole_s, sum(buckets[b] for b in RESTART_BUCKETS)
+    machine_s = sum(buckets[b] for b in MACHINE_BUCKETS)
+    print(f"  lost {lost_s:.1f} s against the uninterrupted runs beside it; by bucket, seconds in all and per fault:")
+    print("  | bucket | s | s per fault |\n  | --- | --- | --- |")
+    for name, seconds in buckets.items():
+        print(f"  | {name} | {seconds:.2f} | {seconds / faults:.3f} |")
+    print(f"  restarts' buckets {restart_s:.1f} s ({restart_s / faults:.2f} s per fault); the machine's (other steps, "
+          f"start and end) {machine_s:.1f} s, {abs(machine_s) / max(abs(lost_s), 1e-9):.1%} of the time lost; "
+          f"without the machine's: {1 - restart_s / chaos_run.wall_s:.1%} of the chaos run trained")
+    if spans := latencies(job):
+        print(f"  from a SIGKILL to the next optimizer step: median {statistics.median(spans):.2f} s, "
+              f"max {max(spans):.2f} s ({len(spans)} restarts)")
     if diff != 0.0 or not torch.isfinite(torch.tensor(diff)):
         raise SystemExit("the run under chaos did not end on the uninterrupted run's weights")
     return {"mean_gap_s": mean_gap_s, "chaos_s": chaos_run.wall_s, "weights_max_diff": diff,
-            "faults": chaos_run.faults, "restarts": chaos_run.restarts, "attempts": chaos_run.attempts,
-            "chaos": chaos_run.samples, "lost_s": buckets, "latencies_s": latencies}
+            "faults": chaos_run.faults, "restarts": job.restarts, "attempts": job.attempts,
+            "chaos": chaos_run.samples, "lost_s": buckets, "latencies_s": spans}
 
 
 def record_path(tmp: Path) -> Optional[Path]:
@@ -229,15 +235,22 @@ def record_path(tmp: Path) -> Optional[Path]:
 def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     token_file = make_token_file(tmp)
-    whole = run(token_file, tmp / "whole", None)
-    print(f"{STEPS} steps, checkpoint every {EVERY} (in the background); uninterrupted {whole.wall_s:.1f} s "
-          f"({step_time(whole) * 1000:.1f} ms a step; load average {whole.load:.1f})")
-    recorded = [report(run(token_file, tmp / f"chaos-{gap:.0f}", gap) if FAULTS else whole, whole, gap)
-                for gap in MEAN_GAPS_S]
+    wholes, chaos_runs = [run(token_file, tmp / "whole-0", None)], []
+    for i, gap in enumerate(MEAN_GAPS_S if FAULTS else ()):  # each chaos run between two uninterrupted ones
+        chaos_runs.append(run(token_file, tmp / f"chaos-{gap:.0f}", gap))
+        wholes.append(run(token_file, tmp / f"whole-{i + 1}", None))
+    walls = [r.wall_s for r in wholes]
+    print(f"{STEPS} steps, checkpoint every {EVERY} (in the background); uninterrupted, {len(wholes)} runs "
+          f"(before, between and after the chaos runs): {', '.join(f'{w:.1f}' for w in walls)} s (spread "
+          f"{(max(walls) - min(walls)) / min(walls):.1%}; median step "
+          f"{', '.join(f'{r.median_step() * 1000:.1f}' for r in wholes)} ms; load average "
+          f"{', '.join(f'{r.load:.1f}' for r in wholes)})")
+    recorded = [report(c, wholes[i:i + 2], wholes, gap) for i, (c, gap) in enumerate(zip(chaos_runs, MEAN_GAPS_S))] \
+        or [report(wholes[0], wholes, wholes, MEAN_GAPS_S[0])]
     record = record_path(tmp)
     if record is not None:  # the first chaos run, as docs/pictures/chaos.py draws it
-        record.write_text(json.dumps({"steps": STEPS, "every": EVERY, "whole_s": whole.wall_s, "whole": whole.samples,
-                                      **recorded[0]}))
+        record.write_text(json.dumps({"steps": STEPS, "every": EVERY, "whole_s": wholes[0].wall_s,
+                                      "whole": wholes[0].samples, **recorded[0]}))
         print(f"timeline of faults and restarts: {record} ({len(recorded[0]['chaos'])} readings of the job's progress)")
 
 

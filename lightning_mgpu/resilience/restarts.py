@@ -12,6 +12,7 @@ recovers from.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -24,6 +25,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 #: The attempt number of a job under torch's elastic agent (0 first), set by the agent for every rank it starts.
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 PROGRESS, RESTARTS = "progress.json", "restarts.jsonl"
+#: Rank 0's log of every optimizer step of every attempt, a line each: ``attempt,step,unix time at its end``. A line
+#: is one ``write`` to a file opened for appending (no buffer a SIGKILL could lose), a few microseconds a step.
+STEP_LOG = "steps.csv"
 #: In the run directory, written by every rank before it exits with :data:`EXIT_FAULTY_DEVICE`: the ranks named
 #: persistent and their hosts, which the agent copies into its record of the attempt (``attempts.jsonl``).
 FAULTY_DEVICE = "faulty-device.json"
@@ -112,32 +116,63 @@ def read_restarts(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
+def read_step_log(run_dir: Path) -> dict[int, list[tuple[int, float]]]:
+    """``{attempt: [(step, unix time at its end), ...]}`` from :data:`STEP_LOG` (attempts counted from 0, as
+    :func:`attempt`); a line cut short by a SIGKILL is left out."""
+    out: dict[int, list[tuple[int, float]]] = {}
+    path = Path(run_dir) / STEP_LOG
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        fields = line.split(",")
+        if len(fields) == 3 and fields[0].isdigit() and fields[1].isdigit():
+            with contextlib.suppress(ValueError):
+                out.setdefault(int(fields[0]), []).append((int(fields[1]), float(fields[2])))
+    return out
+
+
+def process_started() -> Optional[float]:
+    """The unix time this process began (forked or started), from Linux's ``/proc/self/stat`` (clock ticks after
+    boot, 10 ms apart): when the agent forked this rank, which nothing in the rank can note earlier; None elsewhere."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.time() - age
+
+
 class RestartRecord(L.Callback):
     """Rank 0 writes the last finished step into ``run_dir`` after every optimizer step (``progress.json``, with the
-    time); a restarted attempt skips validation's sanity check, says at the start of training where it resumed, and at
-    the end of its first optimizer step appends to ``restarts.jsonl`` what it lost and when it was set up (engine
-    built), restored (checkpoint loaded) and stepping again (wall-clock seconds: what a restart costs, beside the time
-    of the failure)."""
+    time) and logs it (:data:`STEP_LOG`); a restarted attempt skips validation's sanity check, says at the start of
+    training where it resumed, and at the end of its first optimizer step appends to ``restarts.jsonl`` what it lost
+    and, in wall-clock seconds, when its process began (``forked``), when the run's objects were built (``built``:
+    config checks, strategy, data and model), when its process group was up (``grouped``: Lightning's setup hooks
+    run after it), when its engine was built (``set_up``), when the checkpoint was restored (``restored``) and when
+    it stepped again (``stepped``): what each part of a restart costs, beside the time of the failure."""
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
-        self._set_up = 0.0
+        self._times = {"forked": process_started(), "built": time.time()}  # built just before the Trainer
         self._record: Optional[dict] = None
         self._written: Optional[int] = None
+        self._log: Optional[int] = None
+
+    def setup(self, trainer: L.Trainer, *args, **kwargs) -> None:
+        self._times["grouped"] = time.time()  # Lightning calls this after the strategy's process group
 
     def on_fit_start(self, trainer: L.Trainer, *args) -> None:
-        self._set_up = time.time()  # the strategy restores a checkpoint after this: the engine exists
+        self._times["set_up"] = time.time()  # the strategy restores a checkpoint after this: the engine exists
         if attempt() > 0:  # asked now, when the ranks have agreed on the number: before, nodes may differ
             trainer.num_sanity_val_steps = 0  # a restart does not check again what its first attempt checked
 
     def on_train_start(self, trainer: L.Trainer, *args) -> None:
         number = attempt()
+        if trainer.is_global_zero:
+            self._log = os.open(self.run_dir / STEP_LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         if number == 0 or not trainer.is_global_zero:
             return
         reached = reached_step(self.run_dir)
         self._record = {"attempt": number + 1, "resumed_at": trainer.global_step, "previous_reached": reached,
-                        "lost_steps": max(0, reached - trainer.global_step), "set_up": self._set_up,
-                        "restored": time.time()}
+                        "lost_steps": max(0, reached - trainer.global_step), **self._times, "restored": time.time()}
         rank_zero_info(f"Restart {number}: resumed at step {trainer.global_step}; the attempt before reached step "
                        f"{reached}: {self._record['lost_steps']} step(s) lost")
 
@@ -145,6 +180,8 @@ class RestartRecord(L.Callback):
         if not trainer.is_global_zero or trainer.global_step == self._written:
             return
         now, self._written = time.time(), trainer.global_step
+        if self._log is not None:
+            os.write(self._log, f"{attempt()},{trainer.global_step},{now:.6f}\n".encode())
         path = self.run_dir / PROGRESS
         path.with_suffix(".tmp").write_text(json.dumps({"step": trainer.global_step, "attempt": attempt(), "time": now}))
         os.replace(path.with_suffix(".tmp"), path)
@@ -152,3 +189,11 @@ class RestartRecord(L.Callback):
             with (self.run_dir / RESTARTS).open("a") as out:
                 out.write(json.dumps({**self._record, "stepped": now}) + "\n")
             self._record = None
+
+    def on_train_end(self, trainer: L.Trainer, *args) -> None:
+        if self._log is not None:
+            os.close(self._log)
+            self._log = None
+
+    def on_exception(self, trainer: L.Trainer, *args) -> None:
+        self.on_train_end(trainer)

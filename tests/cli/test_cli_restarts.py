@@ -12,10 +12,13 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from cli_helpers import BIN, RESTARTABLE, cli_args, read_losses, run
 from forked_cli import popen_cli, run_cli
 
 from lightning_mgpu.resilience.preemption import REQUEUE_EXIT
+from lightning_mgpu.resilience.restarts import read_step_log
 
 CRASH_LOOP_EXIT = 76  # docs/reference/refusals.md
 
@@ -42,7 +45,12 @@ def test_local_job_with_a_killed_rank_restarts_and_completes(token_file, tmp_pat
     assert {k: restart[k] for k in ("attempt", "resumed_at", "previous_reached", "lost_steps")} == \
         {"attempt": 2, "resumed_at": 2, "previous_reached": 3, "lost_steps": 1}
     killed = float(re.search(r"kills itself \(SIGKILL\) at step 3 at time ([\d.]+)", out).group(1))
-    assert killed < ended["ended"] < restart["set_up"] < restart["restored"] < restart["stepped"]
+    assert killed < ended["ended"] < restart["forked"] < restart["built"] < restart["grouped"] < restart["set_up"] \
+        < restart["restored"] < restart["stepped"]
+    # rank 0's step log: steps 1-3 of the first attempt (it died as step 4 began), 3-6 of the second, in time order
+    logged = read_step_log(again)
+    assert [s for s, _ in logged[0]] == [1, 2, 3] and [s for s, _ in logged[1]] == [3, 4, 5, 6], logged
+    assert logged[0][-1][1] < killed and logged[1][0][1] == pytest.approx(restart["stepped"], abs=1e-5)
     # every step once: metrics.csv kept the first attempt's steps 0-1, and the restart's 2-5 equal the uninterrupted run's
     assert read_losses(again / "metrics.csv") == uninterrupted_losses
     # nothing of the killed attempt is left (its rank 1, blocked in a collective, was killed by the agent)
