@@ -19,15 +19,21 @@ from lightning_mgpu.models.llama import document_positions
 IGNORE_INDEX = -100
 
 
+def document_numbers(positions: torch.Tensor) -> torch.Tensor:
+    """``[batch, seq]``: each token's document, counted from 1 in each row; a document starts wherever a position is
+    not one more than the one before (``transformers``' ``find_packed_sequence_indices`` rule)."""
+    starts = torch.ones_like(positions, dtype=torch.bool)
+    starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
+    return starts.cumsum(dim=1)
+
+
 def position_arguments(positions: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """``position_ids`` and the block-diagonal causal ``attention_mask`` of packed documents given by their positions
     (``[batch, seq]``): a document starts wherever a position is not one more than the one before, the rule by which
     ``transformers`` reads packed ``position_ids`` given without a mask (``find_packed_sequence_indices``), so query
     ``i`` sees key ``j <= i`` of its own document. Positions are what pipeline stages hand on and what a collator's
     ``position_ids`` say; every row allows its diagonal, so none is all masked."""
-    starts = torch.ones_like(positions, dtype=torch.bool)
-    starts[:, 1:] = positions[:, 1:] - positions[:, :-1] != 1
-    docs = starts.cumsum(dim=1)
+    docs = document_numbers(positions)
     index = torch.arange(positions.shape[1], device=positions.device)
     allowed = (docs[:, :, None] == docs[:, None, :]) & (index[None, :] <= index[:, None])[None]
     mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
@@ -58,4 +64,4 @@ def items_per_part(module: Any, targets: torch.Tensor, training: bool) -> torch.
     return counted.clamp(min=1) / (micro * replicas)
 
 
-__all__ = ["document_arguments", "document_positions", "items_per_part", "position_arguments"]
+__all__ = ["document_arguments", "document_numbers", "document_positions", "items_per_part", "position_arguments"]

@@ -100,8 +100,10 @@ class HFCausalLM(L.LightningModule):
             return context.pipeline.evaluate(*self.pipeline_batch(batch))
         inputs, targets = self._inputs_targets(batch)
         eod, extra = self.hparams.get("eod_token_id"), {}
-        if eod is not None:
-            extra = document_arguments(inputs, eod, next(self.llm.parameters()).dtype)
+        if eod is not None:  # under context parallelism the positions alone: the documents follow the split there
+            split = context is not None and context.layout is not None and context.layout.size("cp") > 1
+            extra = {"position_ids": document_positions(inputs, eod)} if split else \
+                document_arguments(inputs, eod, next(self.llm.parameters()).dtype)
             extra["num_items_in_batch"] = self._items if self._items is not None else \
                 (targets != -100).sum().clamp(min=1)
         return self.llm(input_ids=inputs, labels=targets, shift_labels=targets, use_cache=False, **extra).loss

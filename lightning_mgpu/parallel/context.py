@@ -136,13 +136,18 @@ class ContextParallelAttention:
         ``scale`` is the softmax scale (default ``1 / sqrt(d)``)."""
         if scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-12:
             q = q * (scale * q.shape[-1] ** 0.5)  # the kernels' default scale, times the asked-for one
-        order, queries = self._layout(q.shape[2], q.device)[1:]
-        head_dim = k.shape[-1]
-        kv = torch.cat([k, v], dim=-1).transpose(1, 2)  # [b, s/C, kv_heads, 2 head_dim]: one gather for both
-        whole = GatherSequence.apply(kv, self.group).index_select(1, order).transpose(1, 2)
-        k_all, v_all = whole.split(head_dim, dim=-1)
+        queries = self._layout(q.shape[2], q.device)[2]
+        k_all, v_all = self.gather_keys_values(k, v)
         out = [self.attend(q[:, :, rows], k_all[:, :, :keys], v_all[:, :, :keys]) for rows, keys in queries]
         return torch.cat(out, dim=2)
+
+    def gather_keys_values(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole sequence's keys and values ``[b, kv_heads, s, d]``, in order, from this rank's ``[b, kv_heads,
+        s/C, d]``: one all-gather for both (its backward a reduce-scatter)."""
+        order = self._layout(k.shape[2], k.device)[1]
+        kv = torch.cat([k, v], dim=-1).transpose(1, 2)  # [b, s/C, kv_heads, 2 head_dim]: one gather for both
+        whole = GatherSequence.apply(kv, self.group).index_select(1, order).transpose(1, 2)
+        return whole.split(k.shape[-1], dim=-1)
 
 
 def apply_context_parallel(module: nn.Module, group: Any, rank: int, size: int, balanced: bool = True) -> int:

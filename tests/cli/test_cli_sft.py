@@ -34,7 +34,7 @@ def test_data_sft_refuses_what_cannot_train_before_launch(chat_dir, tmp_path):
         in short, short
     assert "data.document_mask=false with data=sft" in problems(f"data.path={chat_dir / 'chat'}", "data.seq_len=96",
                                                                 "data.document_mask=false")
-    assert "parallel.context_parallel_size=2 with data=sft: the conversations' boundaries" in \
+    assert "parallel.context_parallel_size=2 with data=sft and the package's model: its conversations' boundaries" in \
         problems(f"data.path={chat_dir / 'chat'}", "data.seq_len=96", "trainer.devices=2",
                  "parallel.context_parallel_size=2")
     plain = tmp_path / "plain"

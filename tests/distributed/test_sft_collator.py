@@ -119,7 +119,8 @@ def one_process(batches: list[dict], micro: int, validation: dict) -> dict:
 #: name -> (the collator's kind, micro-batches, strategy arguments)
 RUNS = {"packed_pp2": ("packed", 2, dict(pipeline_parallel_size=2, num_microbatches=2)),
         "padded_pp2": ("padded", 2, dict(pipeline_parallel_size=2, num_microbatches=2)),
-        "ones_cp2": ("ones", 1, dict(context_parallel_size=2, zero_stage=1))}
+        "ones_cp2": ("ones", 1, dict(context_parallel_size=2, zero_stage=1)),
+        "packed_cp2": ("packed", 1, dict(context_parallel_size=2))}
 
 
 def test_a_collators_mapping_trains_under_pipeline_and_context_parallelism_as_in_one_process():

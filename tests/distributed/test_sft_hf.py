@@ -72,7 +72,7 @@ def reference(path, directory, eod: int) -> dict:
     return {"losses": losses, "grad_norms": norms}
 
 
-def test_a_transformers_model_on_packed_conversations_matches_each_run_alone_at_dp2_and_tp2(tmp_path):
+def test_a_transformers_model_on_packed_conversations_matches_each_run_alone_at_dp2_tp2_pp2_and_cp2(tmp_path):
     """One to three conversations per packed sequence (28 of 75 hold two or three). Broken once each: without the attention mask and positions
     (document_arguments) the loss is 2.7e-3 off; without num_items_in_batch (the model's per-call mean) 3.6e-3."""
     tok = make_chat_tokenizer(tmp_path / "tok")
@@ -89,7 +89,7 @@ def test_a_transformers_model_on_packed_conversations_matches_each_run_alone_at_
     transformers.LlamaForCausalLM(config).save_pretrained(directory, safe_serialization=True)
     expected = reference(out, directory, eod)
     layouts = {"dp2": dict(zero_stage=1), "tp2": dict(tensor_parallel_size=2, sequence_parallel=True),
-               "pp2": dict(pipeline_parallel_size=2)}
+               "pp2": dict(pipeline_parallel_size=2), "cp2": dict(context_parallel_size=2)}
     runs = run_distributed(in_turn, 2, {name: (hf_fit, (out, directory, eod), layout)
                                         for name, layout in layouts.items()})
     for name in layouts:

@@ -6,7 +6,7 @@ import torch
 from hf_helpers import CausalLM
 from transformers.masking_utils import find_packed_sequence_indices
 
-from lightning_mgpu.hf.context import _cut_inputs
+from lightning_mgpu.hf.context import _cut_inputs, _Documents
 from lightning_mgpu.hf.documents import position_arguments
 from lightning_mgpu.hf.hooks import HFHooks
 from lightning_mgpu.hf.model import find_hf_model
@@ -43,15 +43,23 @@ def test_positions_start_a_document_where_transformers_finds_one():
     assert seen[4] == [3, 4] and seen[7] == [5, 6, 7]  # worked by hand
 
 
-def test_context_parallelism_refuses_a_mask_with_holes_and_packed_positions_naming_each_key():
-    cut = _cut_inputs(0, 2)
+def test_context_parallelism_cuts_packed_positions_and_refuses_a_mask_with_holes_naming_the_key():
+    documents = _Documents()
+    cut = _cut_inputs(0, 2, documents)
     _, kwargs = cut(None, (), {"input_ids": IDS, "labels": IDS, "attention_mask": torch.ones_like(IDS),
                                "position_ids": torch.arange(8)[None]})
     assert "attention_mask" not in kwargs and kwargs["position_ids"].tolist() == [[0, 1, 6, 7]]  # chunks 0 and 3
+    assert documents.keys is None  # one document: the chunks' causal attention
+    _, kwargs = cut(None, (), {"input_ids": IDS, "position_ids": PACKED})
+    assert kwargs["position_ids"].tolist() == [[0, 1, 1, 2]]  # tokens 0, 1, 6, 7 in their documents
+    allowed = (documents.mask(torch.float32)[0, 0] == 0).int().tolist()
+    # query token 6 (document 0 1 [2]) sees tokens 5 and 6, token 7 sees 5, 6 and 7; tokens 0 and 1 their own start
+    assert allowed == [[1, 0, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1, 1, 0],
+                       [0, 0, 0, 0, 0, 1, 1, 1]]
     holes = torch.ones_like(IDS)
     holes[0, 6:] = 0
     with pytest.raises(ValueError) as refused:
-        cut(None, (), {"input_ids": IDS, "attention_mask": holes, "position_ids": PACKED})
+        cut(None, (), {"input_ids": IDS, "attention_mask": holes, "position_ids": PACKED[:, :4]})
     message = str(refused.value)
     assert "attention_mask has 2 padding position(s) (zeros): a padding mask with holes cannot be split" in message
-    assert "position_ids are not 0 ... seq - 1 in every row (packed documents)" in message
+    assert "position_ids have shape [1, 4]: give one position per token" in message
