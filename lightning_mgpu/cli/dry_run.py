@@ -63,7 +63,7 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
         for pp_rank in range(P):
             kept = built_share(spec, layout, strategy, tp_rank, pp_rank)
             ids = layout.stage_ids(pp_rank)
-            experts = sum(p.numel() for layer in moe_layers(kept) for p in layer.experts.parameters())
+            experts = sum(p.numel() for p in kept.parameters() if id(p) in routed_experts(kept))
             matrices = sum(p.numel() for n, p in kept.named_parameters() if muon_steps(n, p.shape))
             held = RankParameters(sum(p.numel() for p in kept.parameters()) - experts, experts,
                                   sum(p.numel() for p in kept.parameters()) - matrices, **frozen_share(kept))
@@ -78,11 +78,18 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
     return layout, shares
 
 
+def routed_experts(kept: torch.nn.Module) -> set[int]:
+    """The ids of a built share's routed experts' parameters: the package's experts, and those expert parallelism
+    split (``expert_partition``: a ``transformers`` model's, counted apart by the planner only when split)."""
+    return {id(p) for layer in moe_layers(kept) for p in layer.experts.parameters()} | {
+        id(p) for p in kept.parameters() if getattr(p, "expert_partition", None) is not None}
+
+
 def frozen_share(kept: torch.nn.Module) -> dict:
     """``RankParameters``' frozen fields of a built share (``adapters=lora`` freezes the base): what it stores without
     a gradient, master or optimizer state, and the trainable parameters ZeRO-3 would keep whole (at most the
     engine's persistence threshold), so the dry run's model states count them as the planner does."""
-    expert_ids = {id(p) for layer in moe_layers(kept) for p in layer.experts.parameters()}
+    expert_ids = routed_experts(kept)
     frozen = [p for p in kept.parameters() if not p.requires_grad]
     if not frozen:
         return {}

@@ -84,3 +84,24 @@ def _names(directory) -> set[str]:
 
     with safe_open(str(directory / "model.safetensors"), "pt") as handle:
         return set(handle.keys())
+
+
+def test_the_dry_run_counts_the_split_experts_as_the_planner_does(moe_dir, token_file):
+    """``dry_run=true`` at tp2 x ep2 (4 ranks): each built share holds 4 of 8 experts per layer, whole (2 layers x 4 x
+    3 x 16 x 32 = 12,288 expert elements: worked by hand), and its dense and expert parameters equal the planner's."""
+    from cli_helpers import composed
+
+    from lightning_mgpu.cli.dry_run import dry_run_report, rank_shares
+    from lightning_mgpu.cli.spec import run_spec
+    from lightning_mgpu.planner.model_stats import rank_parameter_split
+
+    args = [a for a in cli_args(token_file, STEPS) if a not in TINY_MODEL and not a.startswith("model.")]
+    spec = run_spec(composed("model=hf", f"model.path={moe_dir}", *args, "trainer.devices=4",
+                             "parallel.tensor_parallel_size=2", "parallel.expert_parallel_size=2"), launching=False)
+    layout, shares = rank_shares(spec)
+    assert (layout.size("tp"), layout.size("ep"), layout.size("edp")) == (2, 2, 1)
+    for share in shares:
+        planned = rank_parameter_split(spec.model, 2, 1, ep=2)
+        assert share.experts == LAYERS * (EXPERTS // 2) * 3 * EXPERT_HIDDEN * HIDDEN == planned.experts
+        assert share.parameters - share.experts == planned.dense
+    assert "experts: 4 of 8 (top-2) per rank" in dry_run_report(spec)
