@@ -100,8 +100,10 @@ class Corruption:
         shown = ", ".join(self.parameters[:3]) + (f" and {len(self.parameters) - 3} more" if len(self.parameters) > 3
                                                   else "")
         aside = ", ".join(p.name for p in self.set_aside) or "none"
+        where = host_verdict(self.ranks, self.hosts)
         found = (f"silent data corruption: {who} holds a copy of {shown} that differs from its data-parallel peers at "
-                 f"step {self.step} (the copies agreed at step {self.last_good_step}); checkpoints set aside: {aside}.")
+                 f"step {self.step} (the copies agreed at step {self.last_good_step}); checkpoints set aside: {aside}."
+                 + (f" {where}." if where else ""))
         if not self.persistent:
             return f"{found} Every rank stops; resume with checkpoint.resume=auto from the newest checkpoint before it"
         hosts = sorted({self.hosts[r] for r in self.ranks}) if self.hosts else []
@@ -112,7 +114,30 @@ class Corruption:
     def record(self) -> dict:
         """What the rerun compares against: the step, the ranks named and their hosts."""
         return {"step": self.step, "last_good_step": self.last_good_step,
-                "ranks": {str(r): self.hosts[r] if self.hosts else "" for r in self.ranks}}
+                "ranks": {str(r): self.hosts[r] if self.hosts else "" for r in self.ranks},
+                "where": host_verdict(self.ranks, self.hosts)}
+
+
+def host_verdict(ranks: list[int], hosts: list[str]) -> str:
+    """Whether the ranks named share their host with ranks whose copies agree (one device to replace) or have a host to
+    themselves (that device and its node cannot be told apart), from ``hosts`` (every rank's, by rank); "" without
+    hosts."""
+    if not hosts or not ranks:
+        return ""
+    named_hosts = sorted({hosts[r] for r in ranks})
+    beside = {h: [r for r, host in enumerate(hosts) if host == h and r not in ranks] for h in named_hosts}
+    if len(ranks) > 1:
+        if len(named_hosts) > 1:
+            return f"the ranks named run on different hosts ({', '.join(named_hosts)}): no one node is common to them"
+        host = named_hosts[0]
+        return f"the ranks named all run on host {host}, " + (
+            f"beside ranks {beside[host]} whose copies agree" if beside[host] else "which runs no other rank")
+    rank, host = ranks[0], named_hosts[0]
+    if beside[host]:
+        return (f"rank {rank} shares host {host} with ranks {beside[host]}, whose copies agree: one device (rank "
+                f"{rank}'s), not the node")
+    return (f"rank {rank} is the only rank on host {host}: its device and the rest of that node cannot be told apart "
+            "here")
 
 
 class SilentCorruptionCheck(L.Callback):

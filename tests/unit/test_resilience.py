@@ -6,7 +6,7 @@ from collections import deque
 
 import torch
 
-from lightning_mgpu.resilience.fingerprint import fingerprints, odd_ranks
+from lightning_mgpu.resilience.fingerprint import Corruption, fingerprints, host_verdict, odd_ranks
 from lightning_mgpu.resilience.rollback import batches_of_step
 from lightning_mgpu.resilience.step_guard import SpikeRule
 
@@ -32,6 +32,24 @@ def test_the_ranks_outside_the_majority_are_named():
     assert odd_ranks([[1, 2], [1, 7]], [0, 1]) == ([0, 1], [1])
     # three different copies of one parameter: no majority
     assert odd_ranks([[1], [2], [3]], [0, 1, 2]) == ([0, 1, 2], [0])
+
+
+def test_a_named_rank_is_told_apart_from_its_host():
+    """One device when the named rank's host also runs ranks that agree; the device or its node when it runs alone."""
+    two_nodes = ["a", "a", "b", "b"]  # ranks 0-1 on host a, 2-3 on host b
+    assert host_verdict([3], two_nodes) == ("rank 3 shares host b with ranks [2], whose copies agree: one device "
+                                            "(rank 3's), not the node")
+    assert host_verdict([2], ["a", "a", "b"]) == ("rank 2 is the only rank on host b: its device and the rest of "
+                                                   "that node cannot be told apart here")
+    assert host_verdict([2, 3], two_nodes) == "the ranks named all run on host b, which runs no other rank"
+    assert host_verdict([1, 2], ["a", "a", "a", "b"]) == ("the ranks named all run on host a, beside ranks [0] whose "
+                                                          "copies agree")
+    assert host_verdict([1, 2], two_nodes) == ("the ranks named run on different hosts (a, b): no one node is common "
+                                               "to them")
+    assert host_verdict([1], []) == ""
+    # said in the line every rank logs and kept in the record (sdc-suspect.json, faulty-device.json)
+    found = Corruption(4, 2, [3], ["w"], [], two_nodes, persistent=True)
+    assert "rank 3 shares host b with ranks [2]" in found.describe() and found.record()["where"].startswith("rank 3 ")
 
 
 def test_the_batches_a_step_drew():
