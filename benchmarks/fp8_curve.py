@@ -6,10 +6,10 @@ sums its partial products after the matmul, data-parallel ranks reduce gradients
 roundings once the weights have moved. This script measures that drift: the tiny Llama (and its mixture of experts for
 ep2), fp8 emulated on CPU over a ``32-true`` base, two processes a layout, the same micro-batches as one process,
 ``STEPS`` steps with the learning rate's cosine over the whole run. Per layout it prints |loss - one process| at steps
-1 and 2, the largest in the first 10 steps and over all steps, the last step's, the same for the gradient norm at step
-1 and over all steps, the first step whose loss is more than 1e-5 off, and the same layout without fp8 against one process without fp8 (the fp32 reduction order
-alone); then fp8's own effect (one process with fp8 against without) as the scale the drift is read against. Every
-figure is the larger of the two ranks'.
+1 and 2, the largest in the first 10 steps and over all steps, the last step's, the first step more than 1e-5 off,
+the same for the gradient norm at step 1 and over all steps, and the same layout without fp8 against one process
+without fp8 (the fp32 reduction order alone); then fp8's own effect (one process with fp8 against without) as the
+scale the drift is read against. Every figure is the larger of the two ranks'.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ MODEL_NAMES = {id(TINY): "tiny", id(DEEP): "deep", id(TINY_MOE): "moe"}
 def train(rank: int, token_file: Path, devices: int, model, recipe, kw: dict) -> dict:
     """One run of ``STEPS`` steps; ``recipe=None``: without fp8."""
     module = LLMModule(model, **dict(OPTIM, max_steps=STEPS), global_batch_size=GLOBAL_BATCH)
-    out = fit(rank, token_file, devices, max_steps=STEPS, model=model, module=module, check_layout=model is not TINY_MOE,
-              precision_plugin=MGPUPrecision("32-true", fp8=recipe), **kw)
+    out = fit(rank, token_file, devices, max_steps=STEPS, model=model, module=module,
+              check_layout=model is not TINY_MOE, precision_plugin=MGPUPrecision("32-true", fp8=recipe), **kw)
     return {"losses": out["losses"], "grad_norms": out["grad_norms"]}
 
 

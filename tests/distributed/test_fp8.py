@@ -125,8 +125,8 @@ def one_process(rank, token_file, devices, ckpt):
     out = {"rowwise": fit_fp8(rank, token_file, 1, TINY, "rowwise", max_steps=6, callbacks=[SaveAtStep(3, ckpt)])}
     out["resumed"] = fit_fp8(rank, token_file, 1, TINY, "rowwise", max_steps=6, ckpt_path=ckpt)
     out["tensorwise"] = fit_fp8(rank, token_file, 1, TINY, "tensorwise")
-    for name, model, recipe in [("moe", TINY_MOE, "rowwise"), ("moe", TINY_MOE, "tensorwise"), ("deep", DEEP, "rowwise"),
-                                ("deep", DEEP, "tensorwise")]:
+    for name, model, recipe in [("moe", TINY_MOE, "rowwise"), ("moe", TINY_MOE, "tensorwise"),
+                                ("deep", DEEP, "rowwise"), ("deep", DEEP, "tensorwise")]:
         out[f"{name}_{recipe}"] = fit_fp8(rank, token_file, 1, model, recipe, max_steps=FP8_STEPS)
     return out
 
