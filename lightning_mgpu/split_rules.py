@@ -28,7 +28,7 @@ def _near(options: list[int], value: int) -> str:
 
 #: ``model_type`` of the ``transformers`` mixtures of experts whose experts expert parallelism splits
 #: (``lightning_mgpu.hf.expert_parallel``); any other is refused ``expert_parallel_size > 1``.
-HF_EXPERT_FAMILIES = ("qwen3_moe", "mixtral")
+HF_EXPERT_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
 
 
 def expert_problems(expert_parallel_size: int, data_context_ranks: Optional[int], num_experts: Optional[int],
@@ -51,7 +51,7 @@ def expert_problems(expert_parallel_size: int, data_context_ranks: Optional[int]
     if Ep > 1 and num_experts and not experts_split:
         return out + [Problem("expert_parallel_size", Ep, f"cannot split the {num_experts} experts of this "
                               "transformers mixture of experts (each rank would still hold every expert): expert "
-                              f"parallelism splits those of {' and '.join(HF_EXPERT_FAMILIES)} models only",
+                              f"parallelism splits those of {', '.join(HF_EXPERT_FAMILIES)} models only",
                               "use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over the data-parallel "
                               "ranks), or the package's own MoE model (model.num_experts), which expert parallelism "
                               "splits")]

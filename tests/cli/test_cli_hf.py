@@ -113,8 +113,8 @@ def test_a_transformers_mixture_of_experts_is_planned_with_its_experts_split(tmp
     """Qwen3-30B-A3B's experts are split by expert parallelism (lightning_mgpu.hf.expert_parallel): the planner's
     search tries 1, 2, 4 and 8 as for the package's own MoE of the same shape, a rank's routed experts are counted
     E / Ep of them (48 layers x 128 experts x 3 x 2048 x 768, halved at ep2: worked by hand), every command mgpu-plan
-    prints is accepted, and mgpu-train accepts 2 before launch; DeepSeek V3, whose experts are not split, is refused
-    2 naming the families that are."""
+    prints is accepted, and mgpu-train accepts 2 before launch; GraniteMoE, whose experts are not split, is refused 2
+    naming the families that are."""
     cluster = ClusterSpec(1, 8, GPUS["h100_80gb"])
     as_is, own = planning_shape(QWEN3_30B_A3B), from_hf_config(QWEN3_30B_A3B)
     assert {c.ep for c in candidates(as_is, cluster, 64, 4096)} == {1, 2, 4, 8}
@@ -135,16 +135,16 @@ def test_a_transformers_mixture_of_experts_is_planned_with_its_experts_split(tmp
         assert config_problems(composed(*command), launching=False) == [], command
     accepted = config_problems(composed(*overrides, "parallel.expert_parallel_size=2"), launching=False)
     assert not [problem for problem in accepted if "expert_parallel_size" in problem], accepted
-    deepseek = tmp_path / "deepseek"
-    deepseek.mkdir()
-    (deepseek / "config.json").write_text(json.dumps(transformers.DeepseekV3Config(
-        n_routed_experts=8, first_k_dense_replace=1, n_group=1, topk_group=1, num_hidden_layers=2, hidden_size=64,
-        intermediate_size=128, moe_intermediate_size=32,
+    granite = tmp_path / "granitemoe"
+    granite.mkdir()
+    (granite / "config.json").write_text(json.dumps(transformers.GraniteMoeConfig(
+        num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=2, hidden_size=64, intermediate_size=32,
         num_attention_heads=4, num_key_value_heads=4, vocab_size=256).to_dict()))
-    refused = config_problems(composed(*overrides[:3], f"model.path={deepseek}", "trainer.devices=2",
+    refused = config_problems(composed(*overrides[:3], f"model.path={granite}", "trainer.devices=2",
                                        "parallel.expert_parallel_size=2"), launching=False)
     assert any("parallel.expert_parallel_size=2 cannot split the 8 experts of this transformers mixture of experts"
-               in problem and "qwen3_moe and mixtral" in problem for problem in refused), refused
+               in problem and "qwen3_moe, mixtral, gpt_oss, deepseek_v3 models only" in problem
+               for problem in refused), refused
 
 
 def test_every_command_mgpu_plan_prints_for_a_directory_is_accepted(tmp_path):

@@ -1,5 +1,8 @@
-"""Expert parallelism for a ``transformers`` Qwen3-MoE (and Mixtral) as it is, driven as a user drives it: a plain
-LightningModule holding the model, ``Trainer(strategy=MGPUStrategy(expert_parallel_size=2, ...))``.
+"""Expert parallelism for a ``transformers`` mixture of experts as it is, driven as a user drives it: a plain
+LightningModule holding the model, ``Trainer(strategy=MGPUStrategy(expert_parallel_size=2, ...))``. Qwen3-MoE at ep2
+under ZeRO-1 and ZeRO-3, with tensor parallelism and with pipeline stages (1F1B); Mixtral (ZeRO-2); gpt-oss (expert
+biases, its clamped gate, attention sinks; ZeRO-1); DeepSeek V3 (a dense first layer, a shared expert, group-limited
+routing; ZeRO-0, whose clipping the package computes).
 
 Each rank holds half the routed experts (local shapes asserted), tokens travel by all-to-all, and the model's router,
 top-k, normalisation and load-balancing loss (``output_router_logits=True``, coefficient 0.1) are its own. The
@@ -37,6 +40,14 @@ def routed_config(family: str, n_layers: int, aux: bool) -> Any:
                  num_experts_per_tok=2, output_router_logits=aux, router_aux_loss_coef=0.1, attn_implementation="sdpa")
     if family == "mixtral":
         return transformers.MixtralConfig(num_local_experts=EXPERTS, **shape)
+    if family == "gpt_oss":  # expert biases, its clamped gate, attention sinks; sliding and full attention in turn
+        return transformers.GptOssConfig(num_local_experts=EXPERTS, **{**shape, "intermediate_size": 16,
+                                                                         "attn_implementation": "eager"})
+    if family == "deepseek_v3":  # a dense first layer, a shared expert, group-limited routing (4 groups, top 2)
+        return transformers.DeepseekV3Config(
+            n_routed_experts=EXPERTS, moe_intermediate_size=16, first_k_dense_replace=1, n_group=4, topk_group=2,
+            n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=8, **{**shape, "num_key_value_heads": 4})
     return transformers.Qwen3MoeConfig(num_experts=EXPERTS, moe_intermediate_size=16, norm_topk_prob=True, **shape)
 
 
@@ -116,18 +127,26 @@ def micro_batches(results: list[dict]) -> list[list[torch.Tensor]]:
     return [[by_dp[d][step] for d in sorted(by_dp)] for step in range(STEPS)]
 
 
-#: name -> (ranks, run arguments). Runs of one world size share one launch.
+#: name -> (ranks, run arguments). Runs of one world size share one launch; between them every ZeRO stage.
 RUNS = {
     "ep2_zero1": (2, dict(expert_parallel_size=2, zero_stage=1)),
     "ep2_zero3": (2, dict(expert_parallel_size=2, zero_stage=3)),
-    "mixtral_ep2_zero1": (2, dict(family="mixtral", expert_parallel_size=2, zero_stage=1)),
+    "mixtral_ep2_zero2": (2, dict(family="mixtral", expert_parallel_size=2, zero_stage=2)),
+    "gpt_oss_ep2_zero1": (2, dict(family="gpt_oss", expert_parallel_size=2, zero_stage=1)),
+    "deepseek_v3_ep2_zero0": (2, dict(family="deepseek_v3", expert_parallel_size=2, zero_stage=0, aux=False)),
     "ep2_tp2": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, zero_stage=1)),
     "ep2_pp2_1f1b": (4, dict(expert_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2, zero_stage=1,
                              aux=False)),
 }
-#: The experts' local shapes (half of 8, each whole) by family: gate_up_proj, down_proj.
-LOCAL = {"qwen3_moe": ((EXPERTS // 2, 32, 32), (EXPERTS // 2, 32, 16)),
-         "mixtral": ((EXPERTS // 2, 96, 32), (EXPERTS // 2, 32, 48))}
+#: Each expert layer's local experts (half of 8, each whole) by family: the weights' shapes; and the router's weight.
+LOCAL = {"qwen3_moe": {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)},
+         "mixtral": {"gate_up_proj": (4, 96, 32), "down_proj": (4, 32, 48)},
+         "gpt_oss": {"gate_up_proj": (4, 32, 32), "gate_up_proj_bias": (4, 32), "down_proj": (4, 16, 32),
+                     "down_proj_bias": (4, 32)},
+         "deepseek_v3": {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)}}
+ROUTER = {"gpt_oss": "router.weight"}
+#: Layers holding experts (DeepSeek V3's first is dense).
+EXPERT_LAYERS = {"deepseek_v3": [1]}
 
 
 @functools.cache
@@ -148,10 +167,10 @@ def test_expert_parallel_equals_one_process(name):
         shapes = {n.removeprefix("llm."): s for n, s in r["shapes"].items()}
         held = sorted({int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.")})
         assert len(held) == 2 // pp
-        for layer in held:  # half the experts, each whole (tensor parallelism leaves them whole)
+        for layer in set(held) & set(EXPERT_LAYERS.get(family, [0, 1])):  # half the experts, each whole
             block = f"model.layers.{layer}.mlp"
-            assert (shapes[f"{block}.experts.gate_up_proj"], shapes[f"{block}.experts.down_proj"]) == LOCAL[family]
-            assert shapes[f"{block}.gate.weight"] == (EXPERTS, 32)  # the router sees every expert
+            assert {w: shapes[f"{block}.experts.{w}"] for w in LOCAL[family]} == LOCAL[family]
+            assert shapes[f"{block}.{ROUTER.get(family, 'gate.weight')}"] == (EXPERTS, 32)  # it sees every expert
         assert r["implementation"] == "mgpu_expert_parallel"
         assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5, (name, r["losses"], expected["losses"])
         assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5, (name, r["grad_norms"],

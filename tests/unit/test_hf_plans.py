@@ -129,19 +129,20 @@ def test_context_parallelism_is_refused_a_sliding_window_and_pipeline_stages():
 
 
 def test_expert_parallelism_of_a_transformers_mixture_of_experts_is_refused_outside_the_families_it_splits():
-    """Qwen3-MoE's experts are split (lightning_mgpu.hf.expert_parallel), with tensor parallelism too (its experts
-    stay whole on the tensor-parallel ranks: no hidden width to divide); DeepSeek V3 (n_routed_experts) and GraniteMoE
-    would keep every expert on every rank under expert_parallel_size=2: refused, with the rule and the fix, rather
-    than accepted and ignored; size 1 is accepted."""
-    assert refusals("qwen3_moe", expert_parallel_size=2, zero_stage=1) == []
+    """Qwen3-MoE's and DeepSeek V3's (n_routed_experts) experts are split (lightning_mgpu.hf.expert_parallel), with
+    tensor parallelism too (its experts stay whole on the tensor-parallel ranks: no hidden width to divide);
+    GraniteMoE would keep every expert on every rank under expert_parallel_size=2: refused, with the rule and the fix,
+    rather than accepted and ignored; size 1 is accepted."""
+    for family in ("qwen3_moe", "deepseek_v3"):
+        assert refusals(family, expert_parallel_size=2, zero_stage=1) == [], family
     assert refusals("qwen3_moe", expert_parallel_size=2, tensor_parallel_size=2, zero_stage=1) == []
     refused = ("expert_parallel_size=2 cannot split the 4 experts of this transformers mixture of experts (each rank "
-               "would still hold every expert): expert parallelism splits those of qwen3_moe and mixtral models "
-               "only; use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over the data-parallel ranks), "
-               "or the package's own MoE model (model.num_experts), which expert parallelism splits")
-    for family in ("deepseek_v3", "granitemoe"):
-        assert refusals(family, expert_parallel_size=2, zero_stage=1) == [refused], family
-        assert refusals(family, zero_stage=1) == []
+               "would still hold every expert): expert parallelism splits those of qwen3_moe, mixtral, gpt_oss, "
+               "deepseek_v3 models only; use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over the "
+               "data-parallel ranks), or the package's own MoE model (model.num_experts), which expert parallelism "
+               "splits")
+    assert refusals("granitemoe", expert_parallel_size=2, zero_stage=1) == [refused]
+    assert refusals("granitemoe", zero_stage=1) == []
 
 
 def test_several_models_need_the_naming_hook():
