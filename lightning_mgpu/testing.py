@@ -73,6 +73,10 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ti
     # What the parent made (a test session's heap) stays out of this rank's garbage collections: each full collection
     # would walk all of it, and copy every page it touches out of the memory shared with the parent.
     gc.freeze()
+    # What a rank writes relative to its working directory goes into the launch's temporary directory, removed with
+    # it: a Trainer's default_root_dir is the working directory, where the survivors of a rank that failed write their
+    # hang reports (hang-rank<r>-collectives.json) and a rank that dies leaves its watchdog's stall-rank<r> file.
+    os.chdir(out_dir)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                        "NODE_RANK": "0", "GROUP_RANK": "0", "GLOO_SOCKET_IFNAME": "lo"})

@@ -1,5 +1,6 @@
 """The multi-process test harness (``lightning_mgpu.testing.run_distributed``): a rank that dies of a fatal signal is
-reported with its own stacks, and one crash is launched once more, with a warning that carries them."""
+reported with its own stacks, and one crash is launched once more, with a warning that carries them; each rank
+works in its launch's temporary directory."""
 
 import faulthandler
 import os
@@ -52,3 +53,17 @@ def test_a_second_crash_raises_with_the_stacks_of_the_rank_that_died(tmp_path):
     with pytest.warns(RuntimeWarning), pytest.raises(RankCrashed, match="(?s)died of SIGSEGV.*_this_frame_crashes"):
         run_distributed(_crash_in_a_named_frame, 2, str(marker), 2)
     assert len(marker.read_text().splitlines()) == 2
+
+
+def _report_where_it_stands(rank: int) -> str:
+    """What a Trainer without a default_root_dir does when a peer fails: a hang report in the working directory."""
+    Path(f"hang-rank{rank}-collectives.json").write_text("{}")
+    return os.getcwd()
+
+
+def test_what_a_rank_writes_in_its_working_directory_goes_with_its_launch(tmp_path, monkeypatch):
+    """Each rank works in its launch's temporary directory, removed with it: reports a test's ranks write relative to
+    the working directory never land where the test session stands (the repository)."""
+    monkeypatch.chdir(tmp_path)
+    places = run_distributed(_report_where_it_stands, 2)
+    assert list(tmp_path.iterdir()) == [] and not any(Path(p).exists() for p in places), places
