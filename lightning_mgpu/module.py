@@ -10,6 +10,8 @@ import torch
 from torchmetrics import MeanMetric
 
 from lightning_mgpu.engine.config import parameter_shape
+from lightning_mgpu.hf.adapters import adapter_plan, unwrapped
+from lightning_mgpu.hf.lora import ModelAdapters, initialise_adapters
 from lightning_mgpu.hf.names import hf_path
 from lightning_mgpu.hf.weights import HFWeights, load_hf, load_into
 from lightning_mgpu.contract import parallel_context
@@ -82,7 +84,8 @@ class LLMModule(L.LightningModule):
                  lr_scaling: Optional[Literal["linear", "sqrt"]] = None, reference_batch_size: Optional[int] = None,
                  global_batch_size: Optional[int] = None, init_seed: int = 0,
                  init_from: Optional[str] = None, optimizer: Literal["adamw", "muon"] = "adamw",
-                 muon_momentum: float = 0.95, muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto") -> None:
+                 muon_momentum: float = 0.95, muon_ns_dtype: Literal["auto", "bfloat16", "float32"] = "auto",
+                 adapters: Optional[dict] = None) -> None:
         super().__init__()
         if isinstance(model, str):
             model = LlamaConfig.from_name(model)
@@ -95,9 +98,13 @@ class LLMModule(L.LightningModule):
                                    "reference_batch_size": reference_batch_size,
                                    "global_batch_size": global_batch_size, "init_seed": init_seed,
                                    "init_from": init_from, "optimizer": optimizer, "muon_momentum": muon_momentum,
-                                   "muon_ns_dtype": muon_ns_dtype})
+                                   "muon_ns_dtype": muon_ns_dtype, "adapters": adapters})
         self.peak_lr = scaled_lr(lr, lr_scaling, global_batch_size, reference_batch_size)
         self.model: Optional[Llama] = None
+        #: LoRA over the model (``adapters={"kind": "lora", ...}``, the CLI's ``adapters`` group): base frozen
+        self._adapters = (ModelAdapters(adapters, int(adapters.get("seed", 0)),
+                                        base=str(hf_path(init_from).resolve()) if init_from else "")
+                          if adapters and adapters.get("kind", "none") != "none" else None)
         self._hf_weights: Optional[HFWeights] = None
         self.val_nll = MeanMetric()  # token-weighted mean loss; val/ppl = exp of it
         self.tokens_seen = 0
@@ -106,17 +113,23 @@ class LLMModule(L.LightningModule):
     def configure_model(self) -> None:
         """Build the model. Initial weights depend only on ``init_seed`` and each parameter's name. Under MGPUStrategy
         this runs on the meta device and the strategy asks :meth:`initial_value` for each rank's share only."""
-        if self.model is None:
-            self.model = Llama(self.config, init_seed=self.hparams.init_seed)
-            if not self.model.output.weight.is_meta:  # a real build, not MGPUStrategy's (which parallelize finishes)
-                if self.hparams.init_from:  # whole weights (one process)
-                    _, state = load_hf(hf_path(self.hparams.init_from))
-                    load_into(self.model, state)
-                mode, blocks = self.checkpointed_blocks()
-                checkpoint_blocks(blocks, mode)
-                backend, blocks = self.compiled_blocks()
-                if backend is not None:
-                    compile_blocks(blocks, backend)
+        if self.model is not None:
+            return
+        self.model = Llama(self.config, init_seed=self.hparams.init_seed)
+        real = not self.model.output.weight.is_meta  # a real build, not MGPUStrategy's (which parallelize finishes)
+        if real and self.hparams.init_from:  # whole weights (one process)
+            _, state = load_hf(hf_path(self.hparams.init_from))
+            load_into(self.model, state)
+        if self._adapters is not None:
+            self.model = self._adapters.inject(self.model)
+            if real:
+                initialise_adapters(self.model, self._adapters.seed, prefix="model.")
+        if real:
+            mode, blocks = self.checkpointed_blocks()
+            checkpoint_blocks(blocks, mode)
+            backend, blocks = self.compiled_blocks()
+            if backend is not None:
+                compile_blocks(blocks, backend)
 
     def checkpointed_blocks(self) -> tuple[str, list[torch.nn.Module]]:
         """(``config.activation_checkpointing``, this rank's transformer blocks): applied by ``parallelize`` under
@@ -130,13 +143,19 @@ class LLMModule(L.LightningModule):
         return backend, [m for m in self.model.modules() if isinstance(m, Block)]
 
     def checkpoint_record(self) -> dict:
-        """Nothing beside Lightning's state: the model config is in the hyper-parameters."""
-        return {}
+        """Nothing beside Lightning's state (the model config is in the hyper-parameters), but with adapters their
+        record, which keeps the frozen base out of the checkpoint."""
+        return {} if self._adapters is None else self._adapters.record(prefix="model.")
 
     def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         """Part ``index`` of parameter ``name``'s initial value (``model.layers.0.attention.wq.weight``, whole shape
         ``shape``): the slice of a Hugging Face checkpoint's tensor (``init_from``; only that slice is read), or of the
         seeded initialisation."""
+        if self._adapters is not None:
+            return self._adapters.initial_value(name, shape, index, self._base_initial_value)
+        return self._base_initial_value(name, shape, index)
+
+    def _base_initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...]) -> torch.Tensor:
         own = name.removeprefix("model.")
         if self.hparams.init_from:
             if self._hf_weights is None:
@@ -156,7 +175,12 @@ class LLMModule(L.LightningModule):
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """How MGPUStrategy splits the model when ``tensor_parallel_size > 1``."""
-        return llama_tp_plan(prefix="model.", config=self.config)
+        plan = llama_tp_plan(prefix="model.", config=self.config)
+        if self._adapters is None:
+            return plan
+        plan, problems = adapter_plan(self, plan)
+        raise_problems("LoRA under tensor parallelism", problems)
+        return plan
 
     # -------------------------------------------------------------- pipeline parallelism (MGPUStrategy)
     def pipeline_stages(self, stage_ids: list[int], num_stages: int,
@@ -195,7 +219,7 @@ class LLMModule(L.LightningModule):
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of one micro-batch on the last stage (with documents: its part of the global batch's mean)."""
-        head = next(stage.output for stage in self.model.values() if stage.output is not None)
+        head = unwrapped(next(stage.output for stage in self.model.values() if stage.output is not None))
         return self._loss(logits, targets, head)
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module) -> torch.Tensor:
@@ -220,7 +244,7 @@ class LLMModule(L.LightningModule):
         if pipeline is not None:
             return pipeline.evaluate(*self.pipeline_batch(batch))
         inputs, targets = self.pipeline_batch(batch)
-        return self._loss(self(inputs), targets, self.model.output)
+        return self._loss(self(inputs), targets, unwrapped(self.model.output))
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, **kwargs: Any) -> torch.Tensor:
@@ -233,7 +257,7 @@ class LLMModule(L.LightningModule):
         if self._context_coordinates()[1] > 1:
             raise NotImplementedError("generate() runs whole sequences on each rank; it is not available with "
                                       "context parallelism (context_parallel_size > 1)")
-        head = self.model.output
+        head = unwrapped(self.model.output)
         sequence_parallel = any(isinstance(m, ParallelNorm) and m.sequence_parallel for m in self.model.modules())
         multiple = getattr(head, "tp_size", 1) if sequence_parallel else 1
         return self.model.generate(prompt, max_new_tokens, logits_hook=lambda logits: gather_logits(logits, head),
@@ -323,7 +347,8 @@ class LLMModule(L.LightningModule):
 
     def configure_optimizers(self):
         hp = self.hparams
-        optimizer = build_optimizer(self.model.named_parameters(), parameter_shape, hp.get("optimizer", "adamw"),
+        trained = ((name, p) for name, p in self.model.named_parameters() if p.requires_grad)  # frozen: no state
+        optimizer = build_optimizer(trained, parameter_shape, hp.get("optimizer", "adamw"),
                                     self.peak_lr, hp.weight_decay, tuple(hp.betas), hp.eps, hp.get("muon_momentum", 0.95),
                                     hp.get("muon_ns_dtype", "auto"), fused=True)
         schedule = torch.optim.lr_scheduler.LambdaLR(

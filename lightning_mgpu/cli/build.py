@@ -66,7 +66,8 @@ def build_module(spec: RunSpec) -> L.LightningModule:
                      min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,
                      reference_batch_size=o.reference_batch_size, global_batch_size=cfg.data.global_batch_size,
                      init_seed=cfg.model.init_seed, init_from=cfg.model.init_from, optimizer=o.name,
-                     muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype)
+                     muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype,
+                     adapters=OmegaConf.to_container(cfg.adapters, resolve=True))
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:

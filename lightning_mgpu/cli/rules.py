@@ -254,19 +254,22 @@ def group_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig])
     set (:func:`key_problems`); ``lightning_mgpu.cli.spec.resolve_run`` asks them all."""
     return (data_problems(cfg, data, model) + trainer_problems(cfg) + logger_problems(cfg) + optim_problems(cfg)
             + parallel_problems(cfg, model) + checkpoint_problems(cfg) + profile_problems(cfg)
-            + bad_steps_problems(cfg) + adapter_problems(cfg))
+            + bad_steps_problems(cfg) + adapter_problems(cfg, model))
 
 
-def adapter_problems(cfg: DictConfig) -> list[str]:
-    """``adapters.*``: the settings, then (for model=hf) whether PEFT finds the targets in the model's structure."""
+def adapter_problems(cfg: DictConfig, model: Optional[LlamaConfig] = None) -> list[str]:
+    """``adapters.*``: the settings, then whether PEFT finds the targets in the model's structure (``model``: the
+    package's own model's config, None with model=hf or when the model itself is wrong)."""
     settings = OmegaConf.to_container(cfg.adapters, resolve=True)
     if settings["kind"] == "none":
         return []
     from lightning_mgpu.hf import lora
 
-    problems = lora.settings_problems(settings, cfg.model.name)
-    if problems or cfg.model.name != "hf":
+    problems = lora.settings_problems(settings)
+    if problems:
         return problems
+    if cfg.model.name != "hf":
+        return [] if model is None else list(_own_target_problems(json.dumps(settings, sort_keys=True), model))
     config = Path(str(cfg.model.path)) / "config.json"
     stamp = config.stat().st_mtime_ns if config.is_file() else None
     return list(_target_problems(json.dumps(settings, sort_keys=True), str(cfg.model.path), stamp))
@@ -281,6 +284,20 @@ def _target_problems(settings: str, path: str, stamp: Optional[int]) -> tuple[st
     from lightning_mgpu.hf.module import load_causal_lm
 
     return tuple(lora.target_problems(json.loads(settings), load_causal_lm(path, on_meta=True), path))
+
+
+@functools.lru_cache(maxsize=16)
+def _own_target_problems(settings: str, config: LlamaConfig) -> tuple[str, ...]:
+    """``lora.target_problems`` over the package's own Llama of ``config``, built on the meta device, with
+    ``all-linear`` as :class:`~lightning_mgpu.hf.lora.ModelAdapters` reads it."""
+    import torch
+
+    from lightning_mgpu.hf import lora
+    from lightning_mgpu.models.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(config)
+    return tuple(lora.target_problems(json.loads(settings), model, "the model", own=True))
 
 
 def plan_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:

@@ -25,6 +25,7 @@ import torch
 from lightning_mgpu.checkpoint.safe_reader import read_dcp_metadata
 from lightning_mgpu.checkpoint.universal import read_parameters, read_trainer_state
 from lightning_mgpu.hf.adapters import RECORD, saved_copy_wrapper, tuner_layer
+from lightning_mgpu.hf.own_adapter_names import as_transformers_adapters
 from lightning_mgpu.problems import format_problems
 
 
@@ -56,6 +57,15 @@ def trained_tensors(checkpoint: Path, prefix: str) -> dict[str, torch.Tensor]:
     return {name[len(prefix):]: value for name, value in read_parameters(checkpoint, shapes, prefix="").items()}
 
 
+def trained_adapters(checkpoint: Path, record: Mapping[str, Any], base: Path) -> tuple[dict, Path, dict]:
+    """(the record, the base, the trained tensors) as :func:`rebuilt_peft_model` takes them; adapters trained on the
+    package's own Llama (``kind: llama``) renamed as PEFT names them over ``LlamaForCausalLM``."""
+    tensors = trained_tensors(checkpoint, record["prefix"])
+    if record.get("kind") == "llama":
+        record, tensors = as_transformers_adapters(record, tensors)
+    return dict(record), base, tensors
+
+
 def rebuilt_peft_model(record: Mapping[str, Any], base: Path, tensors: Mapping[str, torch.Tensor]) -> Any:
     """The PEFT model of the record over the base's architecture, on the meta device but for the trained tensors."""
     from peft import PeftConfig, get_peft_model
@@ -84,7 +94,7 @@ def rebuilt_peft_model(record: Mapping[str, Any], base: Path, tensors: Mapping[s
 def export_peft(checkpoint: Path, out: Path, base: Optional[Path] = None) -> list[Path]:
     """Write the checkpoint's adapters to ``out`` as PEFT's ``save_pretrained`` does; return the files written."""
     record, where = adapter_source(checkpoint, base)
-    model = rebuilt_peft_model(record, where, trained_tensors(checkpoint, record["prefix"]))
+    model = rebuilt_peft_model(*trained_adapters(checkpoint, record, where))
     for config in model.peft_config.values():
         config.base_model_name_or_path = str(where)
     out.mkdir(parents=True, exist_ok=True)
@@ -127,7 +137,7 @@ def export_merged(checkpoint: Path, out: Path, base: Optional[Path] = None) -> l
         raise ValueError(f"adapter(s) {moved} were initialised by an init_lora_weights that changes the base's weights "
                          "(PiSSA, OLoRA, ...): merging them onto the base directory's files would be wrong; export "
                          "with --format peft and convert with PEFT")
-    deltas, replaced = merged_deltas(rebuilt_peft_model(record, where, trained_tensors(checkpoint, record["prefix"])))
+    deltas, replaced = merged_deltas(rebuilt_peft_model(*trained_adapters(checkpoint, record, where)))
     out.mkdir(parents=True, exist_ok=True)
     written, used = [], set()
     for file in sorted(where.glob("*.safetensors")):

@@ -171,12 +171,12 @@ def adapter_record(module: nn.Module) -> dict[str, Any]:
         return {}
     prefix, model = found
     base = getattr(getattr(model.get_base_model(), "config", None), "_name_or_path", "") or ""
-    configs = {name: json.dumps(config.to_dict(), default=_plain, sort_keys=True)
+    configs = {name: json.dumps(config.to_dict(), default=plain_json, sort_keys=True)
                for name, config in model.peft_config.items()}
     return {RECORD: {"prefix": prefix, "base": str(base), "configs": configs}}
 
 
-def _plain(value: Any) -> Any:
+def plain_json(value: Any) -> Any:
     """JSON for what a PEFT config holds besides JSON's own types (sets of module names, enums)."""
     if isinstance(value, (set, frozenset)):
         return sorted(value)

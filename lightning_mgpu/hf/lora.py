@@ -11,13 +11,16 @@ model whole gets the same values (:func:`initialise_adapters`).
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import zlib
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+
+from lightning_mgpu.hf.adapters import RECORD, plain_json
 
 #: What ``adapters.kind`` may be.
 KINDS = ("none", "lora")
@@ -70,7 +73,7 @@ def initialise_adapters(model: nn.Module, seed: int, prefix: str = "") -> None:
                 param.copy_(adapter_value(prefix + name, param.shape, seed))
 
 
-def settings_problems(settings: Mapping[str, Any], model_name: str) -> list[str]:
+def settings_problems(settings: Mapping[str, Any]) -> list[str]:
     """What is wrong with the ``adapters`` settings themselves (no model read)."""
     kind = settings.get("kind", "none")
     if kind not in KINDS:
@@ -78,9 +81,6 @@ def settings_problems(settings: Mapping[str, Any], model_name: str) -> list[str]
     if kind == "none":
         return []
     out = []
-    if model_name != "hf":
-        out.append(f"adapters=lora with model={model_name}: adapters are built by PEFT over a transformers model; use "
-                   "model=hf model.path=DIR, or adapters=none")
     if int(settings["rank"]) < 1:
         out.append(f"adapters.rank={settings['rank']} must be at least 1 (LoRA's rank r); e.g. adapters.rank=16")
     if float(settings["alpha"]) <= 0:
@@ -92,8 +92,9 @@ def settings_problems(settings: Mapping[str, Any], model_name: str) -> list[str]
     return out
 
 
-def target_problems(settings: Mapping[str, Any], model: nn.Module, path: str) -> list[str]:
-    """Whether PEFT finds the targets in ``model``, the model of ``path`` built on the meta device."""
+def target_problems(settings: Mapping[str, Any], model: nn.Module, path: str, own: bool = False) -> list[str]:
+    """Whether PEFT finds the targets in ``model``, the model of ``path`` built on the meta device (``own``: the
+    package's own model, which :class:`ModelAdapters` adapts)."""
     names = [name for name, _ in model.named_modules()]
     asked = {"targets": [] if isinstance(settings["targets"], str) else list(settings["targets"]),
              "modules_to_save": list(settings.get("modules_to_save") or [])}
@@ -104,12 +105,52 @@ def target_problems(settings: Mapping[str, Any], model: nn.Module, path: str) ->
     if unmatched:
         return unmatched
     try:
-        with_lora(model, settings)
+        ModelAdapters(settings, seed=0).inject(model) if own else with_lora(model, settings)
     except ValueError as error:  # PEFT: "Target modules {...} not found in the base model"
         first = str(error).splitlines()[0]
         return [f"adapters.targets={_shown(settings['targets'])} (or adapters.modules_to_save): {first}; name modules "
                 "of the model (e.g. q_proj, v_proj), or all-linear"]
     return []
+
+
+class ModelAdapters:
+    """LoRA over a model the package builds itself (``LLMModule``'s Llama), from the same ``adapters`` settings.
+
+    PEFT's layers are injected in place (``peft.inject_adapter_in_model``) rather than wrapped in a ``PeftModel``: the
+    model stays the package's Llama, so its tensor-parallel plan (rewritten by :func:`~lightning_mgpu.hf.adapters.
+    adapter_plan`), its pipeline stages and its names keep working, with PEFT's ``.base_layer`` and
+    ``.lora_A.default`` parts in them. ``all-linear`` leaves the output head out, as PEFT does for a transformers
+    causal LM (PEFT cannot tell a custom model's head from its other linears).
+    """
+
+    def __init__(self, settings: Mapping[str, Any], seed: int, base: str = "") -> None:
+        self.settings, self.seed, self.base = dict(settings), seed, base
+        self.config: Any = None
+
+    def inject(self, model: nn.Module, head: str = "output") -> nn.Module:
+        """``model`` with PEFT's LoRA layers in place of its targets; the base frozen, as PEFT freezes it."""
+        from peft import inject_adapter_in_model
+
+        self.config = lora_config(self.settings)
+        targets = self.config.target_modules
+        if isinstance(targets, str) and targets.lower() == "all-linear":
+            self.config.target_modules = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                                                 if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] != head})
+        return inject_adapter_in_model(self.config, model)
+
+    def initial_value(self, name: str, shape: torch.Size, index: tuple[slice, ...],
+                      base_value: Callable[[str, torch.Size, tuple[slice, ...]], torch.Tensor]) -> torch.Tensor:
+        """Part ``index`` of ``name``: an adapter's from :func:`adapter_value`, a base part's (and a trained copy's:
+        it starts as its original) from ``base_value`` under the name the model has without adapters."""
+        if is_adapter(name):
+            return adapter_value(name, shape, self.seed)[index]
+        return base_value(base_name(name), shape, index)
+
+    def record(self, prefix: str) -> dict[str, Any]:
+        """The checkpoint record (:func:`lightning_mgpu.hf.adapters.adapter_record`'s fields, ``kind`` naming the
+        package's own model): a checkpoint with it holds only what trains."""
+        configs = {"default": json.dumps(self.config.to_dict(), default=plain_json, sort_keys=True)}
+        return {RECORD: {"prefix": prefix, "base": self.base, "configs": configs, "kind": "llama"}}
 
 
 def _shown(targets: Any) -> str:

@@ -128,10 +128,10 @@ def _keep_experts(experts: nn.Module, layout: ParallelLayout, total: int, shared
         if whole.is_meta:
             shape = list(whole.shape)
             shape[0], shape[dim] = local, per
-            kept = nn.Parameter(torch.empty(shape, device="meta", dtype=whole.dtype))
+            kept = nn.Parameter(torch.empty(shape, device="meta", dtype=whole.dtype), requires_grad=whole.requires_grad)
         else:
             kept = nn.Parameter(whole.detach().narrow(0, ep_rank * local, local).narrow(dim, tp_rank * per, per)
-                                .clone())
+                                .clone(), requires_grad=whole.requires_grad)
         if T > 1:
             mark_tensor_parallel(kept, dim, whole.shape[dim], tp_rank)
         if Ep > 1:

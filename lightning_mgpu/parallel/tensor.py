@@ -138,7 +138,8 @@ class RowParallelLinear(TensorParallelLayer):
         self.in_features, self.out_features = linear.in_features // self.tp_size, linear.out_features
         self.weight = mark_tensor_parallel(_shard(linear.weight, 1, self.tp_rank, self.tp_size), 1,
                                            linear.in_features, self.tp_rank)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(),
+                                                                  requires_grad=linear.bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
@@ -229,9 +230,9 @@ class ParallelNorm(TensorParallelLayer):
 
     def __init__(self, norm: nn.Module, group: Any, sequence_parallel: bool = False) -> None:
         super().__init__(group, sequence_parallel)
-        self.weight = nn.Parameter(norm.weight.detach().clone())
+        self.weight = nn.Parameter(norm.weight.detach().clone(), requires_grad=norm.weight.requires_grad)
         bias = getattr(norm, "bias", None)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
         # The unit affine is real even when the model is built on the meta device: it is a constant, not a parameter.
         device = torch.device("cpu") if self.weight.is_meta else self.weight.device
         del norm.weight

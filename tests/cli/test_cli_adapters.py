@@ -4,6 +4,7 @@ initial values written here from their stated rule); its checkpoint exported wit
 settings and targets that match nothing refused before launch with the key and the fix."""
 
 import math
+import re
 import zlib
 
 import pytest
@@ -13,6 +14,7 @@ from cli_helpers import BIN, TINY_MODEL, cli_args, composed, read_metric, traine
 from forked_cli import run_cli
 from helpers import max_abs_diff
 
+from lightning_mgpu.checkpoint.safe_reader import read_dcp_metadata
 from lightning_mgpu.cli.spec import config_problems
 
 peft = pytest.importorskip("peft")
@@ -104,5 +106,64 @@ def test_bad_adapter_settings_are_refused_before_launch(llama_dir):
     problems = "\n".join(config_problems(composed("model=hf", f"model.path={llama_dir}", "adapters=lora",
                                                   "adapters.targets=[q_proj,qkv]")))
     assert "adapters.targets: 'qkv' names no module" in problems and "q_proj'" not in problems, problems
-    problems = "\n".join(config_problems(composed("adapters=lora")))
-    assert "adapters=lora with model=tiny" in problems and "model=hf" in problems, problems
+    problems = "\n".join(config_problems(composed("adapters=lora", "adapters.targets=[wq,q_proj]")))
+    assert "adapters.targets: 'q_proj' names no module of the model" in problems and "'wq'" not in problems, problems
+    assert not config_problems(composed("adapters=lora", "adapters.targets=all-linear"))
+
+
+#: transformers' Llama module -> the package's Llama module (written here from the two models' code, not from the
+#: package's name table): the adapters' initial values are drawn from the names the package's model has.
+OWN_NAMES = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+             "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+             "mlp.down_proj": "feed_forward.w2"}
+
+
+def own_initial_values(model: torch.nn.Module) -> None:
+    """The stated rule, with each adapter named as in the package's own model inside LLMModule
+    (``model.layers.0.attention.wq.lora_A.default.weight``)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_" not in name:
+                continue
+            layer, module = re.fullmatch(r"base_model\.model\.model\.layers\.(\d+)\.(\w+\.\w+)\.lora_.*", name).groups()
+            own = f"model.layers.{layer}.{OWN_NAMES[module]}." + name.split(f"{module}.", 1)[1]
+            if ".lora_A." in name:
+                g = torch.Generator().manual_seed(SEED * 1_000_003 + zlib.crc32(own.encode()))
+                bound = 1 / math.sqrt(param.shape[1])
+                param.copy_(torch.rand(param.shape, generator=g) * 2 * bound - bound)
+            else:
+                param.zero_()
+
+
+def test_lora_on_the_packages_own_model_from_a_pretrained_directory(llama_dir, token_file, tmp_path):
+    """``adapters=lora`` without model=hf: PEFT's layers in the package's Llama, started from a transformers
+    directory (``model.init_from``), split by tp2 + SP and pp2 (ZeRO-1; the norms, frozen, stay frozen), validated and
+    checkpointed (the checkpoint holds the adapters only), at one process's numbers; its adapters exported in PEFT's
+    format load onto ``LlamaForCausalLM`` to the one-process model's logits."""
+    run_dir = tmp_path / "run"
+    args = [str(BIN / "mgpu-train"), *LORA, *cli_args(token_file, STEPS), f"model.init_from=hf:{llama_dir}",
+            "trainer.devices=4", "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true",
+            "parallel.pipeline_parallel_size=2", "parallel.zero_stage=1", "optim.lr=3e-3", "optim.weight_decay=0.1",
+            "checkpoint.every_n_steps=4", "data.val_batches=1", f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, cwd=tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, use_safetensors=True)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(OWN_NAMES)))
+    own_initial_values(model)
+    expected = trained_like_the_cli(model, token_file, STEPS, LR, WARMUP, MIN_LR, DECAY)
+    metrics = run_dir / "metrics.csv"
+    losses, norms = read_metric(metrics, "train/loss"), read_metric(metrics, "train/grad_norm")
+    assert max_abs_diff(losses, expected["losses"]) < 1e-5, (losses, expected["losses"])
+    assert max_abs_diff(norms, expected["grad_norms"]) < 1e-5, (norms, expected["grad_norms"])
+    assert read_metric(metrics, "val/loss"), "no validation ran"
+    checkpoint = next((run_dir / "checkpoints").glob("step-*4"))
+    saved = [key for key in read_dcp_metadata(checkpoint).state_dict_metadata if key.startswith("param/")]
+    assert len(saved) == 2 * 7 * 2 and all(".lora_" in key for key in saved), saved
+    export = run_cli([str(BIN / "mgpu-export"), str(checkpoint), str(tmp_path / "adapter"), "--format", "peft"],
+                     cwd=tmp_path)
+    assert export.returncode == 0, (export.stdout + export.stderr)[-3000:]
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(llama_dir),
+                                            tmp_path / "adapter")
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (loaded(input_ids=ids).logits - expected["model"](input_ids=ids).logits).abs().max() < 1e-5
