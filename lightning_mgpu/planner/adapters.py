@@ -8,8 +8,8 @@ row-parallel base splits ``A`` by its input and keeps ``B`` whole. ``modules_to_
 named module (PEFT keeps the frozen original beside it).
 
 The planner has no module to look at, so the targets are the Llama family's decoder linears by name (``q_proj``,
-``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``); ``all-linear`` is all of them and
-never the head (PEFT's rule). A mixture-of-experts layer's routed experts are not counted as targets (their dense
+``k_proj``, ``v_proj``, ``o_proj``, ``gate_proj``, ``up_proj``, ``down_proj``, or the package's own model's ``wq`` ...
+``w2`` for them); ``all-linear`` is all of them and never the head (PEFT's rule). A mixture-of-experts layer's routed experts are not counted as targets (their dense
 parts, attention, are).
 """
 
@@ -22,6 +22,9 @@ from typing import Any, Mapping, Optional
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
+#: The package's own Llama's names of the same linears (``adapters=lora`` without ``model=hf`` targets them).
+OWN_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj", "w3": "up_proj",
+             "w2": "down_proj"}
 
 
 @dataclass(frozen=True)
@@ -38,8 +41,8 @@ def lora_shape(settings: Mapping[str, Any]) -> Optional[LoraShape]:
     if settings.get("kind", "none") == "none":
         return None
     targets = settings.get("targets") or ALL_LINEAR
-    names = ATTENTION + MLP if targets == ALL_LINEAR else tuple(str(t) for t in ([targets] if isinstance(targets, str)
-                                                                                   else targets))
+    names = ATTENTION + MLP if targets == ALL_LINEAR else tuple(
+        OWN_NAMES.get(str(t), str(t)) for t in ([targets] if isinstance(targets, str) else targets))
     return LoraShape(int(settings["rank"]), names, tuple(settings.get("modules_to_save") or ()))
 
 

@@ -66,6 +66,8 @@ def test_zero3_keeps_small_adapters_whole():
     ({"kind": "lora", "rank": 8, "targets": "all-linear"}, LoraShape(8)),
     ({"kind": "lora", "rank": 8, "targets": ["q_proj", "v_proj"], "modules_to_save": ["lm_head"]},
      LoraShape(8, ("q_proj", "v_proj"), ("lm_head",))),
+    # the package's own model's names for the same linears (adapters=lora without model=hf)
+    ({"kind": "lora", "rank": 8, "targets": ["wq", "wv", "w2"]}, LoraShape(8, ("q_proj", "v_proj", "down_proj"))),
 ])
 def test_settings_become_the_planners_shape(settings, expected):
     assert lora_shape(settings) == expected
@@ -75,11 +77,13 @@ def test_data_parallel_reduces_only_what_trains():
     """Gradients are reduced for the 2 x 4,096 adapter parameters alone (tp 1), not the frozen base; ZeRO-3 still
     gathers every weight, the base's too: both in proportion to the parameters they move."""
     from lightning_mgpu.planner import GPUS, ClusterSpec
+    from lightning_mgpu.planner.communication import StepShape, step_volume
     from lightning_mgpu.planner.time import _data_parallel
 
     cluster, base = ClusterSpec(1, 8, GPUS["h100_80gb"]), rank_parameter_split(SHAPE).dense
     lora = replace(SHAPE, adapters=LoraShape(4))
-    full_reduction, full_gathers, _ = _data_parallel(SHAPE, cluster, 1, 1, 1, 8, 1, 3, False, 1.0, 1)
-    reduction, gathers, _ = _data_parallel(lora, cluster, 1, 1, 1, 8, 1, 3, False, 1.0, 1)
+    step = StepShape(16, 1, 1, dp=8, zero_stage=3)
+    full_reduction, full_gathers, _ = _data_parallel(step_volume(SHAPE, step), cluster, 8, 1, 3, False, 1.0, 1)
+    reduction, gathers, _ = _data_parallel(step_volume(lora, step), cluster, 8, 1, 3, False, 1.0, 1)
     assert reduction == pytest.approx(full_reduction * 2 * 4096 / base, rel=1e-12)
     assert gathers == pytest.approx(full_gathers * (base + 2 * 4096) / base, rel=1e-12)
