@@ -58,13 +58,15 @@ class ModelConfig:
 
 @dataclass
 class AdaptersConfig:
-    """Adapters built by PEFT over a ``model=hf`` model (``adapters=lora``); the base is frozen, only they train."""
+    """Adapters built by PEFT over the model (``adapters=lora``): a ``model=hf`` model wrapped by ``get_peft_model``,
+    the package's own put into its Llama in place; the base is frozen, only they train."""
 
     kind: str = "none"  #: none | lora
     rank: int = 16  #: LoRA's rank r
     alpha: float = 32.0  #: LoRA's alpha: the adapter's output is scaled by alpha / rank
     dropout: float = 0.0  #: dropout on the adapter's input (0 keeps every layout's numbers equal to one process's)
-    #: all-linear (every linear layer but the head), or module names, e.g. [q_proj,k_proj,v_proj,o_proj]
+    #: all-linear (every linear layer but the head), or module names, e.g. [q_proj,k_proj,v_proj,o_proj] ([wq,wk,wv,wo]
+    #: on the package's own model)
     targets: Any = "all-linear"
     #: modules trained whole beside the adapters (PEFT's modules_to_save), e.g. [lm_head]; null: none
     modules_to_save: Optional[list[str]] = None
