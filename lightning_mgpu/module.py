@@ -76,6 +76,10 @@ class LLMModule(L.LightningModule):
     an end-of-document token (the first token of the next document cannot be predicted from the previous one:
     Megatron's ``eod_mask_loss``). The loss is then the mean over the counted targets of the whole global batch, as
     if one process computed it at once; :meth:`_tokens_per_microbatch` says how micro-batches and replicas get there.
+
+    Adapters: ``adapters=dict(kind="lora", rank=16, alpha=32, dropout=0.0, targets="all-linear")`` (the CLI's
+    ``adapters`` group; ``modules_to_save`` and ``seed`` optional) puts PEFT's LoRA layers into the model and freezes
+    its base (:class:`~lightning_mgpu.hf.lora.ModelAdapters`); start it from a pretrained directory with ``init_from``.
     """
 
     def __init__(self, model: LlamaConfig | dict | str = "tiny", lr: float = 3e-3, weight_decay: float = 0.1,

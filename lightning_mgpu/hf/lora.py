@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from lightning_mgpu.hf.adapters import RECORD, plain_json
+from lightning_mgpu.problems import raise_problems
 
 #: What ``adapters.kind`` may be.
 KINDS = ("none", "lora")
@@ -123,7 +124,14 @@ class ModelAdapters:
     causal LM (PEFT cannot tell a custom model's head from its other linears).
     """
 
+    #: The settings it needs (the CLI's ``adapters`` group has them all; ``modules_to_save`` and ``seed`` may be left out).
+    KEYS = ("kind", "rank", "alpha", "dropout", "targets")
+
     def __init__(self, settings: Mapping[str, Any], seed: int, base: str = "") -> None:
+        missing = [key for key in self.KEYS if key not in settings]
+        problems = [f"adapters has no {key!r}; give every one of {', '.join(self.KEYS)}, e.g. "
+                    "dict(kind='lora', rank=16, alpha=32, dropout=0.0, targets='all-linear')" for key in missing]
+        raise_problems("Invalid adapters", problems or settings_problems(settings))
         self.settings, self.seed, self.base = dict(settings), seed, base
         self.config: Any = None
 

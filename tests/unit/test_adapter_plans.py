@@ -64,3 +64,13 @@ def test_a_quantized_base_is_refused_naming_the_module():
     holder.llm.get_base_model().is_loaded_in_4bit = True
     with pytest.raises(ValueError, match=r"Module\.llm\.base_model\.model is quantized.*QLoRA.*bf16"):
         adopt(holder, LayoutRequest())
+
+
+def test_the_packages_model_refuses_adapters_it_cannot_build_listing_every_problem():
+    from lightning_mgpu.module import LLMModule
+
+    with pytest.raises(ValueError) as missing:
+        LLMModule("tiny", adapters=dict(kind="lora", rank=4))
+    assert "no 'alpha'" in str(missing.value) and "no 'targets'" in str(missing.value), missing.value
+    with pytest.raises(ValueError, match="adapters.rank=0 must be at least 1"):
+        LLMModule("tiny", adapters=dict(kind="lora", rank=0, alpha=8, dropout=0.0, targets="all-linear"))
