@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -200,7 +201,11 @@ def _signals_passed_on() -> Iterator[None]:
 
 def forked_rank(entry: Callable[[], object]) -> object:
     """A rank forked by the agent: SIGTERM when the agent dies (it then stops after its step with a checkpoint),
-    ``entry()``, and the exit hooks (loggers') as at a normal exit, which a forked process leaves without."""
+    ``entry()``, and the exit hooks (loggers') as at a normal exit, which a forked process leaves without. What the
+    agent holds (torch, Lightning and DeepSpeed imported, the config) is kept out of the rank's garbage collections
+    (``gc.freeze``, as Python's documentation advises before a fork without exec): a full collection walks every
+    object and writes to each, which copies every page of the agent's heap the rank shares."""
+    gc.freeze()
     _terminate_with_parent()
     try:
         return entry()
