@@ -24,7 +24,7 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
 #: The package's own Llama's names of the same linears (``adapters=lora`` without ``model=hf`` targets them).
 OWN_NAMES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj", "w3": "up_proj",
-             "w2": "down_proj"}
+             "w2": "down_proj", "output": "lm_head", "tok_embeddings": "embed_tokens"}
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ def lora_shape(settings: Mapping[str, Any]) -> Optional[LoraShape]:
     targets = settings.get("targets") or ALL_LINEAR
     names = ATTENTION + MLP if targets == ALL_LINEAR else tuple(
         OWN_NAMES.get(str(t), str(t)) for t in ([targets] if isinstance(targets, str) else targets))
-    return LoraShape(int(settings["rank"]), names, tuple(settings.get("modules_to_save") or ()))
+    saved = tuple(OWN_NAMES.get(str(m), str(m)) for m in settings.get("modules_to_save") or ())
+    return LoraShape(int(settings["rank"]), names, saved)
 
 
 def _linears(cfg: Any) -> dict[str, tuple[str, int, int]]:

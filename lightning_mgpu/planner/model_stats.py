@@ -175,6 +175,22 @@ def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int, mode: str) -> floa
     return 0.0
 
 
+def skipped_weight_gradient_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """What an adapter run (``adapters=lora``) does not compute of :func:`model_flops_per_token`, per token: a frozen
+    weight's gradient (``2`` FLOPs per weight a token runs through; its input's gradient is still computed, for what
+    trains before it), less what the adapters add (``6`` per adapter element, as any trained weight). 0 without
+    adapters. A trained copy of the head (``modules_to_save``) keeps its gradient."""
+    lora = getattr(cfg, "adapters", None)
+    if lora is None:
+        return 0.0
+    attention_scores = 6.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    frozen = (model_flops_per_token(cfg, seq_len) - attention_scores) / 6.0
+    if "lm_head" in lora.modules_to_save and not cfg.tie_embeddings:
+        frozen -= cfg.vocab_size * cfg.dim
+    adapters = sum(sum(layer_adapter_matrices(cfg, lora, 1, cfg.is_moe_layer(j))) for j in range(cfg.n_layers))
+    return 2.0 * frozen - 6.0 * adapters
+
+
 def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward, no recomputation): ``6 N`` for the matmul weights a token runs
     through (a mixture of experts: its active ones, the gate and ``k`` routed experts, not all) plus

@@ -43,7 +43,8 @@ from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.layout import theoretical_bubble
 from lightning_mgpu.planner.experts import ExpertTraffic, expert_traffic, replaced_mlp_reductions
 from lightning_mgpu.planner.hardware import ClusterSpec
-from lightning_mgpu.planner.model_stats import max_rank_split, model_flops_per_token, recompute_flops_per_token
+from lightning_mgpu.planner.model_stats import (max_rank_split, model_flops_per_token, recompute_flops_per_token,
+                                               skipped_weight_gradient_flops_per_token)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     model_flops = model_flops_per_token(cfg, seq_len) * tokens
     mode = "full" if recompute else "selective" if selective else "none"
     hardware_flops = model_flops + recompute_flops_per_token(cfg, seq_len, mode) * tokens  # measured per mode
+    hardware_flops -= skipped_weight_gradient_flops_per_token(cfg, seq_len) * tokens  # a frozen base's (adapters)
     compute = hardware_flops / world / (gpu.bf16_peak_flops * achievable)
     microbatches = global_batch // (micro_batch * dp)
     act_bytes = 2.0 * seq_len / context * micro_batch * cfg.dim

@@ -87,3 +87,23 @@ def test_data_parallel_reduces_only_what_trains():
     reduction, gathers, _ = _data_parallel(step_volume(lora, step), cluster, 8, 1, 3, False, 1.0, 1)
     assert reduction == pytest.approx(full_reduction * 2 * 4096 / base, rel=1e-12)
     assert gathers == pytest.approx(full_gathers * (base + 2 * 4096) / base, rel=1e-12)
+
+
+def test_the_planners_compute_leaves_out_the_frozen_weights_gradients():
+    """Per token, a frozen weight's gradient (2 FLOPs per weight) is not computed; the adapters' 6 per element are.
+    Matmul weights of the shape: per layer q 64x64, k and v 64x32, o 64x64, gate, up and down 64x128 -> 36,864; two
+    layers and the head's 100 x 64 -> 80,128. Adapters: 2 x 4,096 (all-linear, rank 4)."""
+    from lightning_mgpu.planner import GPUS, ClusterSpec
+    from lightning_mgpu.planner.model_stats import model_flops_per_token, skipped_weight_gradient_flops_per_token
+    from lightning_mgpu.planner.time import estimate_step_time
+
+    lora = replace(SHAPE, adapters=LoraShape(4))
+    assert skipped_weight_gradient_flops_per_token(SHAPE, 32) == 0
+    assert skipped_weight_gradient_flops_per_token(lora, 32) == 2 * 80_128 - 6 * 8192
+    # the head trained whole (modules_to_save) keeps its gradient
+    saved = replace(SHAPE, adapters=LoraShape(4, modules_to_save=("lm_head",)))
+    assert skipped_weight_gradient_flops_per_token(saved, 32) == 2 * (80_128 - 6400) - 6 * 8192
+    cluster = ClusterSpec(nodes=1, gpus_per_node=1, gpu=GPUS["h100_80gb"])
+    full, adapted = (estimate_step_time(s, cluster, 32, 8, 8, 1, 1, 0).compute for s in (SHAPE, lora))
+    total = model_flops_per_token(SHAPE, 32)
+    assert adapted / full == pytest.approx((total - 2 * 80_128 + 6 * 8192) / total)
