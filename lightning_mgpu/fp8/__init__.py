@@ -1,5 +1,6 @@
 """fp8 matmuls as a precision setting: torchao's dynamic scaling on every linear layer the model computes, with each
-scale that spans a split of the parallel layout reduced over it (the same numbers as one process on every layout).
+scale that spans a split of the parallel layout reduced over it (each layout's first step casts as one process does;
+later steps drift as fp8 rounds the layouts' fp32 reduction orders apart: docs, concepts/precision.md).
 
 * :mod:`~lightning_mgpu.fp8.scaling`: the fp8 linear (torchao's casts and GEMMs, amax reduced over splits);
 * :mod:`~lightning_mgpu.fp8.grouped`: the grouped experts' fp8 (per expert, per token group);

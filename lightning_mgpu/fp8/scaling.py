@@ -10,7 +10,8 @@ torchao's ``axiswise``). Each operand's two dimensions may be split over ranks b
   vocabulary-parallel head, the tokens of a sequence by context parallelism.
 
 Where a scale spans a split dimension, the amax is reduced (MAX) over that split's process group, so that every rank
-casts with the scale one process would compute for the whole matrix: fp8 then gives the same numbers on every layout.
+casts with the scale one process would compute for the whole matrix: every layout's first step then casts as one
+process does (later steps drift, as fp8 rounds the layouts' fp32 reduction orders apart).
 Data and pipeline parallelism split no matrix (each micro-batch is whole on its rank), so they need no reduction.
 """
 
