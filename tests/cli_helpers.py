@@ -117,15 +117,20 @@ HF_FAMILIES = REPO / "tests" / "data" / "hf"
 #: Fine-tuning recipes of a Hugging Face directory whose name does not say ``_hf_``: recipe -> the family it is written
 #: for (the full fine-tune of "an 8B directory" is checked with Llama-3-8B's).
 HF_RECIPE_FAMILIES = {"lora_qwen3_8b_1node": "qwen3_8b", "lora_llama3_70b_2node": "llama3_70b",
-                      "finetune_8b_1node": "llama3_8b"}
+                      "finetune_8b_1node": "llama3_8b", "sft_8b_1node": "llama3_8b", "sft_lora_8b_1node": "qwen3_8b"}
+#: Recipes of supervised fine-tuning (``data=sft``) and the conversations they are checked with: 40 short ones written
+#: by ``mgpu-prepare --chat`` (tests/data/sft; its tokenizer is not kept, so a run could not decode a sample of it).
+SFT_DATA = REPO / "tests" / "data" / "sft"
+SFT_RECIPES = ("sft_8b_1node", "sft_lora_8b_1node")
 
 
 def recipe_overrides(recipe: str) -> list[str]:
     """``recipe=NAME``, and for a recipe that trains a Hugging Face directory (``NAME`` = ``FAMILY_hf_...``, or one
     of :data:`HF_RECIPE_FAMILIES`) the ``model.path`` of its family's ``config.json``, as a user gives their
-    download's."""
+    download's; for a recipe of :data:`SFT_RECIPES` the ``data.path`` of prepared conversations."""
     family = HF_RECIPE_FAMILIES.get(recipe) or (recipe.split("_hf_")[0] if "_hf_" in recipe else None)
-    return [f"recipe={recipe}"] + ([f"model.path={HF_FAMILIES / family}"] if family else [])
+    data = [f"data.path={SFT_DATA}"] if recipe in SFT_RECIPES else []
+    return [f"recipe={recipe}"] + ([f"model.path={HF_FAMILIES / family}"] if family else []) + data
 
 
 @functools.lru_cache(maxsize=None)

@@ -55,7 +55,7 @@ def reference(path, model) -> dict:
     return {"losses": losses, "grad_norms": norms}
 
 
-def test_answer_token_mean_matches_one_process_at_dp2_tp2_and_pp2(tmp_path):
+def test_answer_token_mean_matches_one_process_at_dp2_tp2_pp2_and_3d(tmp_path):
     """Broken once: each rank dividing by its own answer count (LLMModule._tokens_per_microbatch without the sum over
     replicas, each rank's own mean averaged) fails dp2: loss 7.1e-4 off."""
     tok = make_chat_tokenizer(tmp_path / "tok")
@@ -76,3 +76,6 @@ def test_answer_token_mean_matches_one_process_at_dp2_tp2_and_pp2(tmp_path):
     runs = run_distributed(in_turn, 2, calls)
     for name in layouts:
         assert_parity([r[name] for r in runs], expected)
+    three_d = dict(tensor_parallel_size=2, sequence_parallel=True, pipeline_parallel_size=2, zero_stage=1)
+    runs = run_distributed(in_turn, 8, {"3d": (sft_fit, (out, 8, model), three_d)})
+    assert_parity([r["3d"] for r in runs], expected)

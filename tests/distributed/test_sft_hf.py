@@ -28,9 +28,9 @@ def module(directory, eod: int) -> HFCausalLM:
     return HFCausalLM(str(directory), lr=LR, warmup_steps=2, max_steps=10, eod_token_id=eod)
 
 
-def hf_fit(rank: int, path, directory, eod: int, **strategy) -> dict:
+def hf_fit(rank: int, path, directory, eod: int, devices: int = 2, **strategy) -> dict:
     recorder = Recorder()
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=MGPUStrategy(**strategy), precision="32-true",
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy), precision="32-true",
                         max_steps=STEPS, gradient_clip_val=0.3, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                         num_sanity_val_steps=0, callbacks=[recorder])
@@ -72,8 +72,9 @@ def reference(path, directory, eod: int) -> dict:
     return {"losses": losses, "grad_norms": norms}
 
 
-def test_a_transformers_model_on_packed_conversations_matches_each_run_alone_at_dp2_tp2_pp2_and_cp2(tmp_path):
-    """One to three conversations per packed sequence (28 of 75 hold two or three). Broken once each: without the attention mask and positions
+def test_a_transformers_model_on_packed_conversations_matches_each_run_alone_on_every_layout(tmp_path):
+    """dp2, tp2 + SP, pp2, cp2 and tp2 x pp2 x dp2 (8 ranks, ZeRO-1). One to three conversations per packed sequence
+    (28 of 75 hold two or three). Broken once each: without the attention mask and positions
     (document_arguments) the loss is 2.7e-3 off; without num_items_in_batch (the model's per-call mean) 3.6e-3."""
     tok = make_chat_tokenizer(tmp_path / "tok")
     data = write_jsonl(tmp_path / "chat.jsonl", short_conversations(120))
@@ -94,3 +95,6 @@ def test_a_transformers_model_on_packed_conversations_matches_each_run_alone_at_
                                         for name, layout in layouts.items()})
     for name in layouts:
         assert_parity([r[name] for r in runs], expected)
+    three_d = dict(devices=8, tensor_parallel_size=2, sequence_parallel=True, pipeline_parallel_size=2, zero_stage=1)
+    runs = run_distributed(in_turn, 8, {"3d": (hf_fit, (out, directory, eod), three_d)})
+    assert_parity([r["3d"] for r in runs], expected)
