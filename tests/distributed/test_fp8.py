@@ -1,4 +1,5 @@
-"""fp8 matmuls (emulated on CPU, fp32 base precision) on every layout against fp8 on one process, and fp8 on one
+"""fp8 matmuls (emulated on CPU, fp32 base precision): the first step of every layout against fp8 on one process (its
+scales, fp8 numbers, loss and gradient norm; the drift of later steps is benchmarks/fp8_curve.py's), and fp8 on one
 process against torchao's own ``convert_to_float8_training`` of the plain model.
 
 fp8's scales depend on which numbers a matmul sees together, so "one process" here runs the same micro-batches (of
