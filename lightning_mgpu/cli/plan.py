@@ -28,8 +28,8 @@ from lightning_mgpu.layout import chunks_per_rank, stage_ids
 from lightning_mgpu.planner.experts import IMBALANCE, expert_load
 from lightning_mgpu.planner.memory import stage_memory
 from lightning_mgpu.planner.model_stats import max_rank_split
-from lightning_mgpu.cli.plan_run import checkpoint_seconds, whole_run_lines
-from lightning_mgpu.planner.goodput import CHECKPOINT_BYTES_PER_PARAMETER, plan_goodput
+from lightning_mgpu.cli.plan_run import checkpoint_bytes, checkpoint_seconds, whole_run_lines
+from lightning_mgpu.planner.goodput import plan_goodput
 from lightning_mgpu.planner.search import USABLE_MEMORY, Candidate, evaluate
 
 GB = 1e9
@@ -66,7 +66,7 @@ def plan_report(cfg: DictConfig, overrides: Sequence[str] = ()) -> str:
 def goodput_lines(cfg: DictConfig, model, cluster: ClusterSpec, step_s: float) -> list[str]:
     """The configured layout's expected effective training time under failures, and the Young/Daly interval."""
     pl, every = cfg.plan, cfg.checkpoint.every_n_steps
-    ckpt_bytes = CHECKPOINT_BYTES_PER_PARAMETER * model.num_parameters()
+    ckpt_bytes = checkpoint_bytes(model)
     par = cfg.parallel
     dp = cluster.world_size // (par.tensor_parallel_size * par.pipeline_parallel_size * par.context_parallel_size)
     snapshot, write = checkpoint_seconds(cfg, model, cluster, par.zero_stage, dp)

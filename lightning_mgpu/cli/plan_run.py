@@ -12,6 +12,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from lightning_mgpu.planner import GPUS, ClusterSpec, PlanRow, plan_layouts
+from lightning_mgpu.planner.adapters import trained_parameters
 from lightning_mgpu.planner.goodput import (CHECKPOINT_BYTES_PER_PARAMETER, plan_goodput, save_seconds,
                                             snapshot_seconds)
 from lightning_mgpu.planner.run_cost import (RunCost, RunSettings, node_counts, rank_for_deadline, run_cost,
@@ -67,10 +68,17 @@ def run_settings(cfg: DictConfig, cluster: ClusterSpec) -> Optional[RunSettings]
     return RunSettings(pl.tokens, pl.price_per_gpu_hour, power, pl.node_overhead_w, pl.pue)
 
 
+def checkpoint_bytes(model) -> float:
+    """A checkpoint's bytes: what each trained parameter keeps (weights, master, moments); an adapter run's leave the
+    frozen base out (:func:`~lightning_mgpu.planner.adapters.trained_parameters`)."""
+    saved = trained_parameters(model)
+    return CHECKPOINT_BYTES_PER_PARAMETER * (model.num_parameters() if saved is None else saved)
+
+
 def checkpoint_seconds(cfg: DictConfig, model, cluster: ClusterSpec, zero_stage: int, dp: int) -> tuple[float, float]:
     """(how long one checkpoint blocks training, how long its background write runs): the whole write and 0, or with
     ``checkpoint.async_save`` the snapshot of each GPU's share and the write."""
-    ckpt_bytes = CHECKPOINT_BYTES_PER_PARAMETER * model.num_parameters()
+    ckpt_bytes = checkpoint_bytes(model)
     write = save_seconds(ckpt_bytes, cluster.nodes, cfg.plan.write_gbs_per_node * GB)
     if not cfg.checkpoint.async_save:
         return write, 0.0

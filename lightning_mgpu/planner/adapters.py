@@ -100,3 +100,13 @@ def saved_module_parameters(cfg: Any, lora: LoraShape, tp: int, first: bool, las
     sizes = {"lm_head": rows * cfg.dim if last else 0, "embed_tokens": rows * cfg.dim if first else 0,
              "norm": cfg.dim if last else 0}
     return sum(sizes.get(name, 0) for name in lora.modules_to_save)
+
+
+def trained_parameters(cfg: Any) -> Optional[int]:
+    """What an adapter run trains in the whole model (the adapters at one tensor rank, any ``modules_to_save`` copy):
+    what its checkpoints hold, the frozen base being left out of them. None without adapters."""
+    lora = getattr(cfg, "adapters", None)
+    if lora is None:
+        return None
+    layers = sum(layer_adapter_parameters(cfg, lora, 1, cfg.is_moe_layer(j)) for j in range(cfg.n_layers))
+    return layers + saved_module_parameters(cfg, lora, 1, first=True, last=True)

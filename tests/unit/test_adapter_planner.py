@@ -107,3 +107,13 @@ def test_the_planners_compute_leaves_out_the_frozen_weights_gradients():
     full, adapted = (estimate_step_time(s, cluster, 32, 8, 8, 1, 1, 0).compute for s in (SHAPE, lora))
     total = model_flops_per_token(SHAPE, 32)
     assert adapted / full == pytest.approx((total - 2 * 80_128 + 6 * 8192) / total)
+
+
+def test_an_adapter_runs_checkpoint_is_planned_at_the_size_of_what_trains():
+    """12 bytes (weight, fp32 master, two moments) per trained parameter: 2 layers x 4,096 adapter elements, plus the
+    head's 100 x 64 when it is trained whole; the whole model's otherwise."""
+    from lightning_mgpu.cli.plan_run import checkpoint_bytes
+
+    assert checkpoint_bytes(replace(SHAPE, adapters=LoraShape(4))) == 12 * 8192
+    assert checkpoint_bytes(replace(SHAPE, adapters=LoraShape(4, modules_to_save=("lm_head",)))) == 12 * (8192 + 6400)
+    assert checkpoint_bytes(SHAPE) == 12 * SHAPE.num_parameters()
