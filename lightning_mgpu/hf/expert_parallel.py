@@ -62,17 +62,27 @@ def hf_expert_problems(found: HFModel, Ep: int) -> list[Problem]:
                     "use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over the data-parallel ranks)")]
 
 
-def router_loss_problems(found: HFModel, pipeline_parallel_size: int) -> list[Problem]:
-    """The model's load-balancing loss is added by its causal LM's ``forward`` from every layer's router logits
-    (``output_router_logits=True``); pipeline stages run the layers and the head, not that ``forward``, so the loss
-    would be left out without a word: refused."""
-    if pipeline_parallel_size > 1 and getattr(found.config, "output_router_logits", False):
-        return [Problem("pipeline_parallel_size", pipeline_parallel_size, f"with output_router_logits=True: "
-                        f"{type(found.model).__name__} adds its load-balancing loss in its forward from every layer's "
-                        "router logits, which pipeline stages do not run, so the loss would be left out",
-                        "set the model's config.output_router_logits=False (no load-balancing loss), or "
-                        "pipeline_parallel_size=1")]
-    return []
+def router_loss_problems(found: HFModel, layout: ParallelLayout) -> list[Problem]:
+    """The model's load-balancing loss (``output_router_logits=True``) is added by its causal LM's ``forward`` from
+    every layer's router logits over the tokens that call saw. Pipeline stages run the layers and the head, not that
+    ``forward``, so the loss would be left out; under context or sequence parallelism each rank sees a part of each
+    sequence, so its statistics would count that part only (the ranks' losses then differ from one process's and, under
+    sequence parallelism, from each other). Refused, every such axis at once."""
+    if not getattr(found.config, "output_router_logits", False):
+        return []
+    name, out = type(found.model).__name__, []
+    fix = "set the model's config.output_router_logits=False (no load-balancing loss), or "
+    if layout.size("pp") > 1:
+        out.append(Problem("pipeline_parallel_size", layout.size("pp"), f"with output_router_logits=True: {name} adds "
+                           "its load-balancing loss in its forward from every layer's router logits, which pipeline "
+                           "stages do not run, so the loss would be left out", fix + "pipeline_parallel_size=1"))
+    for key, on, value in (("context_parallel_size", layout.size("cp") > 1, layout.size("cp")),
+                           ("sequence_parallel", layout.sequence_parallel, True)):
+        if on:
+            out.append(Problem(key, value, f"with output_router_logits=True: {name}'s load-balancing loss would count "
+                               "each rank's part of the sequence only, not the whole sequence as one process does",
+                               fix + f"{key}={'1' if key.endswith('size') else 'False'}"))
+    return out
 
 
 def expert_modules(found: HFModel) -> dict[str, tuple[nn.Module, list[str]]]:
@@ -89,11 +99,13 @@ def expert_modules(found: HFModel) -> dict[str, tuple[nn.Module, list[str]]]:
 
 def apply_hf_expert_parallel(found: HFModel, layout: ParallelLayout) -> list[str]:
     """Keep this rank's experts of every experts module of ``found`` and route them through the exchange; the note
-    worth reporting (none when ``expert_parallel_size`` is 1)."""
+    worth reporting (none when ``expert_parallel_size`` is 1). Raises first what the layout cannot do with the model's
+    experts or its load-balancing loss (:func:`router_loss_problems`), whatever the expert-parallel size."""
     Ep = layout.size("ep")
+    raise_problems("Invalid layout for this mixture of experts", hf_expert_problems(found, Ep) +
+                   router_loss_problems(found, layout))
     if Ep == 1:
         return []
-    raise_problems("Invalid expert parallelism", hf_expert_problems(found, Ep))
     modules = expert_modules(found)
     inner = found.config._experts_implementation or "eager"
     if inner == IMPLEMENTATION:

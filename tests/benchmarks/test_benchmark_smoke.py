@@ -26,6 +26,7 @@ SMOKE = {
     "fingerprint_step.py": "the check every step costs",
     "fp8_curve.py": "| layout | recipe | step 1 | step 2 |",
     "hf_families.py": "| family | layout | step-1 grad norm diff | max loss diff | verdict |",
+    "hf_moe_ep.py": "ratio ep2 / ep1 (transformers)",
     "hf_step_time.py": "ratio transformers / LLMModule",
     "lora_step.py": "ratio LoRA / full fine-tuning",
     "moe_throughput.py": "all-to-all",
@@ -60,6 +61,8 @@ FIGURES = {
                      (r"fp8's own effect, .* max (\d\.\de[+-]\d\d)", 0.0, 1.0)],
     "hf_families.py": [(r"^\| gemma2 \| tp2 \+ SP \| (\d\.\de[+-]\d\d) \| (\d\.\de[+-]\d\d) \| exact \|$",
                         -1.0, 1e-5)],  # grad norm and loss against one process
+    "hf_moe_ep.py": [(rf"ratio ep2 / ep1 \(transformers\): step {_N}, memory {_N}", 0.01, 100.0),
+                     (rf"ratio transformers / package at ep2: step {_N}, memory {_N}", 0.01, 100.0)],
     "hf_step_time.py": [(rf"ratio transformers / LLMModule: {_N}", 0.05, 100.0)],
     "lora_step.py": [(rf"ratio LoRA / full fine-tuning \(MGPUStrategy ZeRO-2, dp2\): step {_N}, memory {_N}", 0.01, 100.0),
                      (rf"ratio MGPUStrategy ZeRO-2 / DDPStrategy \(LoRA, dp2\): step {_N}, memory {_N}", 0.01, 100.0)],

@@ -1,11 +1,13 @@
 """Expert parallelism for a ``transformers`` mixture of experts as it is, driven as a user drives it: a plain
 LightningModule holding the model, ``Trainer(strategy=MGPUStrategy(expert_parallel_size=2, ...))``. Qwen3-MoE at ep2
-under ZeRO-1 and ZeRO-3, with tensor parallelism and with pipeline stages (1F1B); Mixtral (ZeRO-2); gpt-oss (expert
+under ZeRO-1 and ZeRO-3, over context-parallel ranks (cp2), with tensor and sequence parallelism and with pipeline
+stages (1F1B); Mixtral (ZeRO-2); gpt-oss (expert
 biases, its clamped gate, attention sinks; ZeRO-1); DeepSeek V3 (a dense first layer, a shared expert, group-limited
 routing; ZeRO-0, whose clipping the package computes).
 
 Each rank holds half the routed experts (local shapes asserted), tokens travel by all-to-all, and the model's router,
-top-k, normalisation and load-balancing loss (``output_router_logits=True``, coefficient 0.1) are its own. The
+top-k, normalisation and load-balancing loss (``output_router_logits=True``, coefficient 0.1; off where the layout
+splits sequences or stages, which refuse it) are its own. The
 reference is one process running the same model from the same weights, written here as a plain loop: each data rank's
 micro-batch through the model with transformers' own experts, the mean of their losses (what data parallelism
 computes: the model's auxiliary loss counts each micro-batch's tokens), the global gradient norm before clipping.
@@ -27,6 +29,7 @@ from torch.utils.data import DataLoader
 from lightning_mgpu import MGPUStrategy, parameter_shape
 from lightning_mgpu.hf import find_hf_model
 from lightning_mgpu.hf.expert_parallel import router_loss_problems
+from lightning_mgpu.layout import LayoutRequest
 from lightning_mgpu.testing import run_distributed
 
 EXPERTS = 8
@@ -134,7 +137,9 @@ RUNS = {
     "mixtral_ep2_zero2": (2, dict(family="mixtral", expert_parallel_size=2, zero_stage=2)),
     "gpt_oss_ep2_zero1": (2, dict(family="gpt_oss", expert_parallel_size=2, zero_stage=1)),
     "deepseek_v3_ep2_zero0": (2, dict(family="deepseek_v3", expert_parallel_size=2, zero_stage=0, aux=False)),
-    "ep2_tp2": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, zero_stage=1)),
+    "ep2_cp2": (2, dict(expert_parallel_size=2, context_parallel_size=2, zero_stage=1, aux=False)),
+    "ep2_tp2_sp": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, zero_stage=1,
+                           aux=False)),
     "ep2_pp2_1f1b": (4, dict(expert_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2, zero_stage=1,
                              aux=False)),
 }
@@ -180,12 +185,21 @@ def test_expert_parallel_equals_one_process(name):
                 name, r["aux"], expected["aux"])
 
 
-def test_pipeline_stages_refuse_a_load_balancing_loss_they_would_leave_out():
-    """The model adds its load-balancing loss in its causal LM's forward, which pipeline stages do not run."""
+def test_a_load_balancing_loss_the_layout_would_leave_out_or_count_in_parts_is_refused():
+    """The model adds its load-balancing loss in its causal LM's forward (which pipeline stages do not run) over the
+    tokens that call saw (under context or sequence parallelism a part of each sequence: measured at cp2 x ep2 3e-3
+    from one process in loss, and tp2 + SP ranks' losses differ from each other). Every such axis named at once."""
     found = find_hf_model(RoutedLM("qwen3_moe", 2, aux=True))
-    assert [str(p) for p in router_loss_problems(found, 2)] == [
+    layout = LayoutRequest(tensor_parallel_size=2, pipeline_parallel_size=2, context_parallel_size=2,
+                           sequence_parallel=True).build(8)
+    fix = "set the model's config.output_router_logits=False (no load-balancing loss), or "
+    counted = ("with output_router_logits=True: Qwen3MoeForCausalLM's load-balancing loss would count each rank's part "
+               "of the sequence only, not the whole sequence as one process does; ")
+    assert [str(p) for p in router_loss_problems(found, layout)] == [
         "pipeline_parallel_size=2 with output_router_logits=True: Qwen3MoeForCausalLM adds its load-balancing loss in "
         "its forward from every layer's router logits, which pipeline stages do not run, so the loss would be left "
-        "out; set the model's config.output_router_logits=False (no load-balancing loss), or pipeline_parallel_size=1"]
-    assert router_loss_problems(found, 1) == []
-    assert router_loss_problems(find_hf_model(RoutedLM("qwen3_moe", 2, aux=False)), 2) == []
+        f"out; {fix}pipeline_parallel_size=1",
+        f"context_parallel_size=2 {counted}{fix}context_parallel_size=1",
+        f"sequence_parallel=True {counted}{fix}sequence_parallel=False"]
+    assert router_loss_problems(found, LayoutRequest(tensor_parallel_size=2, expert_parallel_size=2).build(4)) == []
+    assert router_loss_problems(find_hf_model(RoutedLM("qwen3_moe", 2, aux=False)), layout) == []
