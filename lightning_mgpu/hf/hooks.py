@@ -19,7 +19,7 @@ from torch import nn
 from lightning_mgpu.contract import ADAPTER_ATTRIBUTE, parallel_context
 from lightning_mgpu.hf.adapters import adapter_plan, adapter_record, quantized_base_problems, unwrapped
 from lightning_mgpu.hf.context import apply_context_parallel
-from lightning_mgpu.hf.expert_parallel import apply_hf_expert_parallel, router_loss_problems
+from lightning_mgpu.hf.expert_parallel import apply_hf_expert_parallel
 from lightning_mgpu.hf.loss import causal_lm_loss
 from lightning_mgpu.hf.model import HFModel, find_hf_model
 from lightning_mgpu.hf.stages import HFStage, hf_stages
@@ -69,7 +69,6 @@ class HFHooks:
 
     def pipeline_stages(self, stage_ids: list[int], num_stages: int,
                         boundaries: Optional[list[int]] = None) -> nn.ModuleDict:
-        raise_problems("Invalid pipeline parallelism", router_loss_problems(self.found, self.layout.size("pp")))
         stages = hf_stages(self.found, stage_ids, num_stages, boundaries)
         if self.layout.sequence_parallel:
             self._cut_sequence_at_stage_ends(stages.values())
