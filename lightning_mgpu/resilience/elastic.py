@@ -125,7 +125,8 @@ class LocalJobAgent(LocalElasticAgent):
             self.stopped_with, then = status, "refused" if status == EXIT_REFUSED else "faulty device"
             said = f"{said} ({then}); not restarted" + ("" if faulty is None else (
                 f"; persistent: rank(s) {sorted(int(r) for r in faulty['ranks'])} on host(s) "
-                f"{sorted(set(faulty['ranks'].values()))} corrupted their weights again on the rerun"))
+                f"{sorted(set(faulty['ranks'].values()))} corrupted their weights again on the rerun"
+                + (f" ({faulty['where']})" if faulty.get("where") else "")))
         elif looping:
             self.stopped_with, then = EXIT_CRASH_LOOP, "crash loop"
             said = (f"{said}; {self.crash_loop.in_a_row} attempts in a row ended without a new optimizer step (none "

@@ -88,8 +88,10 @@ def test_a_flip_at_every_step_is_named_persistent_at_the_first_check_of_the_reru
     found = "silent data corruption: rank 1 holds a copy of model.tok_embeddings.weight that differs from its " \
             "data-parallel peers at step 2 (the copies agreed at step 0)"
     assert output.count(found) == 2 and "transient" not in output, output[-3000:]
-    # three ranks on this one host: the named one shares it with two that agree, so one device is at fault
-    assert f"rank 1 shares host {socket.gethostname()} with ranks [0, 2], whose copies agree: one device" in output
+    # three ranks on this one host: the named one shares it with two that agree, so one device is at fault; said by
+    # the ranks and by the agent's line on the attempt
+    beside = f"rank 1 shares host {socket.gethostname()} with ranks [0, 2], whose copies agree: one device"
+    assert output.count(beside) == 3 and f"corrupted their weights again on the rerun ({beside}" in output, output
     records = [json.loads(line) for line in (tmp_path / "run" / "attempts.jsonl").read_text().splitlines()]
     assert [(r["status"], r["then"]) for r in records] == [(75, "restart"), (FAULTY_DEVICE_EXIT, "faulty device")]
     assert records[-1]["persistent"] == {"1": socket.gethostname()}, records
