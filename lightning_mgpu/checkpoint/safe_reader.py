@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -113,11 +113,18 @@ def _is_plain_name(name: object) -> bool:
 
 
 class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata`."""
+    """``FileSystemReader`` whose metadata is read by :func:`read_dcp_metadata`; ``metadata``: what that function
+    already returned for this directory (its pure-Python unpickling is a restore's largest CPU cost on a small model:
+    read once)."""
+
+    def __init__(self, path: str | Path, metadata: Optional[Metadata] = None) -> None:
+        super().__init__(path)
+        self._read = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
-        metadata = read_dcp_metadata(Path(self._get_metadata_path(rank)))
+        metadata = self._read if self._read is not None and rank is None else \
+            read_dcp_metadata(Path(self._get_metadata_path(rank)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

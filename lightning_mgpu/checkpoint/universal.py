@@ -197,7 +197,7 @@ def load_universal(engine: Any, layout: ParallelLayout, path: str | Path, replic
     frozen, params = [(f, p) for f, p in params if not p.requires_grad], [(f, p) for f, p in params if p.requires_grad]
     if replica_sync is not None:
         state.update(replica_state.outer_tensors(engine, layout, replica_sync, params, fill=False))
-    dcp.load(state, storage_reader=SafeFileSystemReader(path))
+    dcp.load(state, storage_reader=SafeFileSystemReader(path, metadata))
     access = ParameterState(engine)
     step = int(state["step"]) if access.trains else 0
     access.prepare_state(step)
