@@ -86,7 +86,7 @@ def router_loss_problems(found: HFModel, layout: ParallelLayout) -> list[Problem
 
 
 def expert_modules(found: HFModel) -> dict[str, tuple[nn.Module, list[str]]]:
-    """``{name in the model: (experts module, its weights split by expert)}`` from the model's ``base_model_ep_plan``."""
+    """``{name in the decoder: (experts module, its weights split by expert)}`` from ``base_model_ep_plan``."""
     plan = dict(getattr(found.config, "base_model_ep_plan", None) or {})
     holders = [key for key, style in plan.items() if style == MODULE_STYLE]
     weights = [key.rpartition(".") for key, style in plan.items() if style == WEIGHT_STYLE]
@@ -106,10 +106,13 @@ def apply_hf_expert_parallel(found: HFModel, layout: ParallelLayout) -> list[str
                    router_loss_problems(found, layout))
     if Ep == 1:
         return []
-    modules = expert_modules(found)
+    modules, where = expert_modules(found), found.prefix.rstrip(".") or "the model"
+    if not modules:
+        raise ValueError(f"{where} ({type(found.model).__name__}): its config's base_model_ep_plan names no experts "
+                         f"module ({MODULE_STYLE!r}) of the model; use expert_parallel_size=1")
     inner = found.config._experts_implementation or "eager"
     if inner == IMPLEMENTATION:
-        raise ValueError(f"{found.prefix.rstrip('.') or 'the model'} is split by expert parallelism already")
+        raise ValueError(f"{where} is split by expert parallelism already")
     for module, weights in modules.values():
         total = int(module.num_experts)
         module._mgpu_exchange = Exchange(ExpertWiring(layout, total), inner)
@@ -120,11 +123,9 @@ def apply_hf_expert_parallel(found: HFModel, layout: ParallelLayout) -> list[str
 
     ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, exchanged_experts_forward)
     found.model.set_experts_implementation(IMPLEMENTATION)
-    first = next(iter(modules.values()))[0] if modules else None
-    held = f"{first.num_experts} on each rank" if first is not None else "none"
-    return [f"experts ({type(found.model).__name__}): {len(modules)} blocks of "
-            f"{first.num_experts * Ep if first is not None else 0} experts, {held} of {Ep} (expert parallel, all-to-all "
-            f"dispatch; local experts by {inner})"]
+    held = next(iter(modules.values()))[0].num_experts
+    return [f"experts ({type(found.model).__name__}): {len(modules)} blocks of {held * Ep} experts, {held} on each "
+            f"rank of {Ep} (expert parallel, all-to-all dispatch; local experts by {inner})"]
 
 
 def _keep_experts(module: nn.Module, name: str, layout: ParallelLayout, total: int) -> None:
