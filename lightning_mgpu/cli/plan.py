@@ -180,11 +180,36 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
                  f"{', sequence parallel' if mine.sequence_parallel and mine.tp > 1 else ''}: "
                  f"{m.total / GB:.1f} GB per GPU on its most loaded pipeline rank ({m.activations / GB:.1f} "
                  f"activations), step {t.total:.2f} s, MFU {t.mfu:.1%}; {verdict}"]
+    lines += volume_lines(mine, t, cluster)
     if t.experts is not None:
         lines += expert_lines(model, mine, t)
     if cfg.plan.per_stage:
         lines += stage_lines(cfg, model, mine, precision)
     return row, lines
+
+
+def volume_lines(c: Candidate, t, cluster: ClusterSpec) -> list[str]:
+    """The configured layout's bytes per step by axis on its busiest pipeline rank (as ``comm/*`` counts them: an
+    all-reduce's tensor, an all-gather's output, a send's tensor; ``lightning_mgpu.planner.communication``) beside
+    their time, and the share inside a node and across nodes under the planned placement (tp innermost, then cp, pp,
+    dp: a group stays in a node while the ranks it spans fit one)."""
+    if not t.volume:
+        return []
+    node = cluster.gpus_per_node
+    spans = {"tp": c.tp, "cp": c.tp * c.cp, "pp": c.tp * c.cp * c.pp, "ep": c.tp * c.cp * c.pp * c.ep,
+             "dp_cp": cluster.world_size, "edp": cluster.world_size}
+    seconds = {"tp": t.tensor_parallel, "cp": t.context_parallel, "pp": t.pipeline_p2p, "ep": t.expert_parallel,
+               "dp_cp": t.data_parallel + t.data_parallel_hidden}
+    by_axis: dict[str, float] = {}
+    for (axis, op), b in t.volume.items():
+        if op != "recv":  # a receive is the other end of a send
+            by_axis[axis] = by_axis.get(axis, 0.0) + b
+    inside = sum(b for axis, b in by_axis.items() if spans.get(axis, cluster.world_size) <= node)
+    total = sum(by_axis.values()) or 1.0
+    parts = [f"{axis} {b / GB:.2f} GB" + (f" ({seconds[axis]:.2f} s)" if axis in seconds else "")
+             for axis, b in sorted(by_axis.items(), key=lambda item: -item[1])]
+    return [f"communication per step on the busiest pipeline rank: {', '.join(parts)}; {inside / total:.0%} of the "
+            f"bytes inside a node, {1 - inside / total:.0%} across nodes (dp_cp's time: before overlap)"]
 
 
 def expert_lines(model, c: Candidate, t) -> list[str]:

@@ -7,7 +7,9 @@ to what a step issues. Per micro-batch, with ``n = b s / C`` tokens on the rank 
 * **tp** (``T > 1``), per block: without sequence parallelism four all-reduces, two of ``A`` forward (the attention's
   and the MLP's row-parallel outputs) and two of ``A + dim w`` backward (the norms' input gradients, their weight
   gradients packed behind); under sequence parallelism the same as all-gathers (two forward, two backward) and
-  reduce-scatters (two forward of ``A``, two backward of ``A + T dim w``). The first stage adds the embedding's
+  reduce-scatters (two forward of ``A``, two backward of ``A + T dim w``); a mixture-of-experts block all-reduces its
+  experts' outputs forward, ``k A`` (``k`` experts a token), in place of a dense MLP's reduction unless it has shared
+  experts (planned as the planner always did; not compared with a count yet). The first stage adds the embedding's
   reduction (forward; its adjoint backward under sequence parallelism), the last the final norm's and the loss's two
   all-reduces (the row maximum and the packed target logit and exponential sum, ``3 n`` fp32 values);
 * **cp** (``C > 1``), per block: the keys and values all-gathered forward and reduce-scattered backward,
@@ -15,7 +17,8 @@ to what a step issues. Per micro-batch, with ``n = b s / C`` tokens on the rank 
 * **pp**: per micro-batch, each of the rank's stages sends its output forward unless it is the last and its input
   gradient backward unless it is the first; a neighbour on the same rank (ZBV's and DualPipeV's middle) takes it
   without a send. ``b s dim w / C`` bytes each (``/ T`` under sequence parallelism); receives mirror the sends;
-* **dp_cp** (ZeRO over the ``dp x C`` ranks holding the same weights), ``P`` the rank's trainable parameter bytes:
+* **dp_cp** (ZeRO over the ``dp x C`` ranks holding the same weights), ``P`` the rank's trainable parameter bytes
+  (a frozen base, ``adapters=lora``, has no gradient; ZeRO-3 still gathers it):
   ZeRO-0 all-reduces ``P`` once a step; ZeRO-1 all-reduces ``P`` and all-gathers the updated ``P``; ZeRO-2 reduces
   every micro-batch's gradients (they are partitioned as they are made: ``M P``) unless a pipeline schedule runs
   under one coalesced reduction (``P``), then all-gathers ``P``; ZeRO-3 all-gathers ``P`` in each forward and each
@@ -100,16 +103,32 @@ def step_volume(cfg: LlamaConfig, shape: StepShape, pp_rank: int = 0,
             4 * tokens * cfg.experts_per_token * cfg.dim * shape.element_bytes)
     held = rank_parameter_split(cfg, shape.tp, shape.pp, len(stages), pp_rank, stage_ids=stages,
                                 boundaries=bounds, ep=shape.ep)
-    dense = (held.dense - held.frozen) * shape.element_bytes
-    experts = 0 if held.experts_frozen else held.experts * shape.element_bytes
-    for axis, size, params in (("dp_cp", shape.dp * shape.cp, dense), ("edp", shape.dp * shape.cp // shape.ep,
-                                                                         experts)):
-        if size > 1 and params:
-            for key, value in _zero(shape, params, axis).items():
+    w = shape.element_bytes
+    trained = ((held.dense - held.frozen) * w, 0 if held.experts_frozen else held.experts * w)
+    stored = (held.dense * w, held.experts * w)
+    for axis, size, index in (("dp_cp", shape.dp * shape.cp, 0), ("edp", shape.dp * shape.cp // shape.ep, 1)):
+        if size > 1 and stored[index]:
+            for key, value in _zero(shape, trained[index], stored[index], axis).items():
                 out[key] += value
     if shape.replicas > 1:  # a step that ends a round
         out[("rep", "all_reduce")] += (held.dense - held.frozen + (0 if held.experts_frozen else held.experts)) * FP32
     return dict(out)
+
+
+def seconds(volume: dict[tuple[str, str], float], axis: str, ranks: int, bandwidth: float) -> float:
+    """Time of ``axis``'s bytes in ``volume`` over ring collectives of ``ranks`` at ``bandwidth`` bytes/s: an
+    all-reduce moves ``2 (n-1)/n`` of its tensor per rank, an all-gather and a reduce-scatter ``(n-1)/n``, a send
+    its tensor (receives run at the same time, the other way)."""
+    if ranks <= 1:
+        return 0.0
+    share = {"all_reduce": 2 * (ranks - 1) / ranks, "all_gather": (ranks - 1) / ranks,
+             "reduce_scatter": (ranks - 1) / ranks, "send": 1.0}
+    return sum(b * share.get(op, 0.0) for (a, op), b in volume.items() if a == axis) / bandwidth
+
+
+def busiest(cfg: LlamaConfig, shape: StepShape) -> dict[tuple[str, str], float]:
+    """:func:`step_volume` of the pipeline rank that moves the most bytes (the first or the last stage)."""
+    return max((step_volume(cfg, shape, r) for r in range(shape.pp)), key=lambda v: sum(v.values()))
 
 
 def _owner(stage: int, stages: Sequence[int]) -> Optional[int]:
@@ -126,29 +145,33 @@ def _tensor_parallel(cfg: LlamaConfig, shape: StepShape, layers: list[int], firs
     w, fwd = shape.element_bytes, shape.forward_passes
     tokens = shape.micro_batch * shape.seq_len / shape.cp
     act, norm = tokens * cfg.dim * w, cfg.dim * w
-    blocks = len(layers)
-    dense_mlps = blocks - (replaced_mlp_reductions(cfg) and moe_layer_count(cfg, layers))
-    # forward reductions: the attention's per block, the MLP's per dense block; the experts' (k per token) per MoE block
-    forward = (blocks + dense_mlps) * act + (blocks - dense_mlps) * cfg.experts_per_token * act
+    blocks, moe = len(layers), moe_layer_count(cfg, layers)
+    dense_mlps = blocks - (moe if replaced_mlp_reductions(cfg) else 0)
+    # forward reductions: the attention's per block, the MLP's (or the shared experts') where there is one
+    forward = (blocks + dense_mlps) * act
+    experts = {("tp", "all_reduce"): fwd * moe * cfg.experts_per_token * act} if moe else {}
     if not shape.sequence_parallel:
-        total = fwd * forward + blocks * 2 * (act + norm)
+        total = fwd * forward + blocks * 2 * (act + norm) + experts.get(("tp", "all_reduce"), 0.0)
         total += (fwd * act if first else 0.0) + (act + norm + LOSS_VALUES * tokens * FP32 if last else 0.0)
         return {("tp", "all_reduce"): total}
     gathers = fwd * 2 * blocks * act + 2 * blocks * act + (act if first else 0.0) + (fwd * act if last else 0.0)
     scatters = fwd * forward + 2 * blocks * (act + T * norm) + (fwd * act if first else 0.0) + (
         act + T * norm if last else 0.0)
     return {("tp", "all_gather"): gathers, ("tp", "reduce_scatter"): scatters,
-            ("tp", "all_reduce"): LOSS_VALUES * tokens * FP32 if last else 0.0}
+            ("tp", "all_reduce"): (LOSS_VALUES * tokens * FP32 if last else 0.0) + experts.get(("tp", "all_reduce"), 0)}
 
 
-def _zero(shape: StepShape, params: float, axis: str) -> dict[tuple[str, str], float]:
-    """ZeRO's collectives of ``params`` bytes over ``axis`` in one step."""
+def _zero(shape: StepShape, trained: float, stored: float, axis: str) -> dict[tuple[str, str], float]:
+    """ZeRO's collectives over ``axis`` in one step: gradients of the ``trained`` bytes reduced, the updated ones
+    gathered (ZeRO 1-2), or every ``stored`` weight gathered, a frozen base's too (ZeRO-3)."""
     M = shape.microbatches
-    coalesced = shape.pp > 1  # a pipeline schedule runs inside one coalesced gradient reduction
+    reductions = 1 if shape.pp > 1 else M  # a pipeline schedule runs inside one coalesced gradient reduction
     if shape.zero_stage == 0:
-        return {(axis, "all_reduce"): params}
-    if shape.zero_stage == 1:
-        return {(axis, "all_reduce"): params, (axis, "all_gather"): params}
-    if shape.zero_stage == 2:
-        return {(axis, "all_reduce"): params * (1 if coalesced else M), (axis, "all_gather"): params}
-    return {(axis, "all_gather"): 2 * M * params, (axis, "reduce_scatter"): params * (1 if coalesced else M)}
+        out = {(axis, "all_reduce"): trained}
+    elif shape.zero_stage == 1:
+        out = {(axis, "all_reduce"): trained, (axis, "all_gather"): trained}
+    elif shape.zero_stage == 2:
+        out = {(axis, "all_reduce"): trained * reductions, (axis, "all_gather"): trained}
+    else:
+        out = {(axis, "all_gather"): 2 * M * stored, (axis, "reduce_scatter"): trained * reductions}
+    return {key: value for key, value in out.items() if value}

@@ -114,7 +114,7 @@ def evaluate(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, global_batch:
                              optimizer=optimizer)
     time = estimate_step_time(cfg, cluster, seq_len, global_batch, c.micro_batch, c.tp, c.pp, c.zero_stage,
                               c.virtual, c.schedule, c.recompute, achievable, context=c.cp, selective=c.selective,
-                              ep=c.ep)
+                              ep=c.ep, sequence_parallel=c.sequence_parallel)
     return PlanRow(c, memory, time, memory.total <= USABLE_MEMORY * cluster.gpu.memory_bytes)
 
 

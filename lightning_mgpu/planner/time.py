@@ -5,21 +5,22 @@
   forward again but their last matmul, selective the attention scores' forward, ``2 L s h`` per token; both repeat
   the tensor-parallel and context-parallel collectives of the forward) at ``achievable`` x the bf16 peak (default: the GPU's fraction, fitted to published runs of comparable
   stacks in :mod:`lightning_mgpu.planner.calibration`);
-* tensor parallelism: per block and micro-batch, 4 all-reduces (2 with the forward, 2 with the backward; 6
-  with recomputation) of ``s b h`` bf16 activations, as ring all-reduces ``2 (t-1)/t * bytes / bandwidth``
-  over NVLink when the group fits a node (all-gather + reduce-scatter under sequence parallelism move the
-  same bytes);
+* communication: the bytes of each axis are :func:`lightning_mgpu.planner.communication.step_volume`'s for the
+  pipeline rank that moves the most (tested equal to what a step issues, collective by collective), in seconds as
+  ring collectives (:func:`~lightning_mgpu.planner.communication.seconds`): tensor parallelism over NVLink when the
+  group fits a node, per block and micro-batch the equivalent of four all-reduces of ``s b h`` activations (six with
+  recomputation), plus the embedding's, the final norm's and the loss's on the first and last stages;
 * pipeline bubble: the schedule's bubble fraction ``f`` (``lightning_mgpu.layout.theoretical_bubble``)
   stretches compute + tensor-parallel time by ``1 / (1 - f)``; point-to-point sends between stages are
-  ``2 s b h`` bytes per micro-batch each way;
-* data parallelism: the gradients of the rank's parameters, all-reduced (ZeRO 0-2: reduce-scatter +
-  all-gather moves the same bytes) or, for ZeRO-3, also the parameter all-gathers of forward and backward
-  (1.5x); over the inter-node network when the job spans nodes. With ``overlap`` (the default on CUDA for ZeRO 2
-  and 3, see ``lightning_mgpu.engine.zero_config``) the gradient reduction runs behind the backward pass of the
-  last micro-batch (two thirds of its compute) when there is no pipeline (a pipeline schedule reduces once, after
-  its last backward), and ZeRO-3's parameter gathers run behind the compute of the whole step (prefetch); only what
-  exceeds that is counted. ``data_parallel_hidden`` says how much was hidden. ZeRO 0 and 1 do not overlap. The
-  gradients are reduced over the ``dp x C`` ranks holding the same weights (``C``: context parallelism);
+  ``s b h`` bytes per micro-batch and stage boundary each way (``/ t`` under sequence parallelism);
+* data parallelism: ZeRO-0 and 1 all-reduce the gradients once a step, ZeRO-1 and 2 all-gather the updated weights,
+  ZeRO-2 reduces every micro-batch's gradients and ZeRO-3 reduce-scatters them and gathers the weights in every
+  forward and backward (one coalesced reduction under a pipeline); over the inter-node network when the job spans
+  nodes. With ``overlap`` (the default on CUDA for ZeRO 2 and 3, see ``lightning_mgpu.engine.zero_config``) the
+  reductions run behind the backward passes (two thirds of the compute) when there is no pipeline, and ZeRO-3's
+  gathers behind the compute of the whole step (prefetch); only what exceeds that is counted. ``data_parallel_hidden``
+  says how much was hidden. ZeRO 0 and 1 do not overlap. The gradients are reduced over the ``dp x C`` ranks holding
+  the same weights (``C``: context parallelism);
 * context parallelism: per block and micro-batch, one all-gather of the sequence's keys and values in the forward
   (another with recomputation) and one reduce-scatter of their gradients in the backward, each moving ``(C-1)/C``
   of ``2 s b (kv heads x head dim) / t`` bf16 values, over NVLink when ``t x C`` fits a node; not overlapped
@@ -41,9 +42,10 @@ from typing import Optional
 
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.layout import theoretical_bubble
-from lightning_mgpu.planner.experts import ExpertTraffic, expert_traffic, replaced_mlp_reductions
+from lightning_mgpu.planner.communication import StepShape, busiest, seconds
+from lightning_mgpu.planner.experts import ExpertTraffic, expert_traffic
 from lightning_mgpu.planner.hardware import ClusterSpec
-from lightning_mgpu.planner.model_stats import (max_rank_split, model_flops_per_token, recompute_flops_per_token,
+from lightning_mgpu.planner.model_stats import (model_flops_per_token, recompute_flops_per_token,
                                                skipped_weight_gradient_flops_per_token)
 
 
@@ -66,6 +68,8 @@ class StepTimeEstimate:
     #: what the experts move (bytes and seconds; the tensor-parallel all-reduce of their outputs is in
     #: ``tensor_parallel``), None for a dense model
     experts: Optional[ExpertTraffic] = None
+    #: bytes per step by (axis, op) of the busiest pipeline rank (:func:`lightning_mgpu.planner.communication.step_volume`)
+    volume: Optional[dict] = None
 
     @property
     def total(self) -> float:
@@ -82,6 +86,7 @@ class StepTimeEstimate:
 
 
 def _ring(bytes_: float, n: int, bandwidth: float, all_reduce: bool = True) -> float:
+    """Seconds of one ring all-reduce (or all-gather: ``all_reduce=False``) of ``bytes_`` over ``n`` ranks."""
     if n <= 1:
         return 0.0
     return (2.0 if all_reduce else 1.0) * (n - 1) / n * bytes_ / bandwidth
@@ -91,7 +96,7 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
                        tp: int, pp: int, zero_stage: int, virtual: int = 1, schedule: str = "1f1b",
                        recompute: bool = False, achievable: Optional[float] = None,
                        overlap: bool = True, context: int = 1, selective: bool = False,
-                       ep: int = 1) -> StepTimeEstimate:
+                       ep: int = 1, sequence_parallel: bool = True) -> StepTimeEstimate:
     gpu, world = cluster.gpu, cluster.world_size
     achievable = gpu.achievable if achievable is None else achievable
     dp = world // (tp * pp * context)
@@ -102,44 +107,45 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     hardware_flops -= skipped_weight_gradient_flops_per_token(cfg, seq_len) * tokens  # a frozen base's (adapters)
     compute = hardware_flops / world / (gpu.bf16_peak_flops * achievable)
     microbatches = global_batch // (micro_batch * dp)
-    act_bytes = 2.0 * seq_len / context * micro_batch * cfg.dim
-    tp_bw = gpu.intra_node_bandwidth if tp <= cluster.gpus_per_node else gpu.inter_node_bandwidth
     forward_passes = 2 if recompute or selective else 1
-    collectives = (2 + 2 * forward_passes) * (cfg.n_layers / pp) * microbatches
-    collectives -= forward_passes * replaced_mlp_reductions(cfg) / pp * microbatches
+    shape = StepShape(seq_len, micro_batch, microbatches, tp, context, pp, dp, ep, zero_stage, schedule, virtual,
+                      sequence_parallel and tp > 1, forward_passes)
+    volume = busiest(cfg, shape)
+    tp_bw = gpu.intra_node_bandwidth if tp <= cluster.gpus_per_node else gpu.inter_node_bandwidth
     moe = expert_traffic(cfg, cluster, seq_len / context * micro_batch, microbatches, tp, context, pp, ep,
                          forward_passes) if cfg.num_experts else None
-    tensor_parallel = collectives * _ring(act_bytes, tp, tp_bw) + (moe.tp_reduce_s if moe else 0.0)
+    tensor_parallel = seconds(volume, "tp", tp, tp_bw)  # the experts' output reduction included
     all_to_all = moe.all_to_all_s if moe else 0.0
     bubble_fraction = theoretical_bubble(schedule, pp, microbatches, virtual) if pp > 1 else 0.0
     bubble = (compute + tensor_parallel + all_to_all) * bubble_fraction / (1 - bubble_fraction)
     pp_bw = gpu.inter_node_bandwidth if tp * pp > cluster.gpus_per_node else gpu.intra_node_bandwidth
-    p2p = 0.0 if pp == 1 else 2 * microbatches * virtual * act_bytes / tp / pp_bw
-    reduction, gathers, exposed = _data_parallel(cfg, cluster, tp, pp, virtual, dp * context, ep, zero_stage,
-                                                 overlap, compute, microbatches)
+    p2p = seconds(volume, "pp", pp, pp_bw)
+    reduction, gathers, exposed = _data_parallel(volume, cluster, dp * context, ep, zero_stage, overlap, compute, pp)
     cp_bw = gpu.intra_node_bandwidth if tp * context <= cluster.gpus_per_node else gpu.inter_node_bandwidth
-    kv_bytes = 2.0 * 2 * seq_len * micro_batch * cfg.n_kv_heads * cfg.head_dim / tp
-    cp_collectives = (1 + forward_passes) * (cfg.n_layers / pp) * microbatches
-    context_parallel = cp_collectives * _ring(kv_bytes, context, cp_bw, all_reduce=False)
+    context_parallel = seconds(volume, "cp", context, cp_bw)
     return StepTimeEstimate(compute, tensor_parallel, bubble, p2p, exposed, tokens, world, model_flops,
-                            gpu.bf16_peak_flops, reduction + gathers - exposed, context_parallel, all_to_all, moe)
+                            gpu.bf16_peak_flops, reduction + gathers - exposed, context_parallel, all_to_all, moe,
+                            volume)
 
 
-def _data_parallel(cfg: LlamaConfig, cluster: ClusterSpec, tp: int, pp: int, virtual: int, data_context: int,
-                   ep: int, zero_stage: int, overlap: bool, compute: float,
-                   microbatches: int) -> tuple[float, float, float]:
-    """(gradient reduction, ZeRO-3 gathers, what of them is not hidden) in seconds: the dense gradients over the
-    ``data_context`` ranks, the routed experts' over the ``data_context / ep`` holding the same experts. A frozen
-    base (``adapters=lora``) has no gradient to reduce, but ZeRO-3 still gathers its partitioned weights."""
+def _data_parallel(volume: dict, cluster: ClusterSpec, data_context: int, ep: int, zero_stage: int, overlap: bool,
+                   compute: float, pp: int) -> tuple[float, float, float]:
+    """(gradient reduction, ZeRO's parameter gathers, what of them is not hidden) in seconds, from the volume: the
+    dense gradients over the ``data_context`` ranks, the routed experts' over the ``data_context / ep`` holding the
+    same experts. With overlap (ZeRO 2 and 3) each micro-batch's reduction runs behind the backward passes (two thirds
+    of the compute) when there is no pipeline, and ZeRO-3's gathers behind the whole step's compute (prefetch); ZeRO-1
+    and 2 gather the updated weights after the optimizer step, where nothing hides them."""
     gpu = cluster.gpu
     dp_bw = gpu.inter_node_bandwidth if cluster.nodes > 1 else gpu.intra_node_bandwidth
-    held = max_rank_split(cfg, tp, pp, virtual, ep)
-    experts = _ring(2.0 * held.experts, data_context // ep, dp_bw)
-    reduction = _ring(2.0 * (held.dense - held.frozen), data_context, dp_bw) + (0.0 if held.experts_frozen else experts)
-    # an all-gather of every weight is half an all-reduce of it
-    gathers = 0.5 * (_ring(2.0 * held.dense, data_context, dp_bw) + experts) if zero_stage == 3 else 0.0
+
+    def over(ops: tuple[str, ...]) -> float:
+        part = {key: b for key, b in volume.items() if key[1] in ops}
+        return seconds(part, "dp_cp", data_context, dp_bw) + seconds(part, "edp", data_context // ep, dp_bw)
+
+    reduction, gathers = over(("all_reduce", "reduce_scatter")), over(("all_gather",))
     exposed = reduction + gathers
     if overlap and zero_stage >= 2:
-        last_backward = (2 / 3) * compute / max(1, microbatches) if pp == 1 else 0.0
-        exposed = max(0.0, reduction - last_backward) + max(0.0, gathers - compute)
+        backward = (2 / 3) * compute if pp == 1 else 0.0
+        hidden_gathers = min(gathers, compute) if zero_stage == 3 else 0.0
+        exposed = max(0.0, reduction - backward) + gathers - hidden_gathers
     return reduction, gathers, exposed

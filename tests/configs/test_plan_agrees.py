@@ -13,8 +13,10 @@ from omegaconf import OmegaConf
 
 from lightning_mgpu.cli.paths import conf_dir
 from lightning_mgpu.cli.plan import plan_report
+from lightning_mgpu.cli.plan_replicas import replica_rows, steps_alone
 from lightning_mgpu.cli.spec import config_problems
 from lightning_mgpu.planner import GPUS, ClusterSpec, plan_layouts
+from lightning_mgpu.planner.replicas import replica_cluster
 
 #: The shipped shapes (``model=hf`` takes a directory's: tests/cli/test_cli_hf.py checks what mgpu-plan prints for one).
 MODELS = sorted(p.stem for p in (conf_dir() / "model").glob("*.yaml") if p.stem != "hf")
@@ -128,6 +130,10 @@ def test_every_command_mgpu_plan_prints_is_accepted(overrides):
     table's rows on the recipe's config."""
     overrides = ["trainer=gpu", "cluster=local", *overrides]
     cfg, rows = _plan(overrides)
+    if steps_alone(cfg):  # the table is then one replica's search, as plan_report makes it
+        model, inner = resolved(cfg).model, replica_cluster(ClusterSpec(cfg.trainer.num_nodes, cfg.trainer.devices,
+                                                                        GPUS[cfg.plan.gpu]), cfg.parallel.replicas)
+        rows = replica_rows(cfg, model, inner, str(cfg.trainer.precision))
     changed = copy.deepcopy(cfg)
     for row in rows[: cfg.plan.top]:
         assert refused(_with(changed, row.candidate.overrides())) == [], row.candidate.overrides()
