@@ -92,7 +92,8 @@ def _marker(layout: ParallelLayout) -> nn.Module:
 def clip_by_global_norm(module: nn.Module, layout: ParallelLayout, max_norm: float) -> torch.Tensor:
     """Clip the (already reduced) gradients of ``module`` by their global norm, counting every parameter once: a
     tensor-parallel shard on every tensor-parallel rank, a replicated parameter on tensor-parallel rank 0 only, an
-    expert on the one rank of its expert-parallel group that holds it. The norm before clipping (fp32)."""
+    expert on the one rank of its expert-parallel group that holds it (and, whole on every tensor-parallel rank, on
+    tensor-parallel rank 0 only). The norm before clipping (fp32)."""
     import torch.distributed as dist
 
     dense, expert = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
@@ -102,9 +103,11 @@ def clip_by_global_norm(module: nn.Module, layout: ParallelLayout, max_norm: flo
             continue
         grads.append(p.grad)
         square = p.grad.detach().double().square().sum().cpu()
+        if not (getattr(p, "tensor_model_parallel", False) or layout.rank("tp") == 0):
+            continue  # a copy another tensor-parallel rank counts (a transformers model's experts are whole there)
         if getattr(p, "expert_partition", None) is not None:
             expert += square
-        elif getattr(p, "tensor_model_parallel", False) or layout.rank("tp") == 0:
+        else:
             dense += square
     dist.all_reduce(expert, group=layout.group("ep"))
     total = dense + expert

@@ -1,7 +1,7 @@
 """Expert parallelism for a ``transformers`` mixture of experts as it is, driven as a user drives it: a plain
 LightningModule holding the model, ``Trainer(strategy=MGPUStrategy(expert_parallel_size=2, ...))``. Qwen3-MoE at ep2
-under ZeRO-1 and ZeRO-3, over context-parallel ranks (cp2), with tensor and sequence parallelism and with pipeline
-stages (1F1B); Mixtral (ZeRO-2); gpt-oss (expert
+under ZeRO-1 and ZeRO-3, over context-parallel ranks (cp2), with tensor and sequence parallelism (ZeRO-0: the experts,
+whole on both tensor-parallel ranks, counted once in the package's global norm) and with pipeline stages (1F1B); Mixtral (ZeRO-2); gpt-oss (expert
 biases, its clamped gate, attention sinks; ZeRO-1); DeepSeek V3 (a dense first layer, a shared expert, group-limited
 routing; ZeRO-0, whose clipping the package computes).
 
@@ -138,8 +138,8 @@ RUNS = {
     "gpt_oss_ep2_zero1": (2, dict(family="gpt_oss", expert_parallel_size=2, zero_stage=1)),
     "deepseek_v3_ep2_zero0": (2, dict(family="deepseek_v3", expert_parallel_size=2, zero_stage=0, aux=False)),
     "ep2_cp2": (2, dict(expert_parallel_size=2, context_parallel_size=2, zero_stage=1, aux=False)),
-    "ep2_tp2_sp": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, zero_stage=1,
-                           aux=False)),
+    "ep2_tp2_sp_zero0": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, zero_stage=0,
+                                 aux=False)),
     "ep2_pp2_1f1b": (4, dict(expert_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2, zero_stage=1,
                              aux=False)),
 }
