@@ -36,6 +36,7 @@ from lightning_mgpu.resilience.restarts import EXIT_FAULTY_DEVICE, RestartRecord
 from lightning_mgpu.cli.spec import RunSpec, run_spec
 from lightning_mgpu.cli.validate import check_run
 from lightning_mgpu.data import decode_bytes, encode_bytes
+from lightning_mgpu.data.sft import held_out_prompt
 from lightning_mgpu.resilience.faults import fault_callbacks
 from lightning_mgpu.layout import theoretical_bubble
 from lightning_mgpu.parallel.timeline import bubble_fraction, gather_step, plot_timeline, save_actions
@@ -275,13 +276,17 @@ def no_sample_reason(spec: RunSpec) -> Optional[str]:
 
 
 def generate_sample(module, spec: RunSpec) -> str:
-    """A short continuation of ``sample.prompt``, encoded and decoded with the run's tokenizer (bytes without one).
+    """A short continuation of ``sample.prompt`` (with ``data=sft``: of a held-out conversation up to its first answer),
+    encoded and decoded with the run's tokenizer (bytes without one).
     Every rank runs it (ZeRO-3 gathers parameters collectively) with the same generator, so all ranks produce the
     same text."""
     cfg, tokenizer = spec.config, build_tokenizer(spec)
     module.eval()
     device = next(module.parameters()).device
-    ids = encode_bytes(cfg.sample.prompt) if tokenizer is None else tokenizer.encode(cfg.sample.prompt)
+    if cfg.data.source == "sft":  # a held-out conversation's turns up to its answer, as its chat template rendered them
+        ids = held_out_prompt(cfg.data.path, cfg.data.val_fraction).tolist()
+    else:
+        ids = encode_bytes(cfg.sample.prompt) if tokenizer is None else tokenizer.encode(cfg.sample.prompt)
     prompt = torch.as_tensor(ids, dtype=torch.int64)[None].to(device)
     generator = torch.Generator(device=device).manual_seed(cfg.seed)
     tokens = module.generate(prompt, cfg.sample.max_new_tokens, temperature=cfg.sample.temperature,

@@ -150,4 +150,20 @@ class SFTDataModule(L.LightningDataModule):
         self._start_step = int(state["next_global_batch"])
 
 
-__all__ = ["IGNORE_INDEX", "PackedConversations", "SFTDataModule"]
+def held_out_prompt(path: str | Path, val_fraction: float) -> np.ndarray:
+    """The first held-out conversation's tokens before its first answer token: its system and user turns and the
+    assistant's header as the chat template rendered them at preparation, the prompt of the sample printed after an
+    SFT run (its answer is the model's)."""
+    manifest = read_manifest(Path(path))
+    chat = manifest.chat or {}
+    starts = np.fromfile(Path(path) / chat["documents_file"], dtype=np.uint64)
+    n = len(starts) - 1
+    first = n - max(1, int(round(n * val_fraction)))  # as SFTDataModule.splits holds them out
+    lo, hi = int(starts[first]), int(starts[first + 1])
+    tokens = np.memmap(Path(path) / manifest.tokens_file, dtype=TOKEN_DTYPES[manifest.dtype], mode="r")[lo:hi]
+    mask = np.memmap(Path(path) / chat["mask_file"], dtype=np.uint8, mode="r")[lo:hi]
+    answer = np.flatnonzero(mask)
+    return np.asarray(tokens[:int(answer[0]) if len(answer) else len(tokens)], dtype=np.int64)
+
+
+__all__ = ["IGNORE_INDEX", "PackedConversations", "SFTDataModule", "held_out_prompt"]

@@ -1,5 +1,6 @@
 """``mgpu-train data=sft data.path=DIR``: conversations prepared with ``mgpu-prepare --chat`` train with document
-masks from the manifest's end-of-document id, packed whole; what keeps them from training is refused before launch."""
+masks from the manifest's end-of-document id, packed whole, and print a held-out conversation's prompt with the model's
+answer; what keeps them from training is refused before launch."""
 
 import pytest
 from chat_helpers import conversations, make_chat_tokenizer, write_jsonl
@@ -57,3 +58,7 @@ def test_mgpu_train_data_sft_trains_packed_conversations_with_document_masks(cha
     assert "into" in printed and "sequences of 97 tokens (best-fit decreasing)" in printed, printed[-3000:]
     assert "eod_token_id: 0\n" in (run_dir / "hparams.yaml").read_text()  # <|endoftext|>: the manifest's id
     assert len(read_metric(run_dir / "metrics.csv", "val/loss")) == 1
+    # the sample: the first held-out conversation (54 of 60, a prompt/completion pair) up to its answer, rendered by
+    # the template (tests/chat_helpers.PLAIN), then the model's 2 tokens
+    prompt = f"<|im_start|>user\n{conversations(60)[54]['prompt']}<|im_end|>\n<|im_start|>assistant\n"
+    assert f"--- sample after 2 steps ---\n{prompt}" in printed, printed[printed.find("--- sample"):][:600]
