@@ -38,6 +38,8 @@ SMOKE = {
     "replica_updates.py": "| update | train loss",
     "setup_memory.py": "first-step peak GB",
     "sft_data.py": "/s per process",
+    "tp_vs_hf_tp.py": "ratio MGPUStrategy / transformers",
+    "vs_deepspeed_strategy.py": "ZeRO-3: MGPUStrategy",
     "tp_vs_dtensor.py": "ratio ours/theirs",
     "zero_memory.py": "worst measured / paper ratio",
     # runs gpu_llama_mfu.py, gpu_planner_check.py and compile_blocks.py in their smoke modes and tabulates them
@@ -82,15 +84,20 @@ FIGURES = {
                     (rf"seq_len\s+256: [\d,]+ sequences, (\d+\.\d)% conversation tokens", 0.0, 100.0),
                     (rf"ratio padded / packed, time of a pass: {_N}", 0.05, 100.0)],
     "tp_vs_dtensor.py": [(rf"ratio ours/theirs = {_N}", 0.01, 100.0)],
+    "tp_vs_hf_tp.py": [(rf"ratio MGPUStrategy / transformers: {_N}x", 0.01, 100.0),
+                       (r"largest loss difference over \d+ steps: (\d\.\de[+-]\d\d)", 0.0, 1e-4)],
+    "vs_deepspeed_strategy.py": [(rf"ZeRO-2: MGPUStrategy {_N} s", 0.0, 1e3)],
     "zero_memory.py": [(rf"worst measured / paper ratio: {_N}", 0.1, 100.0)],
     # on CPU the planner's GPU step time over the measured CPU one prints as 0.00: not bounded here
     "gpu_check.py": [(r"\| bf16 MFU of \S+ on one GPU \| (\d+\.\d) \|", 0.0, 100.0),
                      (rf"peak memory \(none, selective, full\) \| {_N}, {_N}, {_N} \|", 0.0, 100.0),
                      (rf"speed-up of the blocks .* \| {_N} \|", 0.0, 100.0),
-                     (r"fp8 rowwise tokens/s over bf16 .* \| ([+-]\d+\.\d) \|", -100.0, 1e4)],
+                     (r"fp8 rowwise tokens/s over bf16 .* \| ([+-]\d+\.\d) \|", -100.0, 1e4),
+                     (rf"DeepSpeedStrategy\(stage=2\) \| {_N} \|", 0.0, 100.0)],
 }
 #: run by gpu_check.py (its smoke table shows each ran), or not a benchmark
-COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "gpu_fp8.py", "smoke.py", "step_timer.py"}
+COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "gpu_fp8.py", "gpu_lora_strategies.py",
+           "smoke.py", "step_timer.py"}
 
 
 def test_every_benchmark_has_a_smoke_run():
@@ -155,7 +162,7 @@ def test_benchmark_smoke_mode_runs_and_prints_its_figure(script, smoke_outputs):
     assert_figures(script, output)
     if script == "gpu_check.py":  # every check ran and read its figure
         rows = [line for line in lines if line.startswith("| ") and "expectation" not in line and "---" not in line]
-        assert len(rows) == 6 and all("ran (smoke)" in row or "not run" in row for row in rows), output  # 6: fp8
+        assert len(rows) == 7 and all("ran (smoke)" in row or "not run" in row for row in rows), output  # 7: LoRA
 
 
 def assert_figures(script: str, output: str) -> None:

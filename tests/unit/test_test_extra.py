@@ -15,7 +15,7 @@ MODULES = {
     "tensorboard": "tensorboard", "wandb": "wandb", "mlflow-skinny": "mlflow", "mkdocs": "mkdocs",
     "mkdocs-material": "material", "mkdocstrings": "mkdocstrings", "mkdocstrings-python": "mkdocstrings_handlers.python",
     "mkdocs-gen-files": "mkdocs_gen_files", "pyarrow": "pyarrow",
-    "torchdata": "torchdata", "peft": "peft",
+    "torchdata": "torchdata", "peft": "peft", "accelerate": "accelerate",
 }
 
 
