@@ -37,8 +37,11 @@ def hold_placeholder(stage: nn.Module, device: torch.device) -> nn.Parameter:
     placeholder = nn.Parameter(torch.zeros(1, device=device))
     stage.register_parameter(PLACEHOLDER, placeholder)
 
-    def add_zero(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        return output + getattr(module, PLACEHOLDER).sum() * 0
+    def add_zero(module: nn.Module, args: Any, output: Any) -> Any:
+        zero = getattr(module, PLACEHOLDER).sum() * 0
+        if isinstance(output, tuple):  # (hidden states, positions[, padding mask]) of packed documents
+            return (output[0] + zero, *output[1:])
+        return output + zero
 
     stage.register_forward_hook(add_zero)
     return placeholder

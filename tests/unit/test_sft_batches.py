@@ -63,3 +63,23 @@ def test_context_parallelism_cuts_packed_positions_and_refuses_a_mask_with_holes
     message = str(refused.value)
     assert "attention_mask has 2 padding position(s) (zeros): a padding mask with holes cannot be split" in message
     assert "position_ids have shape [1, 4]: give one position per token" in message
+
+
+def test_a_frozen_stage_handing_on_positions_keeps_them_and_its_placeholder_gets_a_gradient():
+    """A stage that trains nothing (adapters on later layers only) of packed documents returns (hidden, positions):
+    the placeholder is added to the hidden states, the positions pass as they are."""
+    from torch import nn
+
+    from lightning_mgpu.parallel.frozen import hold_placeholder
+
+    class Stage(nn.Module):
+        def forward(self, x, positions):
+            return x * 2, positions
+
+    stage = Stage()
+    placeholder = hold_placeholder(stage, torch.device("cpu"))
+    x = torch.ones(1, 8, 4, requires_grad=True)
+    hidden, positions = stage(x, PACKED)
+    assert positions is PACKED and torch.equal(hidden, x * 2)
+    hidden.sum().backward()
+    assert placeholder.grad is not None and float(placeholder.grad) == 0.0
