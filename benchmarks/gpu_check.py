@@ -11,7 +11,9 @@ What it runs, each as its own process (a failure of one does not hide the others
 * ``gpu_planner_check.py``: the planner's peak memory and step time against measurement, with no, selective and
   full recomputation;
 * ``compile_blocks.py --cuda``: compile's speed-up of the blocks;
-* ``gpu_fp8.py``: fp8 (rowwise, tensorwise) step time and tokens/s against bf16, side by side.
+* ``gpu_fp8.py``: fp8 (rowwise, tensorwise) step time and tokens/s against bf16, side by side;
+* ``gpu_lora_strategies.py``: a PEFT LoRA model's step time and peak memory under ``MGPUStrategy(zero_stage=2)``
+  against Lightning's ``DeepSpeedStrategy(stage=2)``, which runs only on CUDA.
 
 Without CUDA it refuses (exit status 2) naming what is missing. ``--smoke`` runs every check but the CUDA tests in its
 smoke mode, in this process (the CPU without a GPU): the table then shows that the check runs, not what the GPU does.
@@ -77,12 +79,16 @@ def checks() -> list[Check]:
     fp8 = Reading("fp8 rowwise tokens/s over bf16 on one GPU (llama3_1b, eager)",
                   _found(r"fp8 rowwise speed-up over bf16: ([+-]\d+\.\d)%"),
                   "+10-25 % at 1B-8B (torchao, compiled); > 0 to pass", _each(lambda x: x > 0))
+    lora = Reading("LoRA step time, MGPUStrategy(zero_stage=2) / Lightning's DeepSpeedStrategy(stage=2)",
+                   _found(r"DeepSpeedStrategy \(LoRA, ZeRO-2, one GPU\): step ([\d.]+)"),
+                   "<= 1.0 (and peak memory <= 1.0, printed beside it)", _each(lambda x: x <= 1.0))
     cuda_tests = None if SMOKE else python + ["-m", "pytest", "-q", "-m", "gpu", str(HERE.parent / "tests" / "gpu")]
     return [Check(cuda_tests, [tests]),
             Check(python + [str(HERE / "gpu_llama_mfu.py"), *smoke], [mfu]),
             Check(python + [str(HERE / "gpu_planner_check.py"), *smoke], [memory, step]),
             Check(python + [str(HERE / "compile_blocks.py"), *(smoke or ["--cuda"])], [compiled]),
-            Check(python + [str(HERE / "gpu_fp8.py"), *smoke], [fp8])]
+            Check(python + [str(HERE / "gpu_fp8.py"), *smoke], [fp8]),
+            Check(python + [str(HERE / "gpu_lora_strategies.py"), *smoke], [lora])]
 
 
 def in_this_process(command: list[str]) -> subprocess.CompletedProcess:

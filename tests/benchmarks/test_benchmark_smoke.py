@@ -94,10 +94,12 @@ FIGURES = {
     "gpu_check.py": [(r"\| bf16 MFU of \S+ on one GPU \| (\d+\.\d) \|", 0.0, 100.0),
                      (rf"peak memory \(none, selective, full\) \| {_N}, {_N}, {_N} \|", 0.0, 100.0),
                      (rf"speed-up of the blocks .* \| {_N} \|", 0.0, 100.0),
-                     (r"fp8 rowwise tokens/s over bf16 .* \| ([+-]\d+\.\d) \|", -100.0, 1e4)],
+                     (r"fp8 rowwise tokens/s over bf16 .* \| ([+-]\d+\.\d) \|", -100.0, 1e4),
+                     (rf"DeepSpeedStrategy\(stage=2\) \| {_N} \|", 0.0, 100.0)],
 }
 #: run by gpu_check.py (its smoke table shows each ran), or not a benchmark
-COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "gpu_fp8.py", "smoke.py", "step_timer.py"}
+COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "gpu_fp8.py", "gpu_lora_strategies.py",
+           "smoke.py", "step_timer.py"}
 
 
 def test_every_benchmark_has_a_smoke_run():
@@ -162,7 +164,7 @@ def test_benchmark_smoke_mode_runs_and_prints_its_figure(script, smoke_outputs):
     assert_figures(script, output)
     if script == "gpu_check.py":  # every check ran and read its figure
         rows = [line for line in lines if line.startswith("| ") and "expectation" not in line and "---" not in line]
-        assert len(rows) == 6 and all("ran (smoke)" in row or "not run" in row for row in rows), output  # 6: fp8
+        assert len(rows) == 7 and all("ran (smoke)" in row or "not run" in row for row in rows), output  # 7: LoRA
 
 
 def assert_figures(script: str, output: str) -> None:
