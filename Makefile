@@ -21,7 +21,7 @@ train: install
 
 # Three workers (pytest-xdist) on two cores, each test file on one of them: a test that waits (a timeout, a launcher
 # starting interpreters) leaves the cores to the other workers' tests. On 2 cores, the same tests: 1070 s in one
-# process, 778-812 s on two workers, 696 s on three (docs: measurements).
+# process, 778-812 s on two workers, 696 s on three (docs: testing).
 TEST_WORKERS ?= 3
 test: install
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
