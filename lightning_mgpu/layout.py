@@ -42,7 +42,8 @@ class ModelShape:
     sliding_window: int = 0
     #: Whether the model's pipeline stages can take context-parallel chunks (a ``transformers`` model's cannot).
     context_with_pipeline: bool = True
-    #: Whether expert parallelism can split the model's experts (a ``transformers`` mixture of experts' cannot yet).
+    #: Whether expert parallelism can split the model's experts (a ``transformers`` mixture of experts' outside
+    #: ``split_rules.HF_EXPERT_FAMILIES`` cannot).
     experts_split: bool = True
 
     @classmethod

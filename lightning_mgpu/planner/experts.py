@@ -177,8 +177,8 @@ def replaced_mlp_reductions(cfg: LlamaConfig) -> int:
 
 def expert_parallel_sizes(cfg: LlamaConfig, data_context_ranks: int) -> list[int]:
     """The expert-parallel sizes a search tries: those :func:`lightning_mgpu.split_rules.expert_problems` accepts for
-    these data x context ranks and experts (1 alone for a dense model, or for experts the package does not split yet:
-    a ``transformers`` mixture of experts')."""
+    these data x context ranks and experts (1 alone for a dense model, or for experts the package does not split: a
+    ``transformers`` mixture of experts' outside ``split_rules.HF_EXPERT_FAMILIES``)."""
     if cfg.num_experts == 0:
         return [1]
     return [d for d in range(1, data_context_ranks + 1) if not expert_problems(
