@@ -14,7 +14,8 @@ both as ``_tp_plan`` under full names). Each entry becomes a style of :mod:`ligh
 ``colwise_gather_output`` (other)  ``colwise_gather``, and ``enter_region`` on the module holding it: the output is
                                    whole on every rank (OLMo 2's q/k norms span every head; Phi-3's fused q/k/v)
 ``rowwise_split_input``            ``rowwise_split``: each rank takes its chunk of the whole input
-``moe_tp_experts``, ``packed_*``   nothing: the experts stay whole on every rank (no expert parallelism here)
+``moe_tp_experts``, ``packed_*``   nothing: the experts stay whole on every tensor-parallel rank (expert parallelism
+                                   splits them by expert: :mod:`lightning_mgpu.hf.expert_parallel`)
 =================================  ===================================================================================
 
 With sequence parallelism the residual stream between a run of decoder layers is cut along the sequence: the first
