@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from helpers import TINY
 
 from lightning_mgpu.planner.communication import StepShape, step_volume
@@ -50,3 +52,26 @@ def test_pipeline_sends_skip_a_neighbour_on_the_same_rank():
     for rank in (0, 1):
         volume = step_volume(cfg, shape, pp_rank=rank)
         assert volume[("pp", "send")] == volume[("pp", "recv")] == 2 * M * ACT
+
+
+def test_mgpu_plan_prints_the_bytes_per_axis_and_the_share_inside_a_node():
+    """Llama-3 8B at tp2 + SP x dp16 on 4 nodes of 8, ZeRO-1: tp stays in a node (2 ranks), ZeRO's group spans the
+    nodes; the printed bytes are the step volume's, the share inside a node tp's share of them."""
+    import re
+
+    from cli_helpers import composed, resolved
+
+    from lightning_mgpu.cli.plan import plan_report
+
+    cfg = composed("trainer=gpu", "model=llama3_8b", "trainer.devices=8", "trainer.num_nodes=4",
+                   "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1",
+                   "data.seq_len=4096", "data.global_batch_size=64", "data.micro_batch_size=1",
+                   "model.activation_checkpointing=none")
+    line = next(line for line in plan_report(cfg).splitlines() if line.startswith("communication per step"))
+    printed = {axis: float(gb) for axis, gb in re.findall(r"(\w+) (\d+\.\d+) GB", line)}
+    volume = step_volume(resolved(cfg).model, StepShape(4096, 1, 4, tp=2, dp=16, zero_stage=1,
+                                                        sequence_parallel=True))
+    tp = sum(b for (axis, _), b in volume.items() if axis == "tp")
+    dp = sum(b for (axis, _), b in volume.items() if axis == "dp_cp")
+    assert printed == {"tp": pytest.approx(tp / 1e9, abs=0.006), "dp_cp": pytest.approx(dp / 1e9, abs=0.006)}
+    assert f"{tp / (tp + dp):.0%} of the bytes inside a node" in line
