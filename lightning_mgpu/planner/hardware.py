@@ -17,7 +17,9 @@ class GPUSpec:
     bf16_peak_flops: float
     intra_node_bandwidth: float  #: bytes/s per GPU per direction (NVLink)
     inter_node_bandwidth: float  #: bytes/s per GPU per direction (InfiniBand / RoCE)
-    achievable: float = 0.5  #: fraction of ``bf16_peak_flops`` that the model's matmuls and attention reach
+    achievable: float = 0.5  #: fraction of ``bf16_peak_flops`` that the model's weight matmuls reach
+    #: fraction of ``bf16_peak_flops`` that the fused attention kernel reaches on the scores (None: ``achievable``)
+    attention_achievable: Optional[float] = None
     #: watts at the board's power limit (the published TDP): what a run's energy is planned at; None: unknown
     board_power_w: Optional[float] = None
 

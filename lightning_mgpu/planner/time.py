@@ -43,6 +43,7 @@ from typing import Optional
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.layout import theoretical_bubble
 from lightning_mgpu.planner.communication import StepShape, busiest, seconds
+from lightning_mgpu.planner.efficiency import compute_seconds
 from lightning_mgpu.planner.experts import ExpertTraffic, expert_traffic
 from lightning_mgpu.planner.hardware import ClusterSpec
 from lightning_mgpu.planner.model_stats import (model_flops_per_token, recompute_flops_per_token,
@@ -105,7 +106,7 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     mode = "full" if recompute else "selective" if selective else "none"
     hardware_flops = model_flops + recompute_flops_per_token(cfg, seq_len, mode) * tokens  # measured per mode
     hardware_flops -= skipped_weight_gradient_flops_per_token(cfg, seq_len) * tokens  # a frozen base's (adapters)
-    compute = hardware_flops / world / (gpu.bf16_peak_flops * achievable)
+    compute = compute_seconds(cfg, seq_len, mode, hardware_flops, tokens, world, gpu, achievable)  # efficiency.py
     microbatches = global_batch // (micro_batch * dp)
     forward_passes = 2 if recompute or selective else 1
     shape = StepShape(seq_len, micro_batch, microbatches, tp, context, pp, dp, ep, zero_stage, schedule, virtual,
