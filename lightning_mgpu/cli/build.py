@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.cli.metrics_history import ResumableCSVLogger
+from lightning_mgpu.cli.run_model import plain_model
 from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.data import StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
 from lightning_mgpu.layout import LayoutRequest
@@ -61,7 +62,7 @@ def build_module(spec: RunSpec) -> L.LightningModule:
                           muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype,
                           adapters=OmegaConf.to_container(cfg.adapters, resolve=True), seed=cfg.adapters.seed,
                           eod_token_id=spec.model.eod_token_id if cfg.data.source == "sft" else None)
-    return LLMModule(spec.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
+    return LLMModule(plain_model(spec.model), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
                      eps=o.eps, warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps,
                      min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,
                      reference_batch_size=o.reference_batch_size, global_batch_size=cfg.data.global_batch_size,

@@ -5,7 +5,7 @@ documents."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -32,8 +32,7 @@ def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:
         from lightning_mgpu.hf.names import planning_shape
 
         model = replace(planning_shape(json.loads((Path(m.path) / "config.json").read_text())),
-                        activation_checkpointing=m.activation_checkpointing,  # HFCausalLM applies it to the layers
-                        adapters=_adapters(cfg))
+                        activation_checkpointing=m.activation_checkpointing)  # HFCausalLM applies it to the layers
     elif m.init_from:  # the checkpoint's shape, whatever model.name says
         from lightning_mgpu.hf.names import from_hf_config, hf_path
 
@@ -44,11 +43,34 @@ def resolve_model(cfg: DictConfig, data: RunData) -> LlamaConfig:
         overrides = {k: m[k] for k in MODEL_OVERRIDES if m[k] is not None}
         model = LlamaConfig.from_name(m.name, activation_checkpointing=m.activation_checkpointing, compile=m.compile,
                                       compile_backend=m.compile_backend, **overrides)
+    model = with_adapters(model, _adapters(cfg))
     if cfg.data.get("document_mask"):  # .get: a schema without the key reads as false
         eod = data.eod_token_id()[0]
         if eod is not None and eod < model.vocab_size:
             model = replace(model, eod_token_id=eod)
     return model
+
+
+@dataclass(frozen=True)
+class AdaptedLlama(LlamaConfig):
+    """The package's own model with ``adapters=lora`` as the planner, the memory check and the dry run count it: the
+    base frozen, the adapters trained (a transformers model's shape carries the same field). The module is built from
+    :func:`plain_model`: the adapters are its own argument, not part of the model's config."""
+
+    adapters: Optional[LoraShape] = None
+
+
+def with_adapters(model: LlamaConfig, adapters: Optional[LoraShape]) -> LlamaConfig:
+    """``model`` carrying ``adapters`` for the planner's count (unchanged without them)."""
+    if "adapters" in {f.name for f in fields(model)}:
+        return replace(model, adapters=adapters)
+    return model if adapters is None else AdaptedLlama(**model.to_dict(), adapters=adapters)
+
+
+def plain_model(model: LlamaConfig) -> LlamaConfig:
+    """The package's own :class:`LlamaConfig` of a resolved model, without what only the planner reads."""
+    own = {f.name for f in fields(LlamaConfig)}
+    return model if type(model) is LlamaConfig else LlamaConfig(**{k: v for k, v in model.to_dict().items() if k in own})
 
 
 def _adapters(cfg: DictConfig) -> Optional[LoraShape]:

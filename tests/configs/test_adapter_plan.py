@@ -68,3 +68,15 @@ def test_memory_refusal_says_what_trains():
     adapters = 80 * 16 * (2 * 8192 + 2 * (8192 + 1024) + 2 * 8192 + 3 * (8192 + 28672))
     [refusal] = memory_problems(resolved(cfg))
     assert f"; {adapters / 1e6:,.1f}M train (adapters), the rest is the frozen base" in refusal, refusal
+
+
+def test_the_packages_own_model_counts_its_base_as_frozen_too():
+    """``adapters=lora`` on the package's llama3_8b (hidden 4096, 32 layers, 32 + 8 heads of 128, MLP 14336,
+    vocabulary 128,256): rank 8 on wq (4096 -> 4096) and wv (4096 -> 1024) of 32 layers; the base stored alone."""
+    own = ["model=llama3_8b", "trainer=gpu", "trainer.devices=8", "parallel.zero_stage=1", "data.seq_len=4096",
+           "data.micro_batch_size=1", "data.global_batch_size=64"]
+    lora = resolved(composed(*own, "adapters=lora", "adapters.rank=8", "adapters.targets=[wq,wv]"))
+    assert lora.model.adapters == LoraShape(8, ("q_proj", "v_proj"))
+    n = lora.model.num_parameters()
+    adapters = 32 * (8 * (4096 + 4096) + 8 * (4096 + 1024))
+    assert run_memory(lora, True).model_states == 2 * (n + adapters) + (2 + 12 / 8) * adapters + BUCKET
