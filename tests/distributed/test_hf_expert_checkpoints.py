@@ -48,7 +48,8 @@ def test_expert_parallel_directory_reads_its_experts_resumes_at_ep1_and_exports(
     model = transformers.AutoModelForCausalLM.from_pretrained(moe_dir, use_safetensors=True)
     expected = trained_like_the_cli(model, token_file, STEPS, LR, WARMUP, MIN_LR, DECAY)
     out = train(moe_dir, token_file, tmp_path / "ep2", tmp_path, ep=2, steps=STEPS)
-    assert f"experts (Qwen3MoeForCausalLM): {LAYERS} blocks of {EXPERTS} experts, 4 on each rank of 2" in out, out[-3000:]
+    note = f"experts (Qwen3MoeForCausalLM): {LAYERS} blocks of {EXPERTS} experts, 4 on each rank of 2"
+    assert note in out, out[-3000:]
     # rank 0 read every tensor but the other rank's experts: per layer 4 experts' gate and up [16, 32] and down
     # [32, 16] (ZeRO-1 partitions nothing while the model is built)
     whole = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_pretrained(moe_dir).parameters())

@@ -1,17 +1,17 @@
 """Expert parallelism for a ``transformers`` mixture of experts as it is, driven as a user drives it: a plain
 LightningModule holding the model, ``Trainer(strategy=MGPUStrategy(expert_parallel_size=2, ...))``. Qwen3-MoE at ep2
 under ZeRO-1 and ZeRO-3, over context-parallel ranks (cp2), with tensor and sequence parallelism (ZeRO-0: the experts,
-whole on both tensor-parallel ranks, counted once in the package's global norm) and with pipeline stages (1F1B); Mixtral (ZeRO-2); gpt-oss (expert
-biases, its clamped gate, attention sinks; ZeRO-1); DeepSeek V3 (a dense first layer, a shared expert, group-limited
-routing; ZeRO-0, whose clipping the package computes).
+whole on both tensor-parallel ranks, counted once in the package's global norm) and with pipeline stages (1F1B);
+Mixtral (ZeRO-2); gpt-oss (expert biases, its clamped gate, attention sinks; ZeRO-1); DeepSeek V3 (a dense first
+layer, a shared expert, group-limited routing; ZeRO-0).
 
 Each rank holds half the routed experts (local shapes asserted), tokens travel by all-to-all, and the model's router,
 top-k, normalisation and load-balancing loss (``output_router_logits=True``, coefficient 0.1; off where the layout
-splits sequences or stages, which refuse it) are its own. The
-reference is one process running the same model from the same weights, written here as a plain loop: each data rank's
-micro-batch through the model with transformers' own experts, the mean of their losses (what data parallelism
-computes: the model's auxiliary loss counts each micro-batch's tokens), the global gradient norm before clipping.
-Loss, gradient norm and the model's auxiliary loss (the router's statistics) each step within 1e-5."""
+splits sequences or stages, which refuse it) are its own. The reference is one process running the same model from
+the same weights, written here as a plain loop: each data rank's micro-batch through the model with transformers' own
+experts, the mean of their losses (what data parallelism computes: the model's auxiliary loss counts each
+micro-batch's tokens), the global gradient norm before clipping. Loss, gradient norm and the model's auxiliary loss
+(the router's statistics) each step within 1e-5."""
 
 from __future__ import annotations
 
