@@ -135,7 +135,3 @@ def split_gap(job: Job, last_end: float, restart: dict) -> dict[str, float]:
             out[bucket] = out.get(bucket, 0.0) + restart[key] - previous
             previous = restart[key]
     return out
-
-
-def per_fault(buckets: dict[str, float], faults: int) -> dict[str, float]:
-    return {name: seconds / max(1, faults) for name, seconds in buckets.items()}
