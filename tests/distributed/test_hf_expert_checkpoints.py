@@ -1,7 +1,7 @@
 """A ``transformers`` Qwen3-MoE directory trained as it is with its experts split (``mgpu-train model=hf
 parallel.expert_parallel_size=2``): each rank reads only its experts' tensors from the directory's safetensors, the
 run equals one process (loss and gradient norm within 1e-5), its universal checkpoint resumes at
-``expert_parallel_size=1`` (2 -> 1) on the same curve, and ``mgpu-export`` of it writes the model's own per-expert
+``expert_parallel_size=1`` (2 -> 1) and at 4 (2 -> 4, on 4 ranks) on the same curve, and ``mgpu-export`` of it writes the model's own per-expert
 names, which ``from_pretrained`` loads to the reference's logits."""
 
 import json
@@ -31,10 +31,10 @@ def moe_dir(tmp_path_factory):
     return directory
 
 
-def train(directory, token_file, run_dir, cwd, ep: int, steps: int, resume=None) -> str:
+def train(directory, token_file, run_dir, cwd, ep: int, steps: int, resume=None, devices: int = 2) -> str:
     args = [str(BIN / "mgpu-train"), "model=hf", f"model.path={directory}",
             *[a for a in cli_args(token_file, steps) if a not in TINY_MODEL and not a.startswith("model.")],
-            f"parallel.expert_parallel_size={ep}", "parallel.zero_stage=1", f"optim.lr={LR}",
+            f"trainer.devices={devices}", f"parallel.expert_parallel_size={ep}", "parallel.zero_stage=1", f"optim.lr={LR}",
             f"optim.weight_decay={DECAY}", "checkpoint.every_n_steps=2", f"hydra.run.dir={run_dir}"]
     if resume is not None:
         args.append(f"checkpoint.resume={resume}")
@@ -65,6 +65,11 @@ def test_expert_parallel_directory_reads_its_experts_resumes_at_ep1_and_exports(
           resume=str(tmp_path / "ep2" / "checkpoints" / "step-00000002"))
     again = read_metric(resumed / "metrics.csv", "train/loss")
     assert max_abs_diff(again[-2:], expected["losses"][2:]) < 1e-5, (again, expected["losses"])
+    # 2 -> 4: the same checkpoint resumed on 4 ranks holding 2 experts each (the same global batches)
+    train(moe_dir, token_file, tmp_path / "ep4", tmp_path, ep=4, steps=STEPS, devices=4,
+          resume=str(tmp_path / "ep2" / "checkpoints" / "step-00000002"))
+    wider = read_metric(tmp_path / "ep4" / "metrics.csv", "train/loss")
+    assert max_abs_diff(wider[-2:], expected["losses"][2:]) < 1e-5, (wider, expected["losses"])
     # mgpu-export of the ep2 run's last checkpoint: one tensor per expert under the model's own names
     exported = run_cli([str(BIN / "mgpu-export"), str(tmp_path / "ep2" / "checkpoints" / "step-00000004"),
                         str(tmp_path / "out")], cwd=tmp_path)
