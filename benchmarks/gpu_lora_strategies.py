@@ -28,35 +28,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from gpu_llama_mfu import ON_GPU, StepTimer
+from lora_step import FineTune
 from lightning_mgpu import MGPUStrategy
 from smoke import SMOKE, sized
 
 DIM, LAYERS, HEADS, FFN, VOCAB = sized((2048, 16, 16, 5632, 32000), (32, 2, 4, 64, 64))
 SEQ, BATCH = sized((2048, 4), (16, 2))
 WARMUP = 3
-
-
-class LoraFineTune(L.LightningModule):
-    """What a user writes: the model, PEFT's LoRA, AdamW over what trains."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import transformers
-        from peft import LoraConfig, get_peft_model
-
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN,
-                                          num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                          num_key_value_heads=HEADS // 2, max_position_embeddings=SEQ,
-                                          attn_implementation="sdpa")
-        torch.manual_seed(0)
-        model = transformers.LlamaForCausalLM(config)
-        self.llm = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.llm(input_ids=batch, labels=batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
 
 def measured(kind: str, steps: int) -> dict:
@@ -74,7 +52,8 @@ def measured(kind: str, steps: int) -> dict:
     data = torch.randint(0, VOCAB, (BATCH * steps, SEQ), generator=torch.Generator().manual_seed(0))
     if ON_GPU:
         torch.cuda.reset_peak_memory_stats()
-    trainer.fit(LoraFineTune(), train_dataloaders=DataLoader(data, batch_size=BATCH))
+    module = FineTune(lora=True, shape=(DIM, LAYERS, HEADS, FFN, VOCAB, SEQ))  # lora_step's, at this size
+    trainer.fit(module, train_dataloaders=DataLoader(data, batch_size=BATCH))
     peak = torch.cuda.max_memory_allocated() / 2**30 if ON_GPU else 0.0
     return {"step_s": statistics.median(timer.times[WARMUP - 1:] or timer.times), "peak_gib": peak}
 

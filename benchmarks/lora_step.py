@@ -43,11 +43,13 @@ KINDS = ("lora", "full", "lora_ddp")
 class FineTune(L.LightningModule):
     """What a user writes: the model, PEFT's LoRA when asked, AdamW over what trains."""
 
-    def __init__(self, lora: bool) -> None:
+    def __init__(self, lora: bool, shape: tuple[int, ...] = (DIM, LAYERS, HEADS, FFN, VOCAB, SEQ)) -> None:
+        """``shape``: (hidden, layers, heads, MLP width, vocabulary, longest sequence) of the Llama."""
         super().__init__()
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN,
-                                          num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                                          num_key_value_heads=HEADS // 2, max_position_embeddings=SEQ,
+        dim, layers, heads, ffn, vocab, seq = shape
+        config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=ffn,
+                                          num_hidden_layers=layers, num_attention_heads=heads,
+                                          num_key_value_heads=heads // 2, max_position_embeddings=seq,
                                           attn_implementation="sdpa")
         torch.manual_seed(0)
         self.llm = transformers.LlamaForCausalLM(config)

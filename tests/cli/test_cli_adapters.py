@@ -55,17 +55,10 @@ def reference(directory, token_file, targets="all-linear") -> dict:
     return trained_like_the_cli(model, token_file, STEPS, LR, WARMUP, MIN_LR, DECAY)
 
 
-def test_lora_from_the_command_line_at_parity_and_exported(llama_dir, token_file, tmp_path):
-    run_dir = tmp_path / "run"
-    data = [arg for arg in cli_args(token_file, STEPS) if arg not in TINY_MODEL and not arg.startswith("model.")]
-    args = [str(BIN / "mgpu-train"), "model=hf", f"model.path={llama_dir}", *LORA, *data, "trainer.devices=4",
-            "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1",
-            "optim.lr=3e-3", "optim.weight_decay=0.1", "checkpoint.every_n_steps=4", "data.val_batches=1",
-            f"hydra.run.dir={run_dir}"]
-    proc = run_cli(args, cwd=tmp_path)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    expected = reference(llama_dir, token_file)
+def assert_validated_at_parity_and_exported(run_dir, expected: dict, llama_dir, tmp_path):
+    """The run's loss and gradient norm each step within 1e-5 of ``expected``'s, a validation logged, and its step-4
+    checkpoint exported with ``--format peft`` loading onto the directory's model to ``expected``'s logits (1e-5).
+    Returns the checkpoint."""
     metrics = run_dir / "metrics.csv"
     losses, norms = read_metric(metrics, "train/loss"), read_metric(metrics, "train/grad_norm")
     assert max_abs_diff(losses, expected["losses"]) < 1e-5, (losses, expected["losses"])
@@ -80,6 +73,21 @@ def test_lora_from_the_command_line_at_parity_and_exported(llama_dir, token_file
     ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (loaded(input_ids=ids).logits - expected["model"](input_ids=ids).logits).abs().max() < 1e-5
+    return checkpoint
+
+
+def test_lora_from_the_command_line_at_parity_and_exported(llama_dir, token_file, tmp_path):
+    run_dir = tmp_path / "run"
+    data = [arg for arg in cli_args(token_file, STEPS) if arg not in TINY_MODEL and not arg.startswith("model.")]
+    args = [str(BIN / "mgpu-train"), "model=hf", f"model.path={llama_dir}", *LORA, *data, "trainer.devices=4",
+            "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1",
+            "optim.lr=3e-3", "optim.weight_decay=0.1", "checkpoint.every_n_steps=4", "data.val_batches=1",
+            f"hydra.run.dir={run_dir}"]
+    proc = run_cli(args, cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    expected = reference(llama_dir, token_file)
+    assert_validated_at_parity_and_exported(run_dir, expected, llama_dir, tmp_path)
 
 
 def test_lora_on_the_last_layer_only_at_pp2(llama_dir, token_file, tmp_path):
@@ -151,19 +159,6 @@ def test_lora_on_the_packages_own_model_from_a_pretrained_directory(llama_dir, t
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(OWN_NAMES)))
     own_initial_values(model)
     expected = trained_like_the_cli(model, token_file, STEPS, LR, WARMUP, MIN_LR, DECAY)
-    metrics = run_dir / "metrics.csv"
-    losses, norms = read_metric(metrics, "train/loss"), read_metric(metrics, "train/grad_norm")
-    assert max_abs_diff(losses, expected["losses"]) < 1e-5, (losses, expected["losses"])
-    assert max_abs_diff(norms, expected["grad_norms"]) < 1e-5, (norms, expected["grad_norms"])
-    assert read_metric(metrics, "val/loss"), "no validation ran"
-    checkpoint = next((run_dir / "checkpoints").glob("step-*4"))
+    checkpoint = assert_validated_at_parity_and_exported(run_dir, expected, llama_dir, tmp_path)
     saved = [key for key in read_dcp_metadata(checkpoint).state_dict_metadata if key.startswith("param/")]
     assert len(saved) == 2 * 7 * 2 and all(".lora_" in key for key in saved), saved
-    export = run_cli([str(BIN / "mgpu-export"), str(checkpoint), str(tmp_path / "adapter"), "--format", "peft"],
-                     cwd=tmp_path)
-    assert export.returncode == 0, (export.stdout + export.stderr)[-3000:]
-    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(llama_dir),
-                                            tmp_path / "adapter")
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        assert (loaded(input_ids=ids).logits - expected["model"](input_ids=ids).logits).abs().max() < 1e-5
