@@ -284,6 +284,8 @@ class ThroughputConfig:
 
     enabled: bool = True  #: add the callback
     peak_flops: Optional[float] = None  #: bf16 peak FLOP/s of one device for MFU; null = from the CUDA device name
+    #: also log every collective of a step as comm/* (CommunicationCounter; a Python call per operator while on)
+    count_communication: bool = False
 
 
 @dataclass

@@ -20,6 +20,7 @@ from lightning_mgpu.callbacks import PeriodicCheckpoint, ThroughputCallback, new
 from lightning_mgpu.resilience.preemption import REQUEUE_EXIT, Preemption, slurm_requeue_command
 from lightning_mgpu.resilience.fingerprint import SilentCorruptionCheck
 from lightning_mgpu.resilience.rollback import RollbackOnSkips, read_skip_file
+from lightning_mgpu.callbacks.comm import CommunicationCounter
 from lightning_mgpu.callbacks.profile import ProfileSteps
 from lightning_mgpu.checkpoint.formats import replica_checkpoint_problems
 from lightning_mgpu.cli.build import build_datamodule, build_loggers, build_module, build_strategy, build_tokenizer
@@ -174,6 +175,8 @@ def _callbacks(cfg: DictConfig, run_dir: Path) -> list[L.Callback]:
         out.append(RollbackOnSkips(cfg.bad_steps.rollback_after, cfg.bad_steps.rollback_window,
                                    checkpoint_dir(cfg, run_dir)))
 
+    if cfg.throughput.count_communication:  # off by default: a Python call per operator while a step runs
+        out.append(CommunicationCounter())
     if cfg.profile.steps:  # none without chosen steps: an unprofiled run has no profiler and no check per batch
         p = cfg.profile
         out.append(ProfileSteps(p.steps, profile_dir(cfg, run_dir), record_shapes=p.record_shapes,
