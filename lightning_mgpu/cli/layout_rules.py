@@ -67,7 +67,8 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
         from lightning_mgpu.parallel.compile import compile_layout_problems
 
         out += compile_layout_problems(p.zero_stage, key="model.compile")
-    if isinstance(C, int) and cfg.model.name != "hf":  # a transformers model's documents follow the split (hf.context)
+    # a transformers model's documents follow the split (hf.context); data=sft states its own rule (cli.sft_rules)
+    if isinstance(C, int) and cfg.model.name != "hf" and d.get("source") != "sft":
         out += keyed(context_document_problems(C, bool(d.get("document_mask"))), t)
     if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
         out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
