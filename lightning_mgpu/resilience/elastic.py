@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -205,8 +206,12 @@ def forked_rank(entry: Callable[[], object]) -> object:
     ``entry()``, and the exit hooks (loggers') as at a normal exit, which a forked process leaves without. What the
     agent holds (torch, Lightning and DeepSpeed imported, the config) is kept out of the rank's garbage collections
     (``gc.freeze``, as Python's documentation advises before a fork without exec): a full collection walks every
-    object and writes to each, which copies every page of the agent's heap the rank shares."""
+    object and writes to each, which copies every page of the agent's heap the rank shares. The finalizers of the
+    agent's objects stay the agent's: at the rank's exit they would run again (torch's operator libraries unregistered
+    one by one, 0.1 s of every rank's exit measured here, or a temporary directory the agent still uses removed)."""
     gc.freeze()
+    for finalizer in list(weakref.finalize._registry):  # those alive at the fork: the agent's
+        finalizer.atexit = False
     _terminate_with_parent()
     try:
         return entry()

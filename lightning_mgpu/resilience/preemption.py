@@ -78,6 +78,7 @@ class Preemption(L.Callback):
         self.preempted: Optional[Preempted] = None
         self._previous: dict[int, Any] = {}
         self._step_seen = -1
+        self._limit_val: Optional[Any] = None
 
     def on_fit_start(self, trainer: L.Trainer, *args: Any) -> None:
         self._install(trainer)
@@ -138,6 +139,10 @@ class Preemption(L.Callback):
         self.preempted = Preempted(signal.Signals(signum).name, rank, step, path, requeued)
         rank_zero_info(self.preempted.describe())
         trainer.should_stop = True
+        # Lightning validates a run that stops early (an early stop ends it); a preempted run resumes instead, and a
+        # pass over the validation set would only delay the exit the scheduler waits for (put back at fit's end)
+        self._limit_val = trainer.limit_val_batches
+        trainer.limit_val_batches = 0
 
     def on_fit_end(self, trainer: L.Trainer, *args: Any) -> None:
         """Put back the handlers of before ``fit`` (after Lightning's teardown, which puts back the ones it found
@@ -145,6 +150,8 @@ class Preemption(L.Callback):
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
+        if self._limit_val is not None:
+            trainer.limit_val_batches, self._limit_val = self._limit_val, None
 
     def on_exception(self, trainer: L.Trainer, *args: Any) -> None:
         self.on_fit_end(trainer)

@@ -103,6 +103,7 @@ def test_cli_preempted_run_exits_for_a_requeue_and_resumes_with_no_step_lost(tok
     assert first.returncode == REQUEUE_EXIT, out[-3000:]
     assert "Preempted: SIGUSR2 reached rank 1; every rank stopped after step 4; emergency checkpoint" in out
     assert sorted(p.name for p in (again / "checkpoints").iterdir()) == ["step-00000004"]
+    assert "val/loss" not in (again / "metrics.csv").read_text()  # no validation pass on the way out
     second = run([*args, f"hydra.run.dir={again}"], tmp_path)  # the requeued job: same command, same directory
     assert "Loaded the checkpoint of step 4" in second.stdout + second.stderr
     assert read_losses(again / "metrics.csv") == uninterrupted_losses  # steps 0-3 kept from the first run

@@ -117,6 +117,7 @@ ATTRIBUTES = [
     ("torchao", "torchao.float8.float8_scaling_utils:get_maybe_axiswise_dim", "fp8/scaling.py cast"),
     ("python", "pickle:_Unpickler.dispatch", "checkpoint/safe_reader.py"),
     ("python", "atexit:_run_exitfuncs", "resilience/elastic.py"),
+    ("python", "weakref:finalize._registry", "resilience/elastic.py"),
 ]
 #: (distribution, module whose source must assign the instance attribute, "self.<name> =" or similar, where used)
 ASSIGNED = [
