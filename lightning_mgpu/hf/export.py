@@ -52,17 +52,20 @@ def parameter_shapes(checkpoint: Path) -> dict[str, torch.Size]:
             .state_dict_metadata.items() if key.startswith(prefix) and hasattr(meta, "size")}
 
 
-def written_tensors(shapes: Mapping[str, torch.Size], config: Mapping) -> dict[str, tuple[Origin, tuple[int, ...]]]:
+def written_tensors(shapes: Mapping[str, torch.Size], config: Mapping,
+                    packed_on_disk: bool = False) -> dict[str, tuple[Origin, tuple[int, ...]]]:
     """Each tensor the directory holds, in the checkpoint's order: its origin and shape. Mixtral's files name the
     block ``block_sparse_moe`` and an expert's weights ``w1`` (gate), ``w3`` (up), ``w2`` (down); the others keep the
-    model's names. A tied head is not written (``tie_word_embeddings``: the embedding is)."""
+    model's names. A family whose files keep the packed experts as they are (``packed_on_disk``: gpt-oss's
+    ``experts.gate_up_proj [E, H, 2I]``, gate and up interleaved, with its biases) gets them packed. A tied head is not
+    written (``tie_word_embeddings``: the embedding is)."""
     family = MIXTRAL if config.get("model_type") == MIXTRAL.model_type else QWEN3_MOE
     block_name, (gate, up, down) = family.block, family.expert_names
     out: dict[str, tuple[Origin, tuple[int, ...]]] = {}
     for name, shape in shapes.items():
         if name == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
-        packed = _PACKED.fullmatch(name)
+        packed = None if packed_on_disk else _PACKED.fullmatch(name)
         if not packed:
             key = name.replace(".mlp.gate.", f".{block_name}.gate.")
             out[key] = ((name, None, None), tuple(shape))
@@ -91,13 +94,21 @@ def _read_trained_shard(checkpoint: Path, keys: list[str], tensors: Mapping[str,
     return out
 
 
+def packed_on_disk(source: Path) -> bool:
+    """Whether the directory's files keep a mixture of experts' packed weights under the model's names (gpt-oss's)
+    rather than one tensor per expert (Qwen-MoE's, Mixtral's, DeepSeek's)."""
+    from lightning_mgpu.hf.weights import opened_safetensors
+
+    return any(_PACKED.fullmatch(key) for key in opened_safetensors(source))
+
+
 def export_trained_model(checkpoint: Path, source: Path, out: Path, dtype: torch.dtype,
                          max_shard_bytes: int) -> list[Path]:
     """Write ``checkpoint`` (of a ``model=hf`` run from ``source``, whose ``config.json`` exists) to ``out``: the
     weights in shards, then the source's describing files. Returns the files written."""
     config = json.loads((source / "config.json").read_text())
     shapes = parameter_shapes(checkpoint)
-    tensors = written_tensors(shapes, config)
+    tensors = written_tensors(shapes, config, packed_on_disk(source))
     config["dtype"] = str(dtype).removeprefix("torch.")
     written = write_directory(out, {key: shape for key, (_, shape) in tensors.items()}, dtype, max_shard_bytes,
                               lambda keys: _read_trained_shard(checkpoint, list(keys), tensors, shapes, dtype), config)

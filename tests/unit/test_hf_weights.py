@@ -82,19 +82,24 @@ def test_a_directory_without_safetensors_builds_for_a_dry_run_and_refuses_a_read
         slices("llm.model.norm.weight", torch.Size([32]), (slice(None),))
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "llama_tied"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "llama_tied", "gpt_oss"])
 def test_export_writes_the_tensors_save_pretrained_writes(tmp_path, family):
     """The other way (``mgpu-export`` of a ``model=hf`` run): each written tensor, cut from the model's parameters as
-    ``written_tensors`` says, equals what ``save_pretrained`` writes under that name, and no name is missing."""
-    from lightning_mgpu.hf.export import written_tensors
+    ``written_tensors`` says, equals what ``save_pretrained`` writes under that name, and no name is missing (gpt-oss's
+    files keep its experts packed, which the export reads off the source directory)."""
+    from lightning_mgpu.hf.export import packed_on_disk, written_tensors
 
+    gpt_oss = lambda: transformers.GptOssConfig(  # noqa: E731
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=64, hidden_size=32, intermediate_size=16,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
     config = {"llama_tied": lambda: tiny_config("llama", tied=True), "qwen3_moe": lambda: tiny_config("qwen3_moe"),
-              "mixtral": mixtral_config}[family]()
+              "mixtral": mixtral_config, "gpt_oss": gpt_oss}[family]()
     directory = saved(tmp_path, config)
     theirs = load_file(str(directory / "model.safetensors"))
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     params = dict(model.named_parameters(remove_duplicate=False))  # a tied head too: it is not written again
-    tensors = written_tensors({n: p.shape for n, p in params.items()}, config.to_dict())
+    assert packed_on_disk(directory) == (family == "gpt_oss")
+    tensors = written_tensors({n: p.shape for n, p in params.items()}, config.to_dict(), packed_on_disk(directory))
     assert sorted(tensors) == sorted(theirs)
     for key, ((name, expert, rows), shape) in tensors.items():
         value = params[name] if expert is None else params[name][expert]
