@@ -255,6 +255,8 @@ class OptimConfig:
 class SampleConfig:
     """The text generated after training."""
 
+    #: the text continued; with data=sft the first held-out conversation up to its first answer, as its chat template
+    #: rendered it, is continued instead
     prompt: str = "def "
     max_new_tokens: int = 160
     temperature: float = 0.7
