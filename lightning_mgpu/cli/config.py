@@ -100,7 +100,8 @@ class DataConfig:
     tokenizer: Optional[str] = None  #: tokenizer.json or a directory with one; null = bytes (or model.init_from's)
     sources: List[SourceConfig] = field(default_factory=list)  #: data=tokens blend: [{path: DIR, weight: 0.7}, ...]
     #: attention within each document of a packed sample, positions restarting per document, no loss on the token
-    #: after an end-of-document token; needs tokens with one (mgpu-prepare's, or a tokenizer's): not bytes
+    #: after an end-of-document token; needs tokens with one (mgpu-prepare's, or a tokenizer's): not bytes; with
+    #: context parallelism, model=hf only
     document_mask: bool = False
     #: global batches never drawn, counted from 0 as the steps that would draw them: the run takes the next instead
     skip_batches: List[int] = field(default_factory=list)
