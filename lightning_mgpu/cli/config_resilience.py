@@ -43,3 +43,9 @@ class SilentCorruptionConfig:
     (docs: concepts, "When things fail")."""
 
     every_n_steps: Optional[int] = None  #: null = off; needs parallel.zero_stage 0-2 and more than one copy
+    #: cluster=torchrun started by `python -m lightning_mgpu.cli.node` on each node: a node whose host the run's
+    #: faulty-device.json names (a persistent fault) does not join (exit 78); the others start torchrun with
+    #: --nnodes=MIN:MAX and the run resumes on the smaller world (docs: concepts, "When things fail")
+    exclude_faulty_hosts: bool = False
+    #: sdc.exclude_faulty_hosts: the nodes a job may leave out (MIN = the nodes asked for less these)
+    max_excluded_nodes: int = 1

@@ -22,6 +22,7 @@ from lightning_mgpu.checkpoint.formats import (CheckpointSettings, complete_chec
 from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
 from lightning_mgpu.cli.errors import did_you_mean
 from lightning_mgpu.cli.layout_rules import parallel_problems
+from lightning_mgpu.resilience.faulty_hosts import exclusion_problems
 from lightning_mgpu.resilience.restarts import restart_problems
 from lightning_mgpu.cli.run_data import RunData, resolve_data, unread_data
 from lightning_mgpu.cli.run_model import resolve_model
@@ -219,7 +220,8 @@ def bad_steps_problems(cfg: DictConfig) -> list[str]:
                        f"checkpoint.keep_last >= {needed} (it is {c.keep_last}): a corruption found sets aside the "
                        "checkpoints since the last check and the one of the step that found it, and one from before "
                        "must still be kept")
-    return out
+    return out + exclusion_problems(cfg.sdc.exclude_faulty_hosts, cfg.sdc.max_excluded_nodes, cfg.cluster.launcher,
+                                    every)
 
 
 def key_problems(cfg: DictConfig) -> list[str]:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_mgpu.resilience.faulty_hosts import host_name
 from lightning_mgpu.resilience.restarts import EXIT_FAULTY_DEVICE
 from lightning_mgpu.resilience.rollback import complete_checkpoints, set_aside
 
@@ -264,6 +264,6 @@ def _agreed(ranks: list[int], names: list[str]) -> tuple[list[int], list[str], l
     """Each rank compared within its own groups: the union over every rank, so that all stop together, with every
     rank's host (a persistent fault is a device's, named by its host)."""
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (ranks, names, socket.gethostname()))
+    dist.all_gather_object(gathered, (ranks, names, host_name()))
     return (sorted({r for rs, _, _ in gathered for r in rs}), sorted({n for _, ns, _ in gathered for n in ns}),
             [host for _, _, host in gathered])

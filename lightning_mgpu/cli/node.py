@@ -1,0 +1,129 @@
+"""``python -m lightning_mgpu.cli.node``: one node's launch step of a ``cluster=torchrun`` job, run on every node where
+``torchrun`` would be, with torchrun's own arguments::
+
+    python -m lightning_mgpu.cli.node --nnodes=4 --nproc-per-node=8 --max-restarts=3 --rdzv-backend=c10d \\
+        --rdzv-endpoint=$HEAD:29500 --rdzv-id=$JOB -m lightning_mgpu.train cluster=torchrun recipe=... \\
+        sdc.every_n_steps=100 sdc.exclude_faulty_hosts=true
+
+It composes the run's config from the overrides, as ``mgpu-train`` will. With ``sdc.exclude_faulty_hosts=true`` it
+reads the run directory's ``faulty-device.json`` (:mod:`lightning_mgpu.resilience.faulty_hosts`): a node whose host is
+named there prints why and exits with 78 instead of joining; the others check every world the rendezvous may complete
+with against the config's rules and then become torchrun (``exec``: the scheduler's signals reach the agent) with
+``--nnodes=MIN:MAX``. Without the setting it becomes torchrun unchanged. torchrun itself has no such step: its agent
+joins the rendezvous first, which is too late to stay out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+from omegaconf import DictConfig, open_dict
+
+from lightning_mgpu.problems import format_problems
+from lightning_mgpu.resilience.faulty_hosts import decide, host_name, node_range, node_range_problems, with_nnodes
+from lightning_mgpu.resilience.restarts import EXIT_REFUSED, FAULTY_DEVICE, read_faulty_device
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    """Decide, then ``exec`` torchrun or exit with the decision's status."""
+    from torch.distributed.run import get_args_parser
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = get_args_parser().parse_args(argv)
+    script = argv[len(argv) - len(args.training_script_args) - 1:]  # the module or script and its overrides
+    torchrun_args = argv[: len(argv) - len(script)]
+    cfg = _composed(args.training_script_args, args.rdzv_id)
+    if cfg.sdc.exclude_faulty_hosts:
+        nnodes, problems = _decide(cfg, args)
+        if problems:
+            print(format_problems("this node does not start torchrun", problems), file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_REFUSED)
+        if isinstance(nnodes, int):
+            raise SystemExit(nnodes)
+        torchrun_args = with_nnodes(torchrun_args, nnodes)
+    sys.stdout.flush(), sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *script])
+
+
+def _decide(cfg: DictConfig, args) -> tuple[object, list[str]]:
+    """(``--nnodes``'s value, or the exit status of a node that stays out; every problem of the worlds it may start
+    with)."""
+    run_dir = Path(_run_dir(cfg, args.rdzv_id))
+    if not str(args.nproc_per_node).isdigit():
+        return None, [f"--nproc-per-node={args.nproc_per_node}: with sdc.exclude_faulty_hosts give the processes of "
+                      "a node as a number (the worlds the rendezvous may complete with are checked before it starts)"]
+    if args.rdzv_backend == "static":
+        return None, ["sdc.exclude_faulty_hosts starts the nodes with an elastic node range, which torchrun's static "
+                      "rendezvous does not take: give --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=JOB"]
+    per_node, (low, high) = int(args.nproc_per_node), node_range(args.nnodes, cfg.sdc.max_excluded_nodes)
+    decision = decide(read_faulty_device(run_dir), host_name(), low, high, args.rdzv_endpoint.rpartition(":")[0],
+                      str(run_dir / FAULTY_DEVICE))
+    if not decision.join:  # this node starts nothing: the worlds the others may start are theirs to check
+        print(decision.message, file=sys.stderr, flush=True)
+        return decision.status, []
+    p = cfg.parallel
+    problems = node_range_problems(low, high, per_node, {
+        "tensor": p.tensor_parallel_size, "pipeline": p.pipeline_parallel_size, "context": p.context_parallel_size})
+    problems += [] if problems else _world_problems(cfg, low, high, per_node)
+    if not problems:
+        print(decision.message, flush=True)
+    return decision.nnodes, problems
+
+
+def _world_problems(cfg: DictConfig, low: int, high: int, per_node: int) -> list[str]:
+    """The config's own rules at every node count from ``low`` to ``high`` (the batch split, the layout), each
+    problem prefixed with the world it belongs to."""
+    from lightning_mgpu.cli.spec import config_problems
+
+    plain, out = cfg.copy(), []
+    with open_dict(plain):
+        del plain["hydra"]  # Hydra's own node, read for the run directory; not a setting of the run
+    for nodes in range(high, low - 1, -1):
+        with _torchrun_world(nodes * per_node, per_node):
+            said = config_problems(plain, launching=False)
+        out += [f"with {nodes} of {high} nodes ({nodes * per_node} processes): {p}" for p in said]
+    return out
+
+
+@contextlib.contextmanager
+def _torchrun_world(world: int, per_node: int) -> Iterator[None]:
+    """The sizes ``cluster=torchrun`` resolves from torchrun's environment, as a world of ``world`` would set them."""
+    before = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(per_node))
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+def _composed(overrides: Sequence[str], rdzv_id: str) -> DictConfig:
+    """The config ``mgpu-train`` composes from ``overrides``, Hydra's own node included (for the run directory)."""
+    from hydra import compose, initialize_config_dir
+
+    from lightning_mgpu.cli.config import register_configs
+    from lightning_mgpu.cli.paths import conf_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def _run_dir(cfg: DictConfig, rdzv_id: str) -> str:
+    """The run directory the job's ranks will use: ``hydra.run.dir``, which ``cluster=torchrun`` names after
+    torchrun's ``--rdzv-id`` (``TORCHELASTIC_RUN_ID`` in the ranks)."""
+    before = os.environ.get("TORCHELASTIC_RUN_ID")
+    os.environ["TORCHELASTIC_RUN_ID"] = rdzv_id
+    try:
+        return str(cfg.hydra.run.dir)
+    finally:
+        os.environ.pop("TORCHELASTIC_RUN_ID") if before is None else os.environ.__setitem__("TORCHELASTIC_RUN_ID",
+                                                                                              before)
+
+
+if __name__ == "__main__":
+    main()
