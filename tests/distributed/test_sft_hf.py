@@ -32,10 +32,12 @@ def hf_fit(rank: int, path, directory, eod: int, devices: int = 2, **strategy) -
     recorder = Recorder()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=MGPUStrategy(**strategy), precision="32-true",
                         max_steps=STEPS, gradient_clip_val=0.3, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                        num_sanity_val_steps=0, callbacks=[recorder])
+                        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1,
+                        val_check_interval=STEPS, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+                        callbacks=[recorder])
     trainer.fit(module(directory, eod), data_module(path))
-    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "rank": rank}
+    return {"losses": recorder.losses, "grad_norms": recorder.grad_norms, "rank": rank,
+            "val_loss": float(trainer.callback_metrics["val/loss"])}
 
 
 def alone_loss(model, tokens: torch.Tensor, labels: torch.Tensor, eod: int) -> torch.Tensor:
@@ -69,7 +71,10 @@ def reference(path, directory, eod: int) -> dict:
         scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "grad_norms": norms}
+    held_out = data_module(path).splits()[1]  # the validation batch after the last step: seed + 1, its first
+    with torch.no_grad():
+        val = alone_loss(plain.llm, *held_out.batch(SEED + 1, 0, GLOBAL, 0, GLOBAL), eod).item()
+    return {"losses": losses, "grad_norms": norms, "val_loss": val}
 
 
 def test_a_transformers_model_on_packed_conversations_matches_each_run_alone_on_every_layout(tmp_path):
@@ -95,6 +100,8 @@ def test_a_transformers_model_on_packed_conversations_matches_each_run_alone_on_
                                         for name, layout in layouts.items()})
     for name in layouts:
         assert_parity([r[name] for r in runs], expected)
+        assert all(abs(r[name]["val_loss"] - expected["val_loss"]) < 1e-5 for r in runs), (name, expected["val_loss"])
     three_d = dict(devices=8, tensor_parallel_size=2, sequence_parallel=True, pipeline_parallel_size=2, zero_stage=1)
     runs = run_distributed(in_turn, 8, {"3d": (hf_fit, (out, directory, eod), three_d)})
     assert_parity([r["3d"] for r in runs], expected)
+    assert all(abs(r["3d"]["val_loss"] - expected["val_loss"]) < 1e-5 for r in runs), expected["val_loss"]
