@@ -63,7 +63,8 @@ def rank_shares(spec: RunSpec) -> tuple[ParallelLayout, list[RankShare]]:
         for pp_rank in range(P):
             kept = built_share(spec, layout, strategy, tp_rank, pp_rank)
             ids = layout.stage_ids(pp_rank)
-            experts = sum(p.numel() for p in kept.parameters() if id(p) in routed_experts(kept))
+            routed = routed_experts(kept)
+            experts = sum(p.numel() for p in kept.parameters() if id(p) in routed)
             matrices = sum(p.numel() for n, p in kept.named_parameters() if muon_steps(n, p.shape))
             held = RankParameters(sum(p.numel() for p in kept.parameters()) - experts, experts,
                                   sum(p.numel() for p in kept.parameters()) - matrices, **frozen_share(kept))
