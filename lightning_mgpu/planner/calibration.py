@@ -1,120 +1,126 @@
-"""Published training runs the planner's step time is fitted to, and the planner's prediction for each.
+"""The planner's step time against published training runs: fitted on one set, judged on another.
 
-Each run is bf16 (no fp8) on one of the planner's GPU kinds, trained by a stack comparable to this one (PyTorch,
-ZeRO-3-style full sharding of parameters, gradients and optimizer state, fused attention, no hand-written kernels
-beyond that): MosaicML's llm-foundry (FSDP ``FULL_SHARD``, amp_bf16) and torchtitan (FSDP2, eager). The planner
-models a run as this project would run it: ZeRO-3 over the data-parallel ranks (tensor parallelism where the run used
-it), the published micro-batch, global batch and sequence, and full recomputation where the run used activation
-checkpointing (selective checkpointing is planned as none: it recomputes no matmul). A model that is not a Llama
-(llm-foundry's MPT: multi-head attention, a 4 x dim GELU MLP, tied embeddings, vocabulary 50,368) is planned as the
-Llama with the same dim, depth, heads and parameter count (SwiGLU width 8/3 x dim).
-
-The fitted constant is :attr:`~lightning_mgpu.planner.hardware.GPUSpec.achievable` per GPU kind. Runs marked
-``fitted=False`` are reported, not fitted, with the reason the planner does not model them.
+The runs (:mod:`lightning_mgpu.planner.published_runs`) are bf16 on the planner's GPU kinds, trained by stacks
+comparable to this one (PyTorch, ZeRO-3-style full sharding, fused attention). Each is planned as this project would
+run it: ZeRO-3 over the data-parallel ranks (tensor and expert parallelism where the run used them), the published
+micro-batch, global batch and sequence, and full recomputation where the run used activation checkpointing (selective
+checkpointing is planned as none). Two constants per GPU kind are fitted, by :func:`fit_fractions` on the fitting set
+alone: the fraction of the bf16 peak the weight matmuls reach (``GPUSpec.achievable``) and the fraction the attention
+kernel reaches (``GPUSpec.attention_achievable``, :mod:`lightning_mgpu.planner.efficiency`). The held-out runs chose
+nothing; their error is the planner's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from lightning_mgpu.models.llama import LlamaConfig
-from lightning_mgpu.planner.hardware import GPUS, ClusterSpec
+from lightning_mgpu.planner.hardware import GPUS, ClusterSpec, GPUSpec
+from lightning_mgpu.planner.published_runs import PUBLISHED_RUNS, PublishedRun
 from lightning_mgpu.planner.time import estimate_step_time
 
-LLM_FOUNDRY = "https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md (H100 80GB BF16)"
-TORCHTITAN = "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md"
-
-#: Calibration assumptions, printed above the table.
-ASSUMPTIONS = ("bf16, no fp8; ZeRO-3-style full sharding (llm-foundry FSDP FULL_SHARD, torchtitan FSDP2) planned as "
-               "ZeRO-3; activation checkpointing planned as full recomputation, selective as none; MPT planned as "
-               "the Llama of equal dim, depth, heads and parameters; the planner's overlap of data-parallel "
-               "communication; 8 GPUs per node")
-
-
-def _mpt(dim: int, n_layers: int, n_heads: int, seq: int) -> LlamaConfig:
-    return LlamaConfig(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, ffn_hidden=round(8 * dim / 3),
-                       vocab_size=50368, max_seq_len=seq, tie_embeddings=True)
-
-
-@dataclass(frozen=True)
-class PublishedRun:
-    """One published measurement: what ran, on what, and the tokens per second per GPU it reached."""
-
-    name: str
-    source: str
-    model: LlamaConfig
-    gpu: str  #: a key of ``GPUS``
-    gpus: int
-    tensor_parallel: int
-    seq_len: int
-    micro_batch: int
-    global_batch: int
-    recompute: bool
-    tokens_per_s_per_gpu: float
-    fitted: bool = True
-    why_not: str = ""
-
-
-def _llama(name: str, seq: int) -> LlamaConfig:
-    return LlamaConfig.from_name(name, max_seq_len=seq)
-
-
-PUBLISHED_RUNS: list[PublishedRun] = [
-    PublishedRun("MPT-70B", LLM_FOUNDRY, _mpt(8192, 80, 64, 2048), "h100_80gb", 64, 1, 2048, 8, 2048, True, 1039),
-    PublishedRun("MPT-30B", LLM_FOUNDRY, _mpt(7168, 48, 56, 2048), "h100_80gb", 32, 1, 2048, 14, 1344, True, 2308),
-    PublishedRun("MPT-30B", LLM_FOUNDRY, _mpt(7168, 48, 56, 4096), "h100_80gb", 8, 1, 4096, 1, 168, True, 1802),
-    PublishedRun("MPT-13B", LLM_FOUNDRY, _mpt(5120, 40, 40, 4096), "h100_80gb", 8, 1, 4096, 10, 240, True, 4717),
-    PublishedRun("MPT-7B", LLM_FOUNDRY, _mpt(4096, 32, 32, 2048), "h100_80gb", 8, 1, 2048, 6, 48, False, 10643),
-    PublishedRun("MPT-7B", LLM_FOUNDRY, _mpt(4096, 32, 32, 8192), "h100_80gb", 8, 1, 8192, 8, 128, True, 6935),
-    PublishedRun("Llama 3.1 405B", TORCHTITAN, _llama("llama3_405b", 8192), "h100_80gb", 128, 8, 8192, 2, 32, True, 109),
-    PublishedRun("Llama 3 8B", TORCHTITAN, _llama("llama3_8b", 8192), "a100_80gb", 64, 1, 8192, 1, 64, False, 2904),
-    PublishedRun("Llama 3 70B", TORCHTITAN, _llama("llama3_70b", 8192), "a100_80gb", 64, 1, 8192, 1, 64, True, 331),
-    PublishedRun("Llama 3.1 8B", TORCHTITAN, _llama("llama3_8b", 8192), "h100_80gb", 8, 1, 8192, 2, 16, False, 5762,
-                 fitted=False, why_not="its H100s ran at a 500 W power limit (700 W is the SXM5 rating the peak "
-                                       "assumes)"),
-    PublishedRun("MPT-1B", LLM_FOUNDRY, _mpt(2048, 24, 16, 2048), "h100_80gb", 8, 1, 2048, 14, 112, False, 45455),
-    PublishedRun("MPT-7B", LLM_FOUNDRY, _mpt(4096, 32, 32, 65536), "h100_80gb", 8, 1, 65536, 1, 16, True, 1956,
-                 fitted=False, why_not="attention at 65,536 tokens runs far below the matmuls' rate; the planner "
-                                       "counts its FLOPs at the same rate"),
-]
+#: Calibration assumptions, printed above the tables.
+ASSUMPTIONS = ("bf16, no fp8; ZeRO-3-style full sharding (llm-foundry FSDP FULL_SHARD, torchtitan FSDP2, NeMo "
+               "AutoModel FSDP2) planned as ZeRO-3; activation checkpointing planned as full recomputation, selective "
+               "as none; MPT planned as the Llama of equal dim, depth, heads and parameters; the planner's overlap of "
+               "data-parallel communication; 8 GPUs per node")
 
 
 @dataclass(frozen=True)
 class CalibrationRow:
     run: PublishedRun
     predicted: float  #: tokens per second per GPU
+    no_overlap: float  #: tokens per second per GPU if no communication ran behind compute (a lower bound)
 
     @property
     def error(self) -> float:
         return self.predicted / self.run.tokens_per_s_per_gpu - 1.0
 
 
-def calibration_rows(achievable: Optional[float] = None) -> list[CalibrationRow]:
-    """The planner's tokens per second per GPU for every published run (``achievable``: the GPUs' own by default)."""
-    rows = []
-    for run in PUBLISHED_RUNS:
-        gpus_per_node = min(8, run.gpus)
-        cluster = ClusterSpec(run.gpus // gpus_per_node, gpus_per_node, GPUS[run.gpu])
-        time = estimate_step_time(run.model, cluster, run.seq_len, run.global_batch, run.micro_batch,
-                                  run.tensor_parallel, 1, 3, recompute=run.recompute, achievable=achievable)
-        rows.append(CalibrationRow(run, time.tokens_per_second_per_gpu))
-    return rows
+def predict(run: PublishedRun, gpu: Optional[GPUSpec] = None, achievable: Optional[float] = None) -> CalibrationRow:
+    """The planner's figures for ``run`` on ``gpu`` (the run's own GPU kind by default)."""
+    gpus_per_node = min(8, run.gpus)
+    cluster = ClusterSpec(run.gpus // gpus_per_node, gpus_per_node, gpu or GPUS[run.gpu])
+    time = estimate_step_time(run.model, cluster, run.seq_len, run.global_batch, run.micro_batch,
+                              run.tensor_parallel, run.pipeline, 3, recompute=run.recompute, achievable=achievable,
+                              context=run.context, ep=run.expert)
+    bound = time.tokens_per_step / (time.total + time.data_parallel_hidden) / time.world_size
+    return CalibrationRow(run, time.tokens_per_second_per_gpu, bound)
 
 
-def calibration_table(achievable: Optional[float] = None) -> str:
-    """The rows as a Markdown table, the assumptions in its header."""
+def calibration_rows(achievable: Optional[float] = None, role: Optional[str] = None) -> list[CalibrationRow]:
+    """The planner's tokens per second per GPU for every published run of ``role`` (all by default)."""
+    return [predict(run, achievable=achievable) for run in PUBLISHED_RUNS if role in (None, run.role)]
+
+
+def mean_absolute_error(rows: list[CalibrationRow]) -> float:
+    """Mean absolute percentage error of ``rows`` as a fraction."""
+    return sum(abs(r.error) for r in rows) / len(rows)
+
+
+def _fit_error(gpu_key: str, matmul: float, attention: float, saturation: float) -> float:
+    """Mean absolute error over the fitting runs of ``gpu_key`` with these constants."""
+    spec = dataclasses.replace(GPUS[gpu_key], achievable=matmul, attention_achievable=attention,
+                               saturation_tokens=saturation)
+    return mean_absolute_error([predict(r, spec) for r in PUBLISHED_RUNS if r.role == "fit" and r.gpu == gpu_key])
+
+
+def fit_fractions(gpu_key: str, saturation: float) -> tuple[float, float, float]:
+    """(error, matmul fraction, attention fraction) that minimise the mean absolute error over the fitting runs of
+    ``gpu_key`` alone at ``saturation`` tokens: a grid of 0.02 (matmuls 0.40-0.90, attention 0.10-0.60), then one of
+    0.0025 x 0.005 around its best. A grid, not ``scipy.optimize``: the error is piecewise (overlap hides communication
+    up to a share of compute) and has flat stretches a gradient method stalls on."""
+    coarse = min((_fit_error(gpu_key, 0.40 + 0.02 * i, 0.10 + 0.02 * j, saturation), 0.40 + 0.02 * i,
+                  0.10 + 0.02 * j) for i in range(26) for j in range(26))
+    return min((_fit_error(gpu_key, coarse[1] + 0.0025 * i, coarse[2] + 0.005 * j, saturation),
+                round(coarse[1] + 0.0025 * i, 4), round(coarse[2] + 0.005 * j, 3))
+               for i in range(-4, 5) for j in range(-4, 5))
+
+
+def fit_constants(kinds: tuple[str, ...] = ("a100_80gb", "h100_80gb")) -> dict:
+    """The constants fitted on the fitting set alone: one ``saturation_tokens`` for every GPU kind (0 to 2,048 in
+    steps of 128, the value with the least error summed over the kinds), and each kind's (matmul, attention)
+    fractions at it (:func:`fit_fractions`). Takes about a minute."""
+    best: tuple = (float("inf"),)
+    for saturation in range(0, 2049, 128):
+        fits = {kind: fit_fractions(kind, saturation) for kind in kinds}
+        best = min(best, (sum(f[0] for f in fits.values()), saturation, fits))
+    return {"saturation_tokens": best[1], **{kind: fit[1:] for kind, fit in best[2].items()}}
+
+
+def _layout(r: PublishedRun) -> str:
+    dp = r.gpus // (r.tensor_parallel * r.pipeline * r.context)
+    axes = [f"ZeRO-3 x {dp}"] + [f"{name} {n}" for name, n in (("tp", r.tensor_parallel), ("pp", r.pipeline),
+                                                                  ("cp", r.context), ("ep", r.expert)) if n > 1]
+    return ", ".join(axes)
+
+
+def calibration_table(achievable: Optional[float] = None, role: Optional[str] = None) -> str:
+    """The rows of ``role`` (all by default) as a Markdown table, the assumptions in its header."""
     lines = [f"Planner step time against published runs. Assumed: {ASSUMPTIONS}. Compute at "
-             + ", ".join(f"{g.name} {g.achievable:.0%}" for g in GPUS.values()) + " of the bf16 peak.", "",
+             + ", ".join(f"{g.name} {g.achievable:.1%} (matmuls) / {g.attention_achievable or g.achievable:.0%} "
+                         f"(attention)" for g in GPUS.values()) + " of the bf16 peak.", "",
              "| run | GPUs | layout | sequence | micro x global batch | checkpointing | published tok/s/GPU | "
-             "predicted | error | fitted |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in calibration_rows(achievable):
+             "predicted | error | no overlap | set |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in calibration_rows(achievable, role):
         r = row.run
-        layout = f"ZeRO-3 x {r.gpus // r.tensor_parallel}" + (f", tp {r.tensor_parallel}" if r.tensor_parallel > 1
-                                                              else "")
-        lines.append(f"| {r.name} | {r.gpus} x {GPUS[r.gpu].name} | {layout} | {r.seq_len:,} | {r.micro_batch} x "
-                     f"{r.global_batch} | {'full' if r.recompute else 'none/selective'} | "
+        role_text = {"fit": "fit", "held_out": "held out"}.get(r.role, "left out: " + r.why_not)
+        lines.append(f"| {r.name} | {r.gpus} x {GPUS[r.gpu].name} | {_layout(r)} | {r.seq_len:,} | {r.micro_batch} "
+                     f"x {r.global_batch} | {'full' if r.recompute else 'none/selective'} | "
                      f"{r.tokens_per_s_per_gpu:,.0f} | {row.predicted:,.0f} | {row.error:+.0%} | "
-                     f"{'yes' if r.fitted else 'no: ' + r.why_not} |")
+                     f"{row.no_overlap:,.0f} | {role_text} |")
+    return "\n".join(lines)
+
+
+def held_out_summary() -> str:
+    """The held-out runs' mean absolute percentage error and worst run, one line each, and the fitting set's."""
+    lines = []
+    for role, label in (("fit", "fitting set"), ("held_out", "held-out set")):
+        rows = calibration_rows(role=role)
+        worst = max(rows, key=lambda r: abs(r.error))
+        lines.append(f"{label}: {len(rows)} runs, mean absolute error {mean_absolute_error(rows):.1%}, worst "
+                     f"{worst.error:+.0%} ({worst.run.name}, {worst.run.gpus} x {GPUS[worst.run.gpu].name}, "
+                     f"sequence {worst.run.seq_len:,})")
     return "\n".join(lines)

@@ -1,17 +1,22 @@
-"""Seconds of a step's compute, with the attention kernel at a rate of its own.
+"""Seconds of a step's compute: the weight matmuls at a rate that grows with the tokens of a micro-batch, the attention
+scores at a rate of their own.
 
 A step's FLOPs are of two kinds that run at different fractions of a GPU's peak: the weight matmuls (large GEMMs,
 cuBLAS) and the attention scores (``QK^T`` and ``PV`` inside a fused flash-attention kernel, whose softmax, masking
-and tiling keep it further from the peak on a Hopper GPU than a GEMM is). Counting both at one rate over-predicts long
-sequences, where attention is a large share of the work: on published H100 runs at 32,768 tokens the one-rate planner
-was 60-70 % fast. No library gives this split: FLOP counters (``torch.utils.flop_counter``, DeepSpeed's profiler) count
-operations, not how fast each kind runs, so the split is a formula here and each rate is fitted to published runs
+and tiling keep it further from the peak than a GEMM is). Counting both at one rate over-predicted long sequences,
+where attention is a large share of the work: on published H100 runs at 32,768 tokens the one-rate planner was 60-70 %
+fast. And a micro-batch of few tokens runs its matmuls slower than a large one: smaller GEMMs, and the per-layer work
+that does not scale with tokens (kernel launches, sharded-weight gathers' hooks, norms) spread over fewer of them; on
+published runs of one model, 2 x 2,048-token micro-batches reached 40 % of the peak where 40 x 1,024 reached 59 %
+(hardware FLOPs). The matmuls' rate is ``achievable x m / (m + m0)`` for ``m`` tokens per micro-batch and rank
+(``m0 = GPUSpec.saturation_tokens``): the form of a fixed cost per micro-batch beside work that grows with ``m``.
+
+No library gives these rates: FLOP counters (``torch.utils.flop_counter``, DeepSpeed's profiler) count operations, not
+how fast each kind runs, so the split is a formula here and its constants are fitted to published runs
 (:mod:`lightning_mgpu.planner.calibration`).
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.hardware import GPUSpec
@@ -25,12 +30,12 @@ def attention_flops_per_token(cfg: LlamaConfig, seq_len: int, mode: str) -> floa
     return (6.0 + (2.0 if mode in ("selective", "full") else 0.0)) * cfg.n_layers * seq_len * q
 
 
-def compute_seconds(cfg: LlamaConfig, seq_len: int, mode: str, hardware_flops: float, tokens: int, world: int,
-                    gpu: GPUSpec, achievable: float) -> float:
-    """Seconds per step of ``hardware_flops`` spread over ``world`` GPUs: the attention scores' share at
-    ``gpu.attention_achievable`` of the bf16 peak (the matmuls' fraction where a GPU has none), the rest at
-    ``achievable``."""
-    attention_rate: Optional[float] = gpu.attention_achievable
-    attention = attention_flops_per_token(cfg, seq_len, mode) * tokens if attention_rate else 0.0
-    matmul = hardware_flops - attention
-    return (matmul / achievable + attention / (attention_rate or achievable)) / world / gpu.bf16_peak_flops
+def compute_seconds(cfg: LlamaConfig, mode: str, flops: float, tokens: float, gpu: GPUSpec, achievable: float,
+                    seq_len: int, micro_tokens: float) -> float:
+    """Seconds of one rank's ``flops`` for ``tokens`` of sequences of ``seq_len``, in micro-batches of
+    ``micro_tokens`` tokens on the rank: the attention scores' share at ``gpu.attention_achievable`` of the bf16 peak
+    (the matmuls' fraction where a GPU has none), the rest at ``achievable`` scaled by the micro-batch's size."""
+    attention = attention_flops_per_token(cfg, seq_len, mode) * tokens if gpu.attention_achievable else 0.0
+    matmul_rate = achievable * micro_tokens / (micro_tokens + gpu.saturation_tokens)
+    seconds = (flops - attention) / matmul_rate + attention / (gpu.attention_achievable or achievable)
+    return seconds / gpu.bf16_peak_flops

@@ -106,7 +106,8 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     mode = "full" if recompute else "selective" if selective else "none"
     hardware_flops = model_flops + recompute_flops_per_token(cfg, seq_len, mode) * tokens  # measured per mode
     hardware_flops -= skipped_weight_gradient_flops_per_token(cfg, seq_len) * tokens  # a frozen base's (adapters)
-    compute = compute_seconds(cfg, seq_len, mode, hardware_flops, tokens, world, gpu, achievable)  # efficiency.py
+    compute = compute_seconds(cfg, mode, hardware_flops / world, tokens / world, gpu, achievable, seq_len,
+                              micro_batch * seq_len / context)  # efficiency.py
     microbatches = global_batch // (micro_batch * dp)
     forward_passes = 2 if recompute or selective else 1
     shape = StepShape(seq_len, micro_batch, microbatches, tp, context, pp, dp, ep, zero_stage, schedule, virtual,

@@ -1,0 +1,133 @@
+"""Published bf16 training runs, each with its source and the settings the planner takes, in two sets: the runs the
+planner's compute fractions are fitted to (``role="fit"``) and the runs it is judged on (``role="held_out"``), which
+no constant was chosen from. ``role="left_out"`` runs are printed with the reason the planner does not model them.
+
+Every figure is copied from the table named in ``source``; a run whose settings are not all published is not here.
+Runs left out for that reason, or because the planner cannot express them: DeepSeek V3 and Kimi K2 (multi-head latent
+attention), GPT-OSS (sliding-window attention with sinks), NeMo's and Megatron Bridge's DGX-H100 tables of Llama 3
+8B-405B and Qwen3 (fp8, which the planner does not model), torchtitan's bf16 asynchronous tensor-parallel runs
+(figures published as an image), NeMo AutoModel's Llama 3 70B at context parallel 2 (its activation checkpointing is
+not published).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_mgpu.models.llama import LlamaConfig
+
+_FOUNDRY = "https://github.com/mosaicml/llm-foundry/blob/main/scripts/train/benchmarking/README.md"
+FOUNDRY_H100 = _FOUNDRY + " (table H100 80GB BF16)"
+FOUNDRY_A100 = _FOUNDRY + " (table A100 80GB with 1600 Gbps node-node interconnect)"
+#: the page's 64 x A100 version (its later versions report H100 runs)
+TORCHTITAN = "https://github.com/pytorch/torchtitan/blob/041336434916bdc0f88c1f89fda176fd3c2092e4/docs/performance.md"
+TITAN_L3, TITAN_L2 = TORCHTITAN + " (Llama 3 table)", TORCHTITAN + " (Llama 2 table)"
+TITAN_H100 = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md"
+AUTOMODEL = ("https://github.com/NVIDIA-NeMo/Automodel/blob/main/docs/performance-summary.md (DGX-H100 BF16 "
+             "pre-training table; activation checkpointing from "
+             "examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml)")
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One published measurement: what ran, on what, under which layout, and the tokens per second per GPU it
+    reached. Data-parallel ranks shard like ZeRO-3 (FSDP full sharding) in every run here."""
+
+    name: str
+    source: str
+    model: LlamaConfig
+    gpu: str  #: a key of ``lightning_mgpu.planner.hardware.GPUS``
+    gpus: int
+    tensor_parallel: int
+    seq_len: int
+    micro_batch: int
+    global_batch: int
+    recompute: bool  #: full activation checkpointing (selective is planned as none)
+    tokens_per_s_per_gpu: float
+    role: str = "fit"  #: "fit", "held_out" or "left_out"
+    why_not: str = ""  #: why a left-out run is not modelled
+    pipeline: int = 1
+    context: int = 1
+    expert: int = 1
+
+
+def _mpt(dim: int, n_layers: int, n_heads: int, seq: int) -> LlamaConfig:
+    """llm-foundry's MPT (multi-head attention, 4 x dim GELU MLP, tied embeddings) as the Llama of equal dim, depth,
+    heads and parameter count (SwiGLU width 8/3 x dim)."""
+    return LlamaConfig(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, ffn_hidden=round(8 * dim / 3),
+                       vocab_size=50368, max_seq_len=seq, tie_embeddings=True)
+
+
+def _llama2(dim: int, n_layers: int, n_heads: int, n_kv: int, ffn: int) -> LlamaConfig:
+    return LlamaConfig(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, ffn_hidden=ffn, vocab_size=32000,
+                       max_seq_len=4096)
+
+
+def _llama3(name: str, seq: int = 8192) -> LlamaConfig:
+    return LlamaConfig.from_name(name, max_seq_len=seq)
+
+
+QWEN3_30B_A3B = LlamaConfig.from_name("llama3_1b", n_layers=48, n_kv_heads=4, head_dim=128, qk_norm=True,
+                                      vocab_size=151936, tie_embeddings=False, rope_theta=1e6, max_seq_len=4096,
+                                      num_experts=128, experts_per_token=8, expert_hidden=768)
+_M70, _M30, _M13, _M7, _M1 = (8192, 80, 64), (7168, 48, 56), (5120, 40, 40), (4096, 32, 32), (2048, 24, 16)
+_H, _A = "h100_80gb", "a100_80gb"
+_POWER = "its H100s (HBM2e) ran at a 500 W power limit; the peak assumes the 700 W SXM5 rating"
+
+FIT_RUNS: list[PublishedRun] = [
+    PublishedRun("MPT-70B", FOUNDRY_H100, _mpt(*_M70, 2048), _H, 64, 1, 2048, 8, 2048, True, 1039),
+    PublishedRun("MPT-30B", FOUNDRY_H100, _mpt(*_M30, 2048), _H, 32, 1, 2048, 14, 1344, True, 2308),
+    PublishedRun("MPT-30B", FOUNDRY_H100, _mpt(*_M30, 4096), _H, 8, 1, 4096, 1, 168, True, 1802),
+    PublishedRun("MPT-13B", FOUNDRY_H100, _mpt(*_M13, 4096), _H, 8, 1, 4096, 10, 240, True, 4717),
+    PublishedRun("MPT-7B", FOUNDRY_H100, _mpt(*_M7, 2048), _H, 8, 1, 2048, 6, 48, False, 10643),
+    PublishedRun("MPT-7B", FOUNDRY_H100, _mpt(*_M7, 8192), _H, 8, 1, 8192, 8, 128, True, 6935),
+    PublishedRun("MPT-7B", FOUNDRY_H100, _mpt(*_M7, 65536), _H, 8, 1, 65536, 1, 16, True, 1956),
+    PublishedRun("MPT-1B", FOUNDRY_H100, _mpt(*_M1, 2048), _H, 8, 1, 2048, 14, 112, False, 45455),
+    PublishedRun("MPT-1B", FOUNDRY_H100, _mpt(*_M1, 32768), _H, 8, 1, 32768, 1, 32, False, 12025),
+    PublishedRun("Llama 3 8B", TITAN_L3, _llama3("llama3_8b"), _A, 64, 1, 8192, 1, 64, False, 2904),
+    PublishedRun("Llama 3 70B", TITAN_L3, _llama3("llama3_70b"), _A, 64, 1, 8192, 1, 64, True, 331),
+    PublishedRun("MPT-30B", FOUNDRY_A100, _mpt(*_M30, 4096), _A, 8, 1, 4096, 1, 168, True, 814),
+    PublishedRun("MPT-13B", FOUNDRY_A100, _mpt(*_M13, 32768), _A, 8, 1, 32768, 1, 24, True, 1016),
+    PublishedRun("MPT-7B", FOUNDRY_A100, _mpt(*_M7, 65536), _A, 8, 1, 65536, 1, 16, True, 1013),
+    PublishedRun("MPT-7B", FOUNDRY_A100, _mpt(*_M7, 4096), _A, 8, 1, 4096, 16, 256, True, 3684),
+]
+
+_HO = dict(role="held_out")
+HELD_OUT_RUNS: list[PublishedRun] = [
+    PublishedRun("MPT-70B", FOUNDRY_H100, _mpt(*_M70, 2048), _H, 32, 1, 2048, 2, 1024, True, 882, **_HO),
+    PublishedRun("MPT-30B", FOUNDRY_H100, _mpt(*_M30, 8192), _H, 8, 1, 8192, 1, 168, True, 1384, **_HO),
+    PublishedRun("MPT-30B", FOUNDRY_H100, _mpt(*_M30, 2048), _H, 16, 1, 2048, 10, 480, True, 2263, **_HO),
+    PublishedRun("MPT-30B", FOUNDRY_H100, _mpt(*_M30, 2048), _H, 8, 1, 2048, 3, 504, True, 2002, **_HO),
+    PublishedRun("MPT-13B", FOUNDRY_H100, _mpt(*_M13, 32768), _H, 8, 1, 32768, 1, 24, True, 1976, **_HO),
+    PublishedRun("MPT-13B", FOUNDRY_H100, _mpt(*_M13, 16384), _H, 8, 1, 16384, 3, 72, True, 2985, **_HO),
+    PublishedRun("MPT-13B", FOUNDRY_H100, _mpt(*_M13, 2048), _H, 64, 1, 2048, 2, 128, False, 4800, **_HO),
+    PublishedRun("MPT-13B", FOUNDRY_H100, _mpt(*_M13, 2048), _H, 8, 1, 2048, 2, 16, False, 4792, **_HO),
+    PublishedRun("MPT-7B", FOUNDRY_H100, _mpt(*_M7, 32768), _H, 8, 1, 32768, 2, 32, True, 3318, **_HO),
+    PublishedRun("MPT-7B", FOUNDRY_H100, _mpt(*_M7, 4096), _H, 8, 1, 4096, 16, 256, True, 8611, **_HO),
+    PublishedRun("Qwen3-30B-A3B", AUTOMODEL, QWEN3_30B_A3B, _H, 8, 1, 4096, 4, 512, True, 12040, expert=8, **_HO),
+    PublishedRun("MPT-70B", FOUNDRY_A100, _mpt(*_M70, 2048), _A, 64, 1, 2048, 8, 2048, True, 410, **_HO),
+    PublishedRun("MPT-70B", FOUNDRY_A100, _mpt(*_M70, 2048), _A, 32, 1, 2048, 2, 1024, True, 373, **_HO),
+    PublishedRun("MPT-30B", FOUNDRY_A100, _mpt(*_M30, 8192), _A, 8, 1, 8192, 1, 168, True, 574, **_HO),
+    PublishedRun("MPT-30B", FOUNDRY_A100, _mpt(*_M30, 2048), _A, 8, 1, 2048, 3, 504, True, 916, **_HO),
+    PublishedRun("MPT-13B", FOUNDRY_A100, _mpt(*_M13, 8192), _A, 8, 1, 8192, 5, 120, True, 1795, **_HO),
+    PublishedRun("MPT-13B", FOUNDRY_A100, _mpt(*_M13, 2048), _A, 8, 1, 2048, 2, 48, False, 2262, **_HO),
+    PublishedRun("MPT-7B", FOUNDRY_A100, _mpt(*_M7, 8192), _A, 8, 1, 8192, 8, 128, True, 3206, **_HO),
+    PublishedRun("MPT-7B", FOUNDRY_A100, _mpt(*_M7, 2048), _A, 8, 1, 2048, 6, 96, False, 4641, **_HO),
+    PublishedRun("Llama 2 13B", TITAN_L2, _llama2(5120, 40, 40, 40, 13824), _A, 64, 1, 4096, 2, 128, False, 2162,
+                 **_HO),
+    PublishedRun("Llama 2 70B", TITAN_L2, _llama2(8192, 80, 64, 8, 28672), _A, 64, 1, 4096, 2, 128, True, 353,
+                 **_HO),
+]
+
+LEFT_OUT_RUNS: list[PublishedRun] = [
+    PublishedRun("Llama 3.1 8B", TITAN_H100 + " (Table 1)", _llama3("llama3_8b"), _H, 8, 1, 8192, 2, 16, False, 5762,
+                 role="left_out", why_not=_POWER),
+    PublishedRun("Llama 3.1 8B", TITAN_H100 + " (Table 3)", _llama3("llama3_8b"), _H, 128, 1, 8192, 2, 256, False,
+                 5605, role="left_out", why_not=_POWER),
+    PublishedRun("Llama 3.1 405B", "torchtitan docs/performance.md, as quoted before", _llama3("llama3_405b"), _H, 128,
+                 8, 8192, 2, 32, True, 109, role="left_out",
+                 why_not="not in either stored version of the page read (A100 and H100 tables); out until its source "
+                         "is found"),
+]
+
+PUBLISHED_RUNS: list[PublishedRun] = FIT_RUNS + HELD_OUT_RUNS + LEFT_OUT_RUNS
