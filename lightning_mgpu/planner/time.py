@@ -3,8 +3,10 @@
 * compute: ``flops_per_token * tokens`` per GPU plus what recomputation runs again
   (:func:`~lightning_mgpu.planner.model_stats.recompute_flops_per_token`, measured: full recomputation runs the blocks'
   forward again but their last matmul, selective the attention scores' forward, ``2 L s h`` per token; both repeat
-  the tensor-parallel and context-parallel collectives of the forward) at ``achievable`` x the bf16 peak (default: the GPU's fraction, fitted to published runs of comparable
-  stacks in :mod:`lightning_mgpu.planner.calibration`);
+  the tensor-parallel and context-parallel collectives of the forward), in seconds by
+  :func:`~lightning_mgpu.planner.efficiency.compute_seconds`: the weight matmuls at ``achievable`` x the bf16 peak
+  (default: the GPU's fraction) scaled down for micro-batches of few tokens, the attention scores at a fraction of
+  their own; the constants fitted to published runs in :mod:`lightning_mgpu.planner.calibration`;
 * communication: the bytes of each axis are :func:`lightning_mgpu.planner.communication.step_volume`'s for the
   pipeline rank that moves the most (tested equal to what a step issues, collective by collective), in seconds as
   ring collectives (:func:`~lightning_mgpu.planner.communication.seconds`): tensor parallelism over NVLink when the
