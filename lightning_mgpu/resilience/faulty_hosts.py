@@ -97,7 +97,8 @@ def decide(record: Optional[dict], host: str, low: int, high: int, endpoint_host
         return NodeDecision(False, "", EXIT_EXCLUDED, (
             f"faulty hosts: this node ({host}) is named in {record_path} with a persistent fault "
             f"({(record or {}).get('where') or 'a rank of it corrupted its weights again on the rerun'}); "
-            f"it does not join, and the other nodes go on with {low} to {high - 1} nodes (sdc.exclude_faulty_hosts); "
+            f"it does not join, and the other nodes go on with "
+            f"{low if low == high - 1 else f'{low} to {high - 1}'} nodes (sdc.exclude_faulty_hosts); "
             f"exit status {EXIT_EXCLUDED}. To let it join again, {clear}"))
     said = f" without {', '.join(hosts)} (named in {record_path})" if hosts else ""
     return NodeDecision(True, f"{low}:{high}", 0, f"faulty hosts: {host} joins, --nnodes={low}:{high}{said}")
