@@ -12,9 +12,9 @@ from the job's own records (``lightning_mgpu.resilience.lost_time``: rank 0's st
 timestamps, the agent's record of each failed attempt) and the faults' times into buckets that a restart causes -- the
 step a SIGKILL cut short, the emergency checkpoint of a SIGTERM, the agent noticing, attempts that failed before
 stepping, the agent's stop and fork, building the run's objects, the process group, the engine, the restore, the first
-steps after the restore beyond the uninterrupted run's median step, the re-trained steps at that median, the periodic
-saves beyond the uninterrupted run's -- and two that the machine's load causes: the other steps beyond the median (less
-the uninterrupted run's own) and the runs' start and end. The restart latency is from each SIGKILL to the restarted
+steps after the restore beyond the uninterrupted runs' mean step, the re-trained steps at that mean, the periodic saves
+beyond the uninterrupted run's -- and two that the machine's load causes: the other steps beyond the mean (less the
+uninterrupted run's own) and the runs' start and end. The restart latency is from each SIGKILL to the restarted
 attempt's first optimizer step.
 
 ``--steps N`` and ``--gaps 20,60`` change the run (a short profiling run: ``--steps 3000 --gaps 20``). The smoke mode
@@ -180,10 +180,10 @@ def latencies(job: Job) -> list[float]:
     return out
 
 
-def mean_buckets(chaos_run: Run, references: list[Run], median: float) -> dict[str, float]:
+def mean_buckets(chaos_run: Run, references: list[Run], step_s: float) -> dict[str, float]:
     """The chaos run's lost seconds by bucket, against each of ``references`` (the uninterrupted runs beside it), the
     mean of those."""
-    each = [lost_time(chaos_run.job, ref.job, EVERY, median) for ref in references]
+    each = [lost_time(chaos_run.job, ref.job, EVERY, step_s) for ref in references]
     return {name: statistics.fmean(b[name] for b in each) for name in each[0]}
 
 
@@ -194,7 +194,7 @@ def report(chaos_run: Run, beside: list[Run], everyone: list[Run], mean_gap_s: f
     _, want = read_model_weights(beside[0].run_dir / final)
     _, got = read_model_weights(chaos_run.run_dir / final)
     diff = max((want[k] - got[k]).abs().max().item() for k in want)
-    job, median = chaos_run.job, statistics.median(r.median_step() for r in everyone)
+    job, step_s = chaos_run.job, statistics.fmean(r.job.mean_step(EVERY) for r in everyone)
     kinds = {name: sum(1 for *_, n in chaos_run.faults if n == name) for name in ("SIGKILL", "SIGTERM")}
     faults, whole_s = max(1, len(chaos_run.faults)), statistics.fmean(r.wall_s for r in beside)
     walls = [r.wall_s for r in everyone]
@@ -204,7 +204,8 @@ def report(chaos_run: Run, beside: list[Run], everyone: list[Run], mean_gap_s: f
     print(f"  under chaos {chaos_run.wall_s:.1f} s (load average {chaos_run.load:.1f}): effective training time "
           f"{whole_s / chaos_run.wall_s:.1%} (the uninterrupted runs' spread: {min(walls) / chaos_run.wall_s:.1%} to "
           f"{max(walls) / chaos_run.wall_s:.1%}); final weights max |diff| {diff:.1e}")
-    buckets = mean_buckets(chaos_run, beside, median)
+    print(f"  a step at the uninterrupted runs' mean: {step_s * 1000:.1f} ms (steps without a checkpoint)")
+    buckets = mean_buckets(chaos_run, beside, step_s)
     lost_s, restart_s = chaos_run.wall_s - whole_s, sum(buckets[b] for b in RESTART_BUCKETS)
     machine_s = sum(buckets[b] for b in MACHINE_BUCKETS)
     print(f"  lost {lost_s:.1f} s against the uninterrupted runs beside it; by bucket, seconds in all and per fault:")
@@ -243,7 +244,8 @@ def main() -> None:
     print(f"{STEPS} steps, checkpoint every {EVERY} (in the background); uninterrupted, {len(wholes)} runs "
           f"(before, between and after the chaos runs): {', '.join(f'{w:.1f}' for w in walls)} s (spread "
           f"{(max(walls) - min(walls)) / min(walls):.1%}; median step "
-          f"{', '.join(f'{r.median_step() * 1000:.1f}' for r in wholes)} ms; load average "
+          f"{', '.join(f'{r.median_step() * 1000:.1f}' for r in wholes)} ms, mean "
+          f"{', '.join(f'{r.job.mean_step(EVERY) * 1000:.1f}' for r in wholes)} ms; load average "
           f"{', '.join(f'{r.load:.1f}' for r in wholes)})")
     recorded = [report(c, wholes[i:i + 2], wholes, gap) for i, (c, gap) in enumerate(zip(chaos_runs, MEAN_GAPS_S))] \
         or [report(wholes[0], wholes, wholes, MEAN_GAPS_S[0])]

@@ -83,3 +83,19 @@ def test_the_records_read_back_from_a_run_directory(tmp_path):
     assert read_step_log(tmp_path) == {0: [(1, 10.0), (2, 11.0)], 1: [(3, 14.0)]}
     assert job.restarts == [{"attempt": 2, "restored": 13.0}] and job.attempts[0]["status"] == 137
     assert job.faults == [(11.5, "SIGKILL")]
+
+
+def test_steps_are_measured_against_the_mean_step_not_the_median():
+    """Skewed steps, as on shared cores: the reference's steps without a checkpoint take 1, 1, 2, 1, 1, 2 s (median 1,
+    mean 4/3); a restart whose first 3 steps take the same 1, 1, 2 s cost nothing beyond them (against the median they
+    would be 1 s slow), and its 2 re-trained steps cost 2 x 4/3 s."""
+    ends = [10, 11, 12, 14, 15.5, 16.5, 17.5, 19.5]  # step 5 carries step 4's save (1.5 s)
+    reference = Job(0.0, 22.0, {0: list(zip(range(1, 9), ends))})
+    restart = {"attempt": 2, "resumed_at": 4, "lost_steps": 2, "forked": 17.6, "built": 17.7, "grouped": 17.8,
+               "set_up": 17.9, "restored": 18.0, "stepped": 19.0}
+    steps = {0: [(s, t) for s, t in zip(range(1, 7), ends)], 1: [(5, 19.0), (6, 20.0), (7, 22.0), (8, 24.0)]}
+    job = Job(0.0, 26.5, steps, [restart], [{"attempt": 1, "ended": 17.6, "status": 137}], [(17.5, "SIGKILL")])
+    buckets = lost_time(job, reference, EVERY, first=3)
+    assert buckets["first steps"] == pytest.approx(0.0)
+    assert buckets["re-trained steps"] == pytest.approx(2 * 4 / 3)
+    assert sum(buckets.values()) == pytest.approx(26.5 - 22.0)
