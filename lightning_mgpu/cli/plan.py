@@ -92,9 +92,10 @@ def header_lines(cfg: DictConfig, model, cluster: ClusterSpec, inner: ClusterSpe
     lines = [f"{cfg.model.name}: {model.num_parameters() / 1e9:.2f}B parameters{_active(model)}; {cluster.nodes} x "
              f"{cluster.gpus_per_node} {gpu.name} ({gpu.memory_bytes / GB:.0f} GB, "
              f"{gpu.bf16_peak_flops / 1e12:.0f} TFLOP/s bf16); sequence {seq}, global batch {batch} "
-             f"({batch * seq:,} tokens); {precision}; compute at "
-             f"{gpu.achievable if cfg.plan.achievable is None else cfg.plan.achievable:.0%} of peak"
-             f"{' (calibrated for this GPU)' if cfg.plan.achievable is None else ''}"]
+             f"({batch * seq:,} tokens); {precision}; matmuls at "
+             f"{gpu.achievable if cfg.plan.achievable is None else cfg.plan.achievable:.1%} of peak"
+             f"{' (calibrated for this GPU)' if cfg.plan.achievable is None else ''}, less in micro-batches of "
+             f"few tokens, attention at {gpu.attention_achievable or gpu.achievable:.1%}"]
     if steps_alone(cfg):
         replicas = cfg.parallel.replicas
         lines.append(f"{replicas} replica{'s' if replicas > 1 else ''} stepping alone "
