@@ -9,7 +9,10 @@ fast. And a micro-batch of few tokens runs its matmuls slower than a large one: 
 that does not scale with tokens (kernel launches, sharded-weight gathers' hooks, norms) spread over fewer of them; on
 published runs of one model, 2 x 2,048-token micro-batches reached 40 % of the peak where 40 x 1,024 reached 59 %
 (hardware FLOPs). The matmuls' rate is ``achievable x m / (m + m0)`` for ``m`` tokens per micro-batch and rank
-(``m0 = GPUSpec.saturation_tokens``): the form of a fixed cost per micro-batch beside work that grows with ``m``.
+(``m0 = GPUSpec.saturation_tokens``): the form of a fixed cost per micro-batch beside work that grows with ``m``. The
+fitting runs' micro-batches hold 4,096 to 65,536 tokens a rank; below that the form is extrapolated (at 128 tokens it
+plans an eighth of the rate, where a GEMM held back by reading its weights would do better), so figures for
+micro-batches of a few hundred tokens are the least trustworthy the planner prints.
 
 No library gives these rates: FLOP counters (``torch.utils.flop_counter``, DeepSpeed's profiler) count operations, not
 how fast each kind runs, so the split is a formula here and its constants are fitted to published runs
