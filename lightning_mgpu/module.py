@@ -18,7 +18,7 @@ from lightning_mgpu.contract import parallel_context
 from lightning_mgpu.problems import raise_problems
 from lightning_mgpu.layout import ModelShape
 from lightning_mgpu.lr_schedule import lr_multiplier
-from lightning_mgpu.models.llama import Block, Llama, LlamaConfig
+from lightning_mgpu.models.llama import Block, Llama, LlamaConfig, document_positions
 from lightning_mgpu.models.llama import initial_value as llama_initial_value
 from lightning_mgpu.models.llama_plan import llama_stages, llama_tp_plan
 from lightning_mgpu.models.moe import set_loss_scale
@@ -197,13 +197,22 @@ class LLMModule(L.LightningModule):
         """(first stage's input, last stage's target) of a batch as the loader yields it (token windows, bare or in a
         list or tuple with labels, :func:`token_batch`): with context parallelism, this rank's chunks of them. With
         documents, the target after each end-of-document input is :data:`IGNORE_INDEX`: marking it in the target is
-        what lets the last pipeline stage, which never sees the input tokens, skip it."""
+        what lets the last pipeline stage, which never sees the input tokens, skip it. With documents and context
+        parallelism the first stage's input is (this rank's tokens, their positions in their documents): a chunk cannot
+        tell where its documents start, so the positions are taken from the whole sequence before it is split."""
+        inputs, targets = self._next_tokens(batch)
+        eod = self.config.eod_token_id
+        if eod is not None and self._context_coordinates()[1] > 1:
+            inputs, targets, positions = self.context_parallel_batch(inputs, targets, document_positions(inputs, eod))
+            return (inputs, positions), targets
+        return self.context_parallel_batch(inputs, targets)
+
+    def _next_tokens(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of the whole sequences: each next token the target, none after an end of document."""
         tokens, labels = token_batch(batch)
         inputs, targets = tokens[:, :-1], (tokens if labels is None else labels)[:, 1:]
         eod = self.config.eod_token_id
-        if eod is not None:
-            targets = targets.masked_fill(inputs == eod, IGNORE_INDEX)
-        return self.context_parallel_batch(inputs, targets)
+        return inputs, targets if eod is None else targets.masked_fill(inputs == eod, IGNORE_INDEX)
 
     def context_parallel_batch(self, *sequences: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This context rank's chunks of each ``[batch, seq]`` tensor (all of them without context parallelism).
@@ -238,8 +247,9 @@ class LLMModule(L.LightningModule):
         return context.pipeline if context is not None else None
 
     # ------------------------------------------------------------------------------------------- steps
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens)
+    def forward(self, tokens: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Logits of token ids, or of (token ids, their positions in their documents): :meth:`pipeline_batch`."""
+        return self.model(*tokens) if isinstance(tokens, tuple) else self.model(tokens)
 
     def loss(self, batch: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss; the logits may be sharded over the vocabulary (tensor parallelism). With pipeline
@@ -296,7 +306,7 @@ class LLMModule(L.LightningModule):
         ``sum / counted`` over the global batch, whatever the layout and however the counted targets fall into
         micro-batches. Evaluation does the same over the pipeline's micro-batches (one part without a pipeline);
         ``val/loss``, averaged over replicas, is then each global batch's mean over its counted targets."""
-        counted = _counted(self.pipeline_batch(batch)[1])
+        counted = _counted(self._next_tokens(batch)[1])  # whole sequences: every context rank's chunks
         context, pipeline = parallel_context(self), self._pipeline()
         replicas = context.replicas if context is not None else self.trainer.world_size
         if replicas > 1:  # tensor and pipeline ranks of a replica share its batch: sum over replicas only
@@ -306,7 +316,8 @@ class LLMModule(L.LightningModule):
             micro = context.num_microbatches if context is not None and self.automatic_optimization else 1
         else:
             micro = pipeline.n_microbatches if pipeline is not None else 1
-        return counted.clamp(min=1) / (micro * replicas)  # a batch of only skipped targets: 0 / 1
+        chunks = self._context_coordinates()[1]  # the strategy averages the context ranks' losses too
+        return counted.clamp(min=1) / (micro * replicas * chunks)  # a batch of only skipped targets: 0 / 1
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         self._loss_tokens = None  # a later direct call of loss() averages over its own batch

@@ -11,16 +11,6 @@ from typing import Optional
 from lightning_mgpu.problems import Problem
 
 
-def context_document_problems(context_parallel_size: int, document_mask: bool) -> list[Problem]:
-    """The rule: context parallelism does not mask documents yet (each rank would need the document boundaries of
-    the chunks it does not hold)."""
-    if context_parallel_size > 1 and document_mask:
-        return [Problem("context_parallel_size", context_parallel_size, "does not support document masking yet (each "
-                        "rank would need the document boundaries of the chunks it does not hold)",
-                        "set document_mask=False (the model's eod_token_id=None) or context_parallel_size=1")]
-    return []
-
-
 def _near(options: list[int], value: int) -> str:
     best = sorted(options, key=lambda o: (abs(o - value), o))[:3]
     return ", ".join(str(o) for o in sorted(best)) or "1"

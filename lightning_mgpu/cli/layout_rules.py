@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_mgpu.cli.rule_base import _positive, keyed
 from lightning_mgpu.data.batching import batch_problems
 from lightning_mgpu.layout import ModelShape, chunks_per_rank, layout_problems
-from lightning_mgpu.split_rules import context_document_problems, sequence_problems, timer_problems
+from lightning_mgpu.split_rules import sequence_problems, timer_problems
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
 from lightning_mgpu.resilience.stragglers import slow_rank_problems
@@ -67,9 +67,6 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
         from lightning_mgpu.parallel.compile import compile_layout_problems
 
         out += compile_layout_problems(p.zero_stage, key="model.compile")
-    # a transformers model's documents follow the split (hf.context); data=sft states its own rule (cli.sft_rules)
-    if isinstance(C, int) and cfg.model.name != "hf" and d.get("source") != "sft":
-        out += keyed(context_document_problems(C, bool(d.get("document_mask"))), t)
     if isinstance(P, int) and isinstance(t.accumulate_grad_batches, int):
         out += [f"trainer.{line}" for line in training_loop_problems(P, t.accumulate_grad_batches)]
     out += keyed(replica_precision_problems(str(t.precision), p.zero_stage, p.replica_update), t)

@@ -26,12 +26,6 @@ def sft_problems(cfg: DictConfig, data: RunData) -> list[str]:
     if source.manifest is None:
         return [f"data.path: {source.error}"]
     out = []
-    p = cfg.parallel
-    if p.context_parallel_size > 1 and cfg.model.get("name") != "hf":
-        out.append(f"parallel.context_parallel_size={p.context_parallel_size} with data=sft and the package's model: "
-                   "its conversations' boundaries do not follow the sequence split yet; use "
-                   "parallel.context_parallel_size=1 (tensor, pipeline and data parallelism keep one process's loss), "
-                   "or a transformers directory (model=hf model.path=DIR), whose documents follow the split")
     if not d.get("document_mask"):
         out.append("data.document_mask=false with data=sft: packed conversations would attend to each other; set "
                    "data.document_mask=true (the default of data=sft)")

@@ -177,10 +177,13 @@ def run_layers(layers, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     outside: ``lightning_mgpu.parallel.checkpointing``).
 
     With ``positions`` (:func:`document_positions`) attention stays within documents: the per-token rotary tables and
-    the bias are made once here and shared by every block."""
+    the bias are made once here and shared by every block, by the blocks' attention kernel where it makes its own (a
+    kernel that sees keys this process does not hold: context parallelism), by :func:`document_inputs` otherwise."""
     bias = None
+    layers = list(layers)
     if positions is not None:
-        cos, sin, bias = document_inputs(positions, cos, sin, x.dtype)
+        kernel = next((m.kernel for m in layers[0].modules() if isinstance(m, Attention)), None) if layers else None
+        cos, sin, bias = getattr(kernel, "document_inputs", document_inputs)(positions, cos, sin, x.dtype)
     extra = () if bias is None else (bias,)  # the default path calls blocks exactly as before
     for layer in layers:
         x = layer(x, cos, sin, *extra)
@@ -242,12 +245,15 @@ class Llama(nn.Module):
         for name, p in self.named_parameters():
             p.copy_(initial_value(self.config, name, p.shape, seed))
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits of ``tokens``; with documents (``eod_token_id``) each token's ``positions`` in its document, computed
+        here unless given (a part of a sequence, such as a context-parallel chunk, cannot compute them)."""
         seq = tokens.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len={self.config.max_seq_len}")
         eod = self.config.eod_token_id
-        positions = None if eod is None else document_positions(tokens, eod)
+        if positions is None and eod is not None:
+            positions = document_positions(tokens, eod)
         return self.output(self.norm(run_layers(self.layers, self.tok_embeddings(tokens), self.rope_cos,
                                                 self.rope_sin, positions)))
 

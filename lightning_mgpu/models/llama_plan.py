@@ -69,7 +69,7 @@ class LlamaStage(nn.Module):
     def forward(self, x: torch.Tensor,
                 positions: Optional[torch.Tensor] = None) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if self.tok_embeddings is not None:
-            if self.eod_token_id is not None:
+            if self.eod_token_id is not None and positions is None:  # given with the tokens of a context chunk
                 positions = document_positions(x, self.eod_token_id)
             x = self.tok_embeddings(x)
         x = run_layers(self.layers.values(), x, self.rope_cos, self.rope_sin, positions)

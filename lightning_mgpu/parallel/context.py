@@ -120,11 +120,27 @@ class ContextParallelAttention:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self._bias(length, keys, q.dtype, q.device),
                                               enable_gqa=k.shape[1] != q.shape[1])
 
+    def document_inputs(self, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, bias) of packed documents for this rank's tokens, as ``lightning_mgpu.models.llama.
+        document_inputs`` makes them for a whole sequence: ``positions`` ``[b, s/C]`` are each local token's position
+        in its document (computed from the whole sequence, then split like the tokens), the rotary tables are gathered
+        at them, and the bias ``[b, 1, s/C, s]`` lets the query at sequence index ``g`` see the keys of the whole
+        sequence from its document's start ``g - position`` up to ``g``."""
+        where = self._layout(positions.shape[1], positions.device)[0]  # each local token's index in the sequence
+        keys = torch.arange(positions.shape[1] * self.size, device=positions.device)
+        first = (where - positions).unsqueeze(-1)  # [b, s/C, 1]
+        allowed = (keys <= where.unsqueeze(-1)) & (keys >= first)  # [b, s/C, s]
+        bias = torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill_(~allowed, float("-inf"))
+        rows = positions.clamp(0, cos.shape[0] - 1)
+        return cos[rows].unsqueeze(1), sin[rows].unsqueeze(1), bias.unsqueeze(1)
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if bias is not None:
-            raise NotImplementedError("context parallelism does not support document masking yet: train without "
-                                      "eod_token_id, or with context_parallel_size=1")
+        if bias is not None:  # documents: cos, sin and bias from document_inputs; every query over every key
+            k_all, v_all = self.gather_keys_values(apply_rope(k, cos, sin), v)
+            return F.scaled_dot_product_attention(apply_rope(q, cos, sin), k_all, v_all, attn_mask=bias.to(q.dtype),
+                                                  enable_gqa=k.shape[1] != q.shape[1])
         positions = self._layout(q.shape[2], q.device)[0]
         cos, sin = cos[positions], sin[positions]
         return self.attend_local(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)

@@ -27,7 +27,6 @@ from lightning_mgpu.parallel.experts import apply_expert_parallel
 from lightning_mgpu.parallel.materialize import Place, materialize, meta_parameters
 from lightning_mgpu.parallel.plan import TensorParallelPlan, apply_tensor_parallel
 from lightning_mgpu.problems import raise_problems
-from lightning_mgpu.split_rules import context_document_problems
 
 
 @dataclass
@@ -80,8 +79,6 @@ def _context_parallel(module: nn.Module, layout: ParallelLayout) -> list[str]:
     C = layout.size("cp")
     if C == 1:
         return []
-    masked = getattr(getattr(module, "config", None), "eod_token_id", None) is not None
-    raise_problems("Invalid context parallelism", context_document_problems(C, masked))
     wire = hook(module, "context_parallel_attention")
     if wire is not None:
         changed = wire(layout.group("cp"), layout.rank("cp"), C)

@@ -59,8 +59,6 @@ BAD_INPUTS = [
     (["model.compile=true", "model.compile_backend=fastest"],
      "model.compile_backend='fastest' is not a torch.compile backend; choose inductor (fused kernels) or aot_eager"),
     (["parallel.context_parallel_size=0"], "parallel.context_parallel_size=0 must be a positive integer"),
-    (["parallel.context_parallel_size=2", "data.document_mask=true"],
-     "parallel.context_parallel_size=2 does not support document masking yet"),
     (["parallel.offload_params=cpu"], "parallel.offload_params='cpu' needs ZeRO stage 3"),
     (["parallel.offload_optimizer=disk"], "parallel.offload_optimizer='disk' is not an offload device"),
     ([*PP2, "parallel.virtual_pipeline_size=2"], "virtual_pipeline_size=2 needs a multi-stage schedule"),

@@ -1,5 +1,5 @@
-"""Packed documents (``data.document_mask``) under tensor, sequence and pipeline parallelism and over data-parallel
-replicas: loss, gradient norm and validation loss equal one process's, whose loss is the mean over the counted targets
+"""Packed documents (``data.document_mask``) under tensor, sequence, context and pipeline parallelism and over
+data-parallel replicas: loss, gradient norm and validation loss equal one process's, whose loss is the mean over the counted targets
 (those not after an end-of-document token) of each global batch."""
 
 from dataclasses import replace
@@ -24,6 +24,11 @@ def test_documents_match_single_process_with_tp_sp_pp_and_dp(tmp_path):
              pipeline_schedule="interleaved_1f1b", virtual_pipeline_size=2),
         # tensor parallelism without sequence parallelism; counted targets summed over two replicas
         dict(tensor_parallel_size=2, zero_stage=1),
+        # context parallelism: positions from the whole sequence, each chunk's queries over the gathered keys of their
+        # own documents, the counted targets of every chunk; over two replicas, and with positions handed between
+        # pipeline stages (the first stage takes a chunk's tokens and their positions)
+        dict(context_parallel_size=2, zero_stage=1),
+        dict(context_parallel_size=2, pipeline_parallel_size=2),
     )
     calls = {i: (fit, (tokens, 4), dict(max_steps=STEPS, model=DOCS, validate=True, **layout))
              for i, layout in enumerate(layouts)}

@@ -1,6 +1,6 @@
 """Supervised fine-tuning on packed conversations (``mgpu-prepare --chat``, ``SFTDataModule``): the loss is the mean
-over the global batch's answer tokens, so data-parallel ranks with unequal answer counts, tensor and pipeline
-parallelism all give one process's loss and gradient norm (fp32, within 1e-5)."""
+over the global batch's answer tokens, so data-parallel ranks with unequal answer counts, tensor, pipeline and
+context parallelism all give one process's loss and gradient norm (fp32, within 1e-5)."""
 
 from dataclasses import replace
 
@@ -55,7 +55,7 @@ def reference(path, model) -> dict:
     return {"losses": losses, "grad_norms": norms}
 
 
-def test_answer_token_mean_matches_one_process_at_dp2_tp2_pp2_and_3d(tmp_path):
+def test_answer_token_mean_matches_one_process_at_dp2_tp2_pp2_cp2_and_3d(tmp_path):
     """Broken once: each rank dividing by its own answer count (LLMModule._tokens_per_microbatch without the sum over
     replicas, each rank's own mean averaged) fails dp2: loss 7.1e-4 off."""
     tok = make_chat_tokenizer(tmp_path / "tok")
@@ -71,7 +71,7 @@ def test_answer_token_mean_matches_one_process_at_dp2_tp2_pp2_and_3d(tmp_path):
     model = replace(TINY, vocab_size=416, eod_token_id=eod, n_layers=2)
     expected = reference(out, model)
     layouts = {"dp2": dict(zero_stage=1), "tp2": dict(tensor_parallel_size=2, sequence_parallel=True),
-               "pp2": dict(pipeline_parallel_size=2)}
+               "pp2": dict(pipeline_parallel_size=2), "cp2": dict(context_parallel_size=2)}
     calls = {name: (sft_fit, (out, 2, model), layout) for name, layout in layouts.items()}
     runs = run_distributed(in_turn, 2, calls)
     for name in layouts:
