@@ -58,8 +58,7 @@ class ModelConfig:
 
 @dataclass
 class AdaptersConfig:
-    """Adapters built by PEFT over the model (``adapters=lora``): a ``model=hf`` model wrapped by ``get_peft_model``,
-    the package's own put into its Llama in place; the base is frozen, only they train."""
+    """PEFT's adapters over the model (``adapters=lora``; model=hf or the package's own): the base frozen."""
 
     kind: str = "none"  #: none | lora
     rank: int = 16  #: LoRA's rank r
