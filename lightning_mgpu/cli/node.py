@@ -19,10 +19,11 @@ import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from omegaconf import DictConfig, open_dict
 
+from lightning_mgpu.cli.errors import exit_on_refusal
 from lightning_mgpu.problems import format_problems
 from lightning_mgpu.resilience.faulty_hosts import decide, host_name, node_range, node_range_problems, with_nnodes
 from lightning_mgpu.resilience.restarts import EXIT_REFUSED, FAULTY_DEVICE, read_faulty_device
@@ -36,7 +37,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = get_args_parser().parse_args(argv)
     script = argv[len(argv) - len(args.training_script_args) - 1:]  # the module or script and its overrides
     torchrun_args = argv[: len(argv) - len(script)]
-    cfg = _composed(args.training_script_args, args.rdzv_id)
+    composed: list[DictConfig] = []  # a typo'd override is refused as mgpu-train refuses it (status 2)
+    exit_on_refusal(lambda: composed.append(_composed(args.training_script_args)))
+    cfg = composed[0]
     if cfg.sdc.exclude_faulty_hosts:
         nnodes, problems = _decide(cfg, args)
         if problems:
@@ -59,7 +62,11 @@ def _decide(cfg: DictConfig, args) -> tuple[object, list[str]]:
     if args.rdzv_backend == "static":
         return None, ["sdc.exclude_faulty_hosts starts the nodes with an elastic node range, which torchrun's static "
                       "rendezvous does not take: give --rdzv-backend=c10d --rdzv-endpoint=HOST:PORT --rdzv-id=JOB"]
-    per_node, (low, high) = int(args.nproc_per_node), node_range(args.nnodes, cfg.sdc.max_excluded_nodes)
+    per_node, top = int(args.nproc_per_node), int(args.nnodes.rpartition(":")[2])
+    full = _world_problems(cfg, [top], per_node, top)  # the run as asked, and the settings themselves
+    if full:
+        return None, full
+    low, high = node_range(args.nnodes, cfg.sdc.max_excluded_nodes)
     decision = decide(read_faulty_device(run_dir), host_name(), low, high, args.rdzv_endpoint.rpartition(":")[0],
                       str(run_dir / FAULTY_DEVICE))
     if not decision.join:  # this node starts nothing: the worlds the others may start are theirs to check
@@ -68,24 +75,25 @@ def _decide(cfg: DictConfig, args) -> tuple[object, list[str]]:
     p = cfg.parallel
     problems = node_range_problems(low, high, per_node, {
         "tensor": p.tensor_parallel_size, "pipeline": p.pipeline_parallel_size, "context": p.context_parallel_size})
-    problems += [] if problems else _world_problems(cfg, low, high, per_node)
+    problems = problems or _world_problems(cfg, range(high - 1, low - 1, -1), per_node, high)
     if not problems:
         print(decision.message, flush=True)
     return decision.nnodes, problems
 
 
-def _world_problems(cfg: DictConfig, low: int, high: int, per_node: int) -> list[str]:
-    """The config's own rules at every node count from ``low`` to ``high`` (the batch split, the layout), each
-    problem prefixed with the world it belongs to."""
+def _world_problems(cfg: DictConfig, counts: Iterable[int], per_node: int, high: int) -> list[str]:
+    """The config's own rules (the batch split, the layout) at each node count of ``counts``; the problems of a world
+    smaller than ``high`` nodes are prefixed with it."""
     from lightning_mgpu.cli.spec import config_problems
 
     plain, out = cfg.copy(), []
     with open_dict(plain):
         del plain["hydra"]  # Hydra's own node, read for the run directory; not a setting of the run
-    for nodes in range(high, low - 1, -1):
+    for nodes in counts:
         with _torchrun_world(nodes * per_node, per_node):
             said = config_problems(plain, launching=False)
-        out += [f"with {nodes} of {high} nodes ({nodes * per_node} processes): {p}" for p in said]
+        out += said if nodes == high else [f"with {nodes} of {high} nodes ({nodes * per_node} processes): {p}"
+                                           for p in said]
     return out
 
 
@@ -101,7 +109,7 @@ def _torchrun_world(world: int, per_node: int) -> Iterator[None]:
             os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
 
 
-def _composed(overrides: Sequence[str], rdzv_id: str) -> DictConfig:
+def _composed(overrides: Sequence[str]) -> DictConfig:
     """The config ``mgpu-train`` composes from ``overrides``, Hydra's own node included (for the run directory)."""
     from hydra import compose, initialize_config_dir
 

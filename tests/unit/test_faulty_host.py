@@ -101,13 +101,14 @@ def test_the_launch_step_decides_from_the_run_directory(tmp_path, token_file, mo
     monkeypatch.setenv("MGPU_HOSTNAME", "node-c")
     assert _decide(_cfg(tmp_path, token_file), args) == (78, [])
     monkeypatch.setenv("MGPU_HOSTNAME", "node-b")
-    three = get_args_parser().parse_args(["--nnodes=3", *ARGS])
-    _, said = _decide(_cfg(tmp_path, token_file, "parallel.tensor_parallel_size=2"), three)
+    four = get_args_parser().parse_args(["--nnodes=4", *ARGS])
+    _, said = _decide(_cfg(tmp_path, token_file, "parallel.tensor_parallel_size=2"), four)  # 4 ranks hold tp2
     assert len(said) == 1 and "3 nodes = 3 processes cannot hold whole model replicas" in said[0]
     # global batch 8 of micro-batches of 2: 3 replicas cannot split it, 4 can (the config's own rule says so)
-    four = get_args_parser().parse_args(["--nnodes=4", *ARGS])
     _, said = _decide(_cfg(tmp_path, token_file), four)
     assert said and all(s.startswith("with 3 of 4 nodes (3 processes): ") for s in said), said
+    bad = _decide(_cfg(tmp_path, token_file, "sdc.max_excluded_nodes=0"), args)[1]  # the run as asked: no prefix
+    assert bad == ["sdc.max_excluded_nodes=0 must be an integer >= 1 (the nodes a job may lose)"]
     static = get_args_parser().parse_args(["--nnodes=2", "--nproc-per-node=1", "-m", "lightning_mgpu.train"])
     assert "static rendezvous" in _decide(_cfg(tmp_path, token_file), static)[1][0]
 
