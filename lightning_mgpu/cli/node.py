@@ -15,6 +15,7 @@ joins the rendezvous first, which is too late to stay out.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -52,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *script])
 
 
-def _decide(cfg: DictConfig, args) -> tuple[object, list[str]]:
+def _decide(cfg: DictConfig, args: argparse.Namespace) -> tuple[object, list[str]]:
     """(``--nnodes``'s value, or the exit status of a node that stays out; every problem of the worlds it may start
     with)."""
     run_dir = Path(_run_dir(cfg, args.rdzv_id))
@@ -90,7 +91,7 @@ def _world_problems(cfg: DictConfig, counts: Iterable[int], per_node: int, high:
     with open_dict(plain):
         del plain["hydra"]  # Hydra's own node, read for the run directory; not a setting of the run
     for nodes in counts:
-        with _torchrun_world(nodes * per_node, per_node):
+        with _environment(WORLD_SIZE=str(nodes * per_node), LOCAL_WORLD_SIZE=str(per_node)):
             said = config_problems(plain, launching=False)
         out += said if nodes == high else [f"with {nodes} of {high} nodes ({nodes * per_node} processes): {p}"
                                            for p in said]
@@ -98,15 +99,18 @@ def _world_problems(cfg: DictConfig, counts: Iterable[int], per_node: int, high:
 
 
 @contextlib.contextmanager
-def _torchrun_world(world: int, per_node: int) -> Iterator[None]:
-    """The sizes ``cluster=torchrun`` resolves from torchrun's environment, as a world of ``world`` would set them."""
-    before = {k: os.environ.get(k) for k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE")}
-    os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(per_node))
+def _environment(**values: str) -> Iterator[None]:
+    """``values`` in this process's environment for a while (the config's resolvers read torchrun's variables)."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
         for key, value in before.items():
-            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _composed(overrides: Sequence[str]) -> DictConfig:
@@ -124,13 +128,8 @@ def _composed(overrides: Sequence[str]) -> DictConfig:
 def _run_dir(cfg: DictConfig, rdzv_id: str) -> str:
     """The run directory the job's ranks will use: ``hydra.run.dir``, which ``cluster=torchrun`` names after
     torchrun's ``--rdzv-id`` (``TORCHELASTIC_RUN_ID`` in the ranks)."""
-    before = os.environ.get("TORCHELASTIC_RUN_ID")
-    os.environ["TORCHELASTIC_RUN_ID"] = rdzv_id
-    try:
+    with _environment(TORCHELASTIC_RUN_ID=rdzv_id):
         return str(cfg.hydra.run.dir)
-    finally:
-        os.environ.pop("TORCHELASTIC_RUN_ID") if before is None else os.environ.__setitem__("TORCHELASTIC_RUN_ID",
-                                                                                              before)
 
 
 if __name__ == "__main__":
