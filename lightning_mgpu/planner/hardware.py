@@ -9,15 +9,16 @@ from typing import Optional
 @dataclass(frozen=True)
 class GPUSpec:
     """One GPU kind: memory, dense bf16 peak, per-GPU bandwidths inside a node (NVLink) and across nodes, and the
-    fraction of the peak that training compute reaches on it (fitted to published runs of comparable stacks:
-    :mod:`lightning_mgpu.planner.calibration`)."""
+    fractions of the peak that training's matmuls and attention reach on it (fitted to published runs of comparable
+    stacks: :mod:`lightning_mgpu.planner.calibration`; how they are used: :mod:`lightning_mgpu.planner.efficiency`)."""
 
     name: str
     memory_bytes: float
     bf16_peak_flops: float
     intra_node_bandwidth: float  #: bytes/s per GPU per direction (NVLink)
     inter_node_bandwidth: float  #: bytes/s per GPU per direction (InfiniBand / RoCE)
-    achievable: float = 0.5  #: fraction of ``bf16_peak_flops`` that the model's weight matmuls reach
+    #: fraction of ``bf16_peak_flops`` that the model's weight matmuls reach in large micro-batches
+    achievable: float = 0.5
     #: fraction of ``bf16_peak_flops`` that the fused attention kernel reaches on the scores (None: ``achievable``)
     attention_achievable: Optional[float] = None
     #: tokens per micro-batch and rank at which the matmuls reach half of ``achievable``
