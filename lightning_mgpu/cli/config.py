@@ -327,7 +327,7 @@ class PlanConfig:
     """``mgpu-plan``: the GPU kind (cluster size is trainer.num_nodes x trainer.devices) and what to print."""
 
     gpu: str = "h100_80gb"  #: a100_80gb | h100_80gb | h200_141gb
-    #: fraction of the bf16 peak that compute reaches; null: the GPU's, fitted to published runs (docs: how-to, planning)
+    #: fraction of the bf16 peak the weight matmuls reach; null: the GPU's, fitted to published runs (docs: planning)
     achievable: Optional[float] = None
     top: int = 15  #: rows of the table
     per_stage: bool = False  #: also print every pipeline rank's memory for the configured layout
