@@ -8,9 +8,11 @@
 It composes the run's config from the overrides, as ``mgpu-train`` will. With ``sdc.exclude_faulty_hosts=true`` it
 reads the run directory's ``faulty-device.json`` (:mod:`lightning_mgpu.resilience.faulty_hosts`): a node whose host is
 named there prints why and exits with 78 instead of joining; the others check every world the rendezvous may complete
-with against the config's rules and then become torchrun (``exec``: the scheduler's signals reach the agent) with
-``--nnodes=MIN:MAX``. Without the setting it becomes torchrun unchanged. torchrun itself has no such step: its agent
-joins the rendezvous first, which is too late to stay out.
+with against the config's rules and then run torchrun in this process (its agent handles the scheduler's signals as
+under torchrun) with ``--nnodes=MIN:MAX``. Without the setting it runs torchrun unchanged. torchrun itself has no such
+step: its agent joins the rendezvous first, which is too late to stay out. Where torchrun exits with 1 for any failed
+job, this step exits with the first failure's status when a scheduler acts on it (75 requeue, 77 a faulty device, 76,
+2), so that a script can tell a persistent fault from "requeue me".
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ from omegaconf import DictConfig, open_dict
 from lightning_mgpu.cli.errors import exit_on_refusal
 from lightning_mgpu.problems import format_problems
 from lightning_mgpu.resilience.faulty_hosts import decide, host_name, node_range, node_range_problems, with_nnodes
-from lightning_mgpu.resilience.restarts import EXIT_REFUSED, FAULTY_DEVICE, read_faulty_device
+from lightning_mgpu.resilience.preemption import REQUEUE_EXIT
+from lightning_mgpu.resilience.restarts import (EXIT_CRASH_LOOP, EXIT_FAULTY_DEVICE, EXIT_REFUSED, FAULTY_DEVICE,
+                                                read_faulty_device)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """Decide, then ``exec`` torchrun or exit with the decision's status."""
+    """Decide, then run torchrun or exit with the decision's status."""
     from torch.distributed.run import get_args_parser
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -49,8 +53,34 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if isinstance(nnodes, int):
             raise SystemExit(nnodes)
         torchrun_args = with_nnodes(torchrun_args, nnodes)
-    sys.stdout.flush(), sys.stderr.flush()
-    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *torchrun_args, *script])
+    raise SystemExit(_run_torchrun([*torchrun_args, *script]))
+
+
+def _run_torchrun(argv: list[str]) -> int:
+    """torchrun, run in this process (its agent installs its signal handlers here, as under torchrun); the job's exit
+    status. torchrun's own is 1 for any failure; here it is the first failure's where that tells a scheduler what to do
+    (:func:`job_status`), and 75 when the agent was told to stop by SIGTERM, SIGUSR1, SIGUSR2 or SIGHUP, as under
+    ``cluster=local``."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    from lightning_mgpu.resilience.elastic import PREEMPTING
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as failed:
+        print(failed.format_msg(), file=sys.stderr, flush=True)
+        return job_status(failed.get_first_failure()[1].exitcode)
+    except SignalException as stop:
+        return REQUEUE_EXIT if stop.sigval in PREEMPTING else 128 + stop.sigval
+    return 0
+
+
+def job_status(exitcode: int) -> int:
+    """A failed torchrun job's exit status from its first failure's: kept where it says what to do next (75 requeue,
+    77 a faulty device, 76 a crash loop, 2 refused), else torchrun's 1."""
+    return exitcode if exitcode in (REQUEUE_EXIT, EXIT_FAULTY_DEVICE, EXIT_CRASH_LOOP, EXIT_REFUSED) else 1
 
 
 def _decide(cfg: DictConfig, args: argparse.Namespace) -> tuple[object, list[str]]:

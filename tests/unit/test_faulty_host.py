@@ -9,7 +9,7 @@ import pytest
 from cli_helpers import TINY_ARGS, composed
 from torch.distributed.run import get_args_parser
 
-from lightning_mgpu.cli.node import _decide
+from lightning_mgpu.cli.node import _decide, job_status
 from lightning_mgpu.resilience.faulty_hosts import (EXIT_EXCLUDED, decide, exclusion_problems, host_name,
                                                     node_range, node_range_problems, with_nnodes)
 from lightning_mgpu.resilience.restarts import record_faulty_device
@@ -59,6 +59,12 @@ def test_node_range_and_the_launch_command():
     args = ["--nnodes", "4", "--nproc-per-node=8", "--rdzv-backend=c10d", "-m"]
     assert with_nnodes(args, "3:4") == ["--nnodes=3:4", "--nproc-per-node=8", "--rdzv-backend=c10d", "-m"]
     assert with_nnodes(["--nnodes=4", "-m"], "3:4") == ["--nnodes=3:4", "-m"]
+
+
+def test_the_job_status_a_scheduler_acts_on_is_kept():
+    # torchrun exits with 1 for any failed job; the launch step keeps the statuses that say what to do next
+    assert [job_status(c) for c in (75, 76, 77, 2)] == [75, 76, 77, 2]
+    assert [job_status(c) for c in (1, 137, -9, 139, 78)] == [1, 1, 1, 1, 1]
 
 
 def test_a_smaller_world_that_cannot_hold_the_layout_is_refused_with_its_numbers():
