@@ -63,6 +63,18 @@ def left_out_names(module: torch.nn.Module, layout: ParallelLayout) -> list[str]
     return sorted({name for names in everyone for name in names})
 
 
+def check_same_base(path: str | Path, saved: Mapping[str, Any] | None, now: Mapping[str, Any] | None) -> None:
+    """The rule: adapters resume over the base they were trained on. A checkpoint through adapters holds no base: over
+    other weights they would train on without a word. Compared by the bases' fingerprints (their records'
+    ``fingerprint``: :func:`lightning_mgpu.hf.adapters.base_fingerprint`), where both have one."""
+    was, is_now = (saved or {}).get("fingerprint"), (now or {}).get("fingerprint")
+    if was and is_now and was != is_now:
+        raise ValueError(f"{path} holds adapters trained over the base {saved['base']!r} (its weights' fingerprint "
+                         f"{was[:12]}); this run's base {now['base']!r} holds other weights ({is_now[:12]}). Resume "
+                         "over the base they were trained on, or start a new run over this one (export the adapters "
+                         "with mgpu-export --format peft to keep them)")
+
+
 def check_trained_now(path: str | Path, params: list[tuple[str, torch.nn.Parameter]], saved: Collection[str],
                       prefix: str = "") -> None:
     """The rule: a parameter that trains now must be in the checkpoint; one left out (frozen under adapters when it

@@ -20,6 +20,7 @@ from lightning_mgpu.checkpoint import store as checkpoints
 from lightning_mgpu.contract import hook
 from lightning_mgpu.checkpoint.background import InBackground
 from lightning_mgpu.checkpoint.formats import LOADED_FROM, expert_checkpoint_problems, replica_checkpoint_problems
+from lightning_mgpu.checkpoint.frozen_weights import ADAPTER_RECORD, check_same_base
 from lightning_mgpu.checkpoint.loader_state import take_own_loader_state, with_every_loader_state
 from lightning_mgpu.resilience.liveness import name_lost_ranks
 from lightning_mgpu.resilience.watchdog import paused
@@ -88,6 +89,8 @@ class EngineCheckpointHooks:
                            + expert_checkpoint_problems(self.layout.expert_parallel_size, self.checkpoints.format))
         state = checkpoints.load(self.model, self.layout, checkpoint_path, self.checkpoints, fitting,
                                  strict=self.lightning_module.strict_loading, replica_sync=self._replica_sync)
+        record = hook(self.lightning_module, "checkpoint_record")
+        check_same_base(checkpoint_path, state.get(ADAPTER_RECORD), (record() if record else {}).get(ADAPTER_RECORD))
         self._resumed_from = state.get(LOADED_FROM, str(checkpoint_path)) if fitting else None
         return take_own_loader_state(state, self.layout)
 

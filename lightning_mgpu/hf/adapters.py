@@ -31,8 +31,11 @@ classes are looked up in ``sys.modules``.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import sys
+from pathlib import Path
 from typing import Any, Optional
 
 from torch import nn
@@ -87,8 +90,9 @@ def _lora_problem(name: str, style: str, layer: nn.Module) -> Optional[str]:
                 f"ranks; use LoraConfig, or tensor_parallel_size=1 (ZeRO and pipeline stages take any tuner)")
     if style not in ADAPTER_STYLES:
         return (f"{name!r} (LoRA on a layer of style {style!r}) has no split rule: adapters follow column- and "
-                f"row-parallel linears ({', '.join(ADAPTER_STYLES)}); leave this module out of target_modules (for "
-                f"the embeddings or the head, train them with modules_to_save only at tensor_parallel_size=1)")
+                f"row-parallel linears ({', '.join(ADAPTER_STYLES)}); leave this module out of target_modules (to "
+                f"train the embeddings or the head, name them in modules_to_save: trained whole, split like the "
+                f"original)")
     if getattr(layer, "lora_embedding_A", None):
         return f"{name!r}: LoRA on an embedding is not split here; leave it out of target_modules"
     if getattr(layer, "lora_variant", None):
@@ -108,6 +112,35 @@ def quantized_base_problems(model: nn.Module, where: str) -> list[str]:
     return [f"{where} is quantized ({getattr(method, 'value', method)}): a quantized base (QLoRA) is not supported by "
             "MGPUStrategy; load the base in bf16 (from_pretrained(..., dtype=torch.bfloat16), no quantization_config) "
             "and train LoRA over it"]
+
+
+#: Why a prompt-learning tuner cannot run split over each axis it is refused on (PEFT's tuner -> axis -> reason).
+_PROMPT_LEARNING_REFUSALS = {
+    "pp": "the pipeline stages run the model's layers, never PEFT's forward, which is where the virtual tokens are "
+          "prepended (they would be left out: the base model's loss)",
+    "cp": "the virtual tokens change the sequence the context ranks split",
+    "tp_prefix": "its cached keys and values span every attention head, which tensor parallelism splits",
+}
+
+
+def prompt_learning_problems(model: nn.Module, sizes: dict[str, int], where: str) -> list[str]:
+    """A prompt-learning tuner (prompt tuning, P-tuning, prefix tuning: PEFT's ``is_prompt_learning``) under an axis
+    it cannot be split over, named by tuner and axis: under pipeline and context parallelism any of them, under tensor
+    parallelism prefix tuning (prompt tuning only prepends embeddings, which tensor parallelism keeps whole)."""
+    found = peft_model(model)
+    if found is None:
+        return []
+    out = []
+    for name, config in found[1].peft_config.items():
+        if not getattr(config, "is_prompt_learning", False):
+            continue
+        tuner = type(config).__name__.removesuffix("Config")
+        axes = [axis for axis in ("pp", "cp") if sizes.get(axis, 1) > 1]
+        axes += ["tp_prefix"] if tuner == "PrefixTuning" and sizes.get("tp", 1) > 1 else []
+        out += [f"{where}: PEFT's {tuner} (adapter {name!r}) under {axis.removesuffix('_prefix')}="
+                f"{sizes[axis.removesuffix('_prefix')]}: {_PROMPT_LEARNING_REFUSALS[axis]}; use LoRA (LoraConfig), "
+                f"or {axis.removesuffix('_prefix')}=1" for axis in axes]
+    return out
 
 
 def adapter_plan(model: nn.Module, plan: dict[str, str]) -> tuple[dict[str, str], list[str]]:
@@ -173,7 +206,28 @@ def adapter_record(module: nn.Module) -> dict[str, Any]:
     base = getattr(getattr(model.get_base_model(), "config", None), "_name_or_path", "") or ""
     configs = {name: json.dumps(config.to_dict(), default=plain_json, sort_keys=True)
                for name, config in model.peft_config.items()}
-    return {RECORD: {"prefix": prefix, "base": str(base), "configs": configs}}
+    return {RECORD: {"prefix": prefix, "base": str(base), "configs": configs, "fingerprint": base_fingerprint(base)}}
+
+
+#: Bytes read from each end of each weights file for :func:`base_fingerprint`.
+_ENDS = 1 << 20
+
+
+@functools.lru_cache(maxsize=8)
+def base_fingerprint(directory: str) -> str:
+    """A checksum of the base's weights files: each ``*.safetensors`` file's name and size and its first and last MiB
+    (its header, and weights at both ends), not all of it (a 70B base is 140 GB). Other weights of the same shapes
+    change those bytes; "" for a base built from a config (no directory, or no weights files in it)."""
+    files = sorted(Path(directory).glob("*.safetensors")) if directory else []
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as handle:
+            digest.update(handle.read(_ENDS))
+            handle.seek(max(0, size - _ENDS))
+            digest.update(handle.read(_ENDS))
+    return digest.hexdigest() if files else ""
 
 
 def plain_json(value: Any) -> Any:

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from lightning_mgpu.contract import ADAPTER_ATTRIBUTE, parallel_context
-from lightning_mgpu.hf.adapters import adapter_plan, adapter_record, quantized_base_problems, unwrapped
+from lightning_mgpu.hf.adapters import (adapter_plan, adapter_record, prompt_learning_problems,
+                                         quantized_base_problems, unwrapped)
 from lightning_mgpu.hf.context import apply_context_parallel
 from lightning_mgpu.hf.expert_parallel import apply_hf_expert_parallel
 from lightning_mgpu.hf.loss import causal_lm_loss
@@ -130,8 +131,10 @@ def adopt(module: nn.Module, layout: ParallelLayout) -> Optional[HFHooks]:
     found = find_hf_model(module)
     if found is None:
         return None
-    raise_problems("Unsupported model", quantized_base_problems(found.model, f"{type(module).__name__}.{found.prefix}"
-                                                                             .rstrip(".")))
+    where = f"{type(module).__name__}.{found.prefix}".rstrip(".")
+    sizes = {"tp": layout.tensor_parallel_size, "pp": layout.pipeline_parallel_size, "cp": layout.context_parallel_size}
+    raise_problems("Unsupported model", quantized_base_problems(found.model, where)
+                   + prompt_learning_problems(module, sizes, where))
     hooks = HFHooks(found, module, layout)
     object.__setattr__(module, ADAPTER_ATTRIBUTE, hooks)
     return hooks

@@ -20,7 +20,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from lightning_mgpu.hf.adapters import RECORD, plain_json
+from lightning_mgpu.hf.adapters import RECORD, base_fingerprint, plain_json
 from lightning_mgpu.problems import raise_problems
 
 #: What ``adapters.kind`` may be.
@@ -158,7 +158,8 @@ class ModelAdapters:
         """The checkpoint record (:func:`lightning_mgpu.hf.adapters.adapter_record`'s fields, ``kind`` naming the
         package's own model): a checkpoint with it holds only what trains."""
         configs = {"default": json.dumps(self.config.to_dict(), default=plain_json, sort_keys=True)}
-        return {RECORD: {"prefix": prefix, "base": self.base, "configs": configs, "kind": "llama"}}
+        return {RECORD: {"prefix": prefix, "base": self.base, "configs": configs, "kind": "llama",
+                         "fingerprint": base_fingerprint(self.base)}}
 
 
 def _shown(targets: Any) -> str:

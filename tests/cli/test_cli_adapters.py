@@ -146,19 +146,23 @@ def own_initial_values(model: torch.nn.Module) -> None:
 def test_lora_on_the_packages_own_model_from_a_pretrained_directory(llama_dir, token_file, tmp_path):
     """``adapters=lora`` without model=hf: PEFT's layers in the package's Llama, started from a transformers
     directory (``model.init_from``), split by tp2 + SP and pp2 (ZeRO-1; the norms, frozen, stay frozen), validated and
-    checkpointed (the checkpoint holds the adapters only), at one process's numbers; its adapters exported in PEFT's
-    format load onto ``LlamaForCausalLM`` to the one-process model's logits."""
+    checkpointed (the checkpoint holds what trains only), at one process's numbers; its adapters exported in PEFT's
+    format load onto ``LlamaForCausalLM`` to the one-process model's logits; the head trained whole beside them
+    (``modules_to_save=[output]``: PEFT's ``lm_head`` copy over transformers' model)."""
     run_dir = tmp_path / "run"
-    args = [str(BIN / "mgpu-train"), *LORA, *cli_args(token_file, STEPS), f"model.init_from=hf:{llama_dir}",
+    args = [str(BIN / "mgpu-train"), *LORA, "adapters.modules_to_save=[output]", *cli_args(token_file, STEPS),
+            f"model.init_from=hf:{llama_dir}",
             "trainer.devices=4", "parallel.tensor_parallel_size=2", "parallel.sequence_parallel=true",
             "parallel.pipeline_parallel_size=2", "parallel.zero_stage=1", "optim.lr=3e-3", "optim.weight_decay=0.1",
             "checkpoint.every_n_steps=4", "data.val_batches=1", f"hydra.run.dir={run_dir}"]
     proc = run_cli(args, cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     base = transformers.AutoModelForCausalLM.from_pretrained(llama_dir, use_safetensors=True)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(OWN_NAMES)))
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=list(OWN_NAMES),
+                                                      modules_to_save=["lm_head"]))
     own_initial_values(model)
     expected = trained_like_the_cli(model, token_file, STEPS, LR, WARMUP, MIN_LR, DECAY)
     checkpoint = assert_validated_at_parity_and_exported(run_dir, expected, llama_dir, tmp_path)
     saved = [key for key in read_dcp_metadata(checkpoint).state_dict_metadata if key.startswith("param/")]
-    assert len(saved) == 2 * 7 * 2 and all(".lora_" in key for key in saved), saved
+    head = "param/model.output.modules_to_save.default.weight"  # the trained copy; its frozen original left out
+    assert sorted(saved) == sorted([key for key in saved if ".lora_" in key] + [head]) and len(saved) == 29, saved

@@ -1,12 +1,9 @@
-"""Review of issue 46: PEFT's prompt-learning tuners (prompt tuning, prefix tuning) under pipeline and tensor
-parallelism. The issue asks that what PEFT offers and the package cannot split be refused before training, naming
-the tuner; the how-to says the other tuners train under pipeline stages. Each case here passes if the run is refused
-naming the tuner, or if it equals one process (loss and gradient norm within 1e-5).
-
-Found by the review: at pp2 (1F1B) both tuners train without an error at losses that are not one process's (the
-pipeline stages run the base model's layers, never ``PeftModelForCausalLM.forward``, which prepends the virtual
-tokens: the losses equal the base model's without any prompt); prefix tuning at tp2 dies in the attention with
-"Sizes of tensors must match" (its cached keys and values span every head) instead of being refused."""
+"""PEFT's prompt-learning tuners (prompt tuning, prefix tuning) under pipeline and tensor parallelism: each case is
+refused naming the tuner (``lightning_mgpu.hf.adapters.prompt_learning_problems``), or equals one process (loss and
+gradient norm within 1e-5). Without the refusal, at pp2 (1F1B) both tuners trained at losses that were not one
+process's (the pipeline stages run the base model's layers, never ``PeftModelForCausalLM.forward``, which prepends the
+virtual tokens: the losses were the base model's), and prefix tuning at tp2 died in the attention with "Sizes of
+tensors must match" (its cached keys and values span every head)."""
 
 import functools
 

@@ -1,8 +1,7 @@
-"""Review of issue 46: an adapter-only checkpoint leaves its frozen base out, and the issue asks that the base be
-"named by its directory and checksum". Resuming it over another base must then be refused, naming both; today the
-record holds the directory only and nothing compares it: the run below resumes LoRA trained over one base onto a base
-of other weights and trains on without a word (the same from the command line: ``mgpu-train model=hf
-model.path=OTHER ... checkpoint.resume=CKPT`` runs to the end)."""
+"""An adapter-only checkpoint leaves its frozen base out and names it by its directory and the fingerprint of its
+weights files (``lightning_mgpu.hf.adapters.base_fingerprint``): resuming it over a base of other weights is refused,
+naming both (it trained on without a word before the check: ``mgpu-train model=hf model.path=OTHER ...
+checkpoint.resume=CKPT`` ran to the end)."""
 
 import pytest
 from hf_helpers import tiny_model
@@ -26,10 +25,12 @@ def resume_over(rank: int, devices: int, checkpoint: str, base: str) -> dict:
 def test_resuming_adapters_over_another_base_is_refused(tmp_path):
     import torch
 
-    torch.manual_seed(1)
     tiny_model("llama").save_pretrained(tmp_path / "base")
-    torch.manual_seed(2)
-    tiny_model("llama").save_pretrained(tmp_path / "other")  # same architecture, other weights
+    other = tiny_model("llama")  # same architecture (tiny_model seeds itself: the same weights until moved)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(0.01)
+    other.save_pretrained(tmp_path / "other")
     checkpoint = str(tmp_path / "ckpt")
     results = run_distributed(in_turn, 2, {
         "saved": (peft_helpers.fit_adapted, ("lora", "llama", 2), dict(
