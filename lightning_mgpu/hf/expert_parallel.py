@@ -115,7 +115,7 @@ def apply_hf_expert_parallel(found: HFModel, layout: ParallelLayout) -> list[str
         raise ValueError(f"{where} is split by expert parallelism already")
     for module, weights in modules.values():
         total = int(module.num_experts)
-        module._mgpu_exchange = Exchange(ExpertWiring(layout, total), inner)
+        module.mgpu_exchange = Exchange(ExpertWiring(layout, total), inner)
         for weight in weights:
             _keep_experts(module, weight, layout, total)
         module.num_experts = total // Ep  # what transformers' implementations read: the experts this rank holds
@@ -157,7 +157,7 @@ def exchanged_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     """The experts module's forward under expert parallelism: ``hidden_states [T, H]``, each token's experts
     ``top_k_index [T, k]`` (of all experts) and router weights ``top_k_weights [T, k]``, as the block's router gave
     them; the weighted sum of each token's experts' outputs ``[T, H]``, as the model's own implementation returns."""
-    exchange: Exchange = self._mgpu_exchange
+    exchange: Exchange = self.mgpu_exchange
     wiring, k = exchange.wiring, top_k_index.shape[-1]
     flat = top_k_index.reshape(-1)
     order = torch.sort(flat, stable=True).indices  # assignments by expert, then token
