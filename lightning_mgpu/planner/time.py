@@ -104,10 +104,10 @@ def estimate_step_time(cfg: LlamaConfig, cluster: ClusterSpec, seq_len: int, glo
     achievable = gpu.achievable if achievable is None else achievable
     dp = world // (tp * pp * context)
     tokens = global_batch * seq_len
-    model_flops = model_flops_per_token(cfg, seq_len) * tokens
+    # a frozen base (adapters) needs no weight gradients: its MFU counts the FLOPs its step needs, not a full step's
+    model_flops = (model_flops_per_token(cfg, seq_len) - skipped_weight_gradient_flops_per_token(cfg, seq_len)) * tokens
     mode = "full" if recompute else "selective" if selective else "none"
     hardware_flops = model_flops + recompute_flops_per_token(cfg, seq_len, mode) * tokens  # measured per mode
-    hardware_flops -= skipped_weight_gradient_flops_per_token(cfg, seq_len) * tokens  # a frozen base's (adapters)
     compute = compute_seconds(cfg, mode, hardware_flops / world, tokens / world, gpu, achievable, seq_len,
                               micro_batch * seq_len / context)  # efficiency.py
     microbatches = global_batch // (micro_batch * dp)

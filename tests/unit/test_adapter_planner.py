@@ -109,6 +109,9 @@ def test_the_planners_compute_leaves_out_the_frozen_weights_gradients():
     full, adapted = (estimate_step_time(s, cluster, 32, 8, 8, 1, 1, 0).compute for s in (SHAPE, lora))
     total = model_flops_per_token(SHAPE, 32)
     assert adapted / full == pytest.approx((total - 2 * 80_128 + 6 * 8192) / total)
+    # its MFU counts the FLOPs an adapter step needs (8 x 32 tokens), not a full step's
+    assert estimate_step_time(lora, cluster, 32, 8, 8, 1, 1, 0).model_flops_per_step == \
+        pytest.approx((total - 2 * 80_128 + 6 * 8192) * 256)
 
 
 def test_an_adapter_runs_checkpoint_is_planned_at_the_size_of_what_trains():
