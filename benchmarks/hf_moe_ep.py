@@ -31,7 +31,7 @@ from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
 from smoke import sized  # noqa: E402
-from step_timer import Timer  # noqa: E402
+from step_timer import QuietLLMModule, Timer  # noqa: E402
 
 DIM, LAYERS, HEADS, KV, EXPERTS, TOP, EXPERT_HIDDEN, VOCAB = sized((128, 4, 8, 4, 16, 4, 64, 256),
                                                                   (32, 2, 4, 2, 4, 2, 16, 64))
@@ -60,13 +60,8 @@ class HFModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-class OwnModule(LLMModule):
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # no per-step logging, as HFModule
-        pass
-
-
 def own_module() -> LLMModule:
-    return OwnModule(LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV, ffn_hidden=4 * DIM,
+    return QuietLLMModule(LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV, ffn_hidden=4 * DIM,
                                  vocab_size=VOCAB, max_seq_len=SEQ + 1, qk_norm=True, num_experts=EXPERTS,
                                  experts_per_token=TOP, expert_hidden=EXPERT_HIDDEN), lr=1e-3, warmup_steps=1)
 

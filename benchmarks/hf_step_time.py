@@ -23,10 +23,10 @@ import lightning as L  # noqa: E402
 import transformers  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
+from lightning_mgpu import MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
-from step_timer import Timer  # noqa: E402
+from step_timer import QuietLLMModule, Timer  # noqa: E402
 from smoke import sized  # noqa: E402
 
 DIM, LAYERS, HEADS, KV, FFN, VOCAB = sized((256, 4, 8, 4, 768, 256), (32, 2, 4, 2, 64, 64))
@@ -52,11 +52,6 @@ class HFModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-class OwnModule(LLMModule):
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # no per-step logging, as HFModule
-        pass
-
-
 def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH * (STEPS + 1), SEQ + 1), generator=torch.Generator().manual_seed(0))
 
@@ -69,7 +64,7 @@ def timed(rank: int, kind: str) -> list[float]:
     if kind == "hf":
         module = HFModule()
     else:
-        module = OwnModule(LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV, ffn_hidden=FFN,
+        module = QuietLLMModule(LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV, ffn_hidden=FFN,
                                        vocab_size=VOCAB, max_seq_len=SEQ + 1), lr=1e-3, warmup_steps=1)
     trainer.fit(module, train_dataloaders=DataLoader(tokens(), batch_size=BATCH))
     return timer.times[WARMUP:]

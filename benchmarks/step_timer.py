@@ -7,6 +7,16 @@ import time
 
 import lightning as L
 
+from lightning_mgpu import LLMModule
+
+
+class QuietLLMModule(LLMModule):
+    """The package's module without its per-step logging, as the benchmarks' transformers modules log nothing: the
+    side by side times the same work."""
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        pass
+
 
 class Timer(L.Callback):
     """Seconds from the end of one training batch to the end of the next (``times``; the first batch has none)."""
