@@ -260,8 +260,9 @@ def _activation_bytes(cfg: LlamaConfig, seq_len: int, micro_batch: int, tp: int,
         kept = sum(kept_by[cfg.is_moe_layer(j)] for i in ids for j in range(bounds[i], bounds[i + 1]))
         in_flight = in_flight_chunks(schedule, pp, len(ids), pp_rank, microbatches) / len(ids)
         outside = outside if stages - 1 in ids else 0.0
-    # in_flight counts whole ranks' activations; a rank holds `virtual` chunks, each with its own document bias
-    documents = document_mask_bytes(cfg, seq_len, b) * in_flight * virtual
+    # in_flight counts whole ranks' activations; a rank holds `virtual` chunks, each with its own document bias (under
+    # context parallelism its s/C queries' rows over the whole sequence's keys, and their s/C rotary rows)
+    documents = document_mask_bytes(cfg, seq_len, b) / context * in_flight * virtual
     return kept * in_flight + working + outside + documents
 
 

@@ -121,3 +121,8 @@ def test_planner_adds_one_mask_per_chunk_and_micro_batch_in_flight():
         extra = activation_bytes(big, s, b, tp, pp, virtual, sp, False) - activation_bytes(plain, s, b, tp, pp,
                                                                                           virtual, sp, False)
         assert extra == pytest.approx(mask * chunks), (tp, pp, virtual)
+    # context parallel 2: each rank keeps its s/2 queries' rows of the bias over the whole sequence's keys (and s/2
+    # rotary rows): half the mask
+    extra = activation_bytes(big, s, b, 1, 1, 1, False, False, 2) - activation_bytes(plain, s, b, 1, 1, 1, False,
+                                                                                      False, 2)
+    assert extra == pytest.approx((2 * (s // 2) * s + 4 * (s // 2) * big.head_dim) * b)
