@@ -19,20 +19,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import lightning as L  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
-from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
+from lightning_mgpu import MGPUStrategy  # noqa: E402
 from lightning_mgpu.callbacks.comm import CommunicationCounter  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
 from smoke import sized  # noqa: E402
-from step_timer import Timer  # noqa: E402
+from step_timer import QuietLLMModule, Timer  # noqa: E402
 
 DIM, LAYERS, HEADS, FFN, VOCAB = sized((256, 4, 8, 768, 256), (32, 2, 4, 64, 64))
 SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((128, 8, 12, 2, 3), (16, 2, 2, 1, 1))
 
-
-class Quiet(LLMModule):
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # no per-step logging of its own
-        pass
 
 
 def timed(rank: int, counting: bool) -> tuple[list[float], int]:
@@ -45,7 +41,7 @@ def timed(rank: int, counting: bool) -> tuple[list[float], int]:
     model = LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=HEADS, ffn_hidden=FFN, vocab_size=VOCAB,
                         max_seq_len=SEQ + 1)
     tokens = torch.randint(0, VOCAB, (BATCH * (STEPS + 1), SEQ + 1), generator=torch.Generator().manual_seed(0))
-    trainer.fit(Quiet(model, lr=1e-3, warmup_steps=1), train_dataloaders=DataLoader(tokens, batch_size=BATCH))
+    trainer.fit(QuietLLMModule(model, lr=1e-3, warmup_steps=1), train_dataloaders=DataLoader(tokens, batch_size=BATCH))
     return timer.times[WARMUP:], counter.last.bytes() if counting else 0
 
 

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
-from step_timer import Timer  # noqa: E402
+from step_timer import QuietLLMModule, Timer  # noqa: E402
 from smoke import SMOKE, sized  # noqa: E402
 
 DIM, LAYERS, HEADS, KV, FFN, VOCAB = sized((256, 4, 8, 4, 768, 256), (32, 2, 4, 2, 64, 64))
@@ -37,10 +37,6 @@ DEVICES = sized(4, 2)  # tp2 x dp2; the smoke run tp2 alone (half the processes 
 PARITY_LAYOUT = dict(tensor_parallel_size=2, pipeline_parallel_size=2, zero_stage=1)
 PARITY_STEPS = 10
 
-
-class Quiet(LLMModule):
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:  # no per-step logging: the step alone
-        pass
 
 
 def state_bytes(trainer: L.Trainer) -> int:
@@ -55,7 +51,7 @@ def timed(rank: int, optimizer: str) -> tuple[list[float], int]:
     trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=MGPUStrategy(**LAYOUT), max_steps=STEPS + 1,
                         gradient_clip_val=1.0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
-    module = Quiet(LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV, ffn_hidden=FFN,
+    module = QuietLLMModule(LlamaConfig(dim=DIM, n_layers=LAYERS, n_heads=HEADS, n_kv_heads=KV, ffn_hidden=FFN,
                                vocab_size=VOCAB, max_seq_len=SEQ + 1), lr=1e-3, warmup_steps=1, optimizer=optimizer)
     tokens = torch.randint(0, VOCAB, (BATCH * (DEVICES // 2) * (STEPS + 1), SEQ + 1),
                            generator=torch.Generator().manual_seed(0))
