@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUStrategy, parameter_shape
 from lightning_mgpu.hf import find_hf_model
-from lightning_mgpu.hf.expert_parallel import router_loss_problems
+from lightning_mgpu.hf.router_loss import router_loss_problems
 from lightning_mgpu.layout import LayoutRequest
 from lightning_mgpu.testing import run_distributed
 
