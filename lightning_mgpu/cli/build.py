@@ -11,11 +11,10 @@ from lightning.pytorch.loggers import Logger
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_mgpu.cli.metrics_history import ResumableCSVLogger
-from lightning_mgpu.cli.run_model import plain_model
+from lightning_mgpu.cli.model_source import model_source
 from lightning_mgpu.cli.spec import RunSpec
 from lightning_mgpu.data import StdlibCorpusDataModule, TextFilesDataModule, TokenFileDataModule
 from lightning_mgpu.layout import LayoutRequest
-from lightning_mgpu.module import LLMModule
 from lightning_mgpu.precision import MGPUPrecision
 from lightning_mgpu.strategy import MGPUStrategy
 
@@ -50,25 +49,15 @@ def build_datamodule(spec: RunSpec) -> TokenFileDataModule:
 
 
 def build_module(spec: RunSpec) -> L.LightningModule:
-    """``LLMModule``, or with ``model=hf`` the ``transformers`` model of ``model.path`` as it is (``HFCausalLM``)."""
+    """The module of the run's model source (:mod:`lightning_mgpu.cli.model_source`): ``LLMModule``, or with
+    ``model=hf`` the ``transformers`` model of ``model.path`` as it is (``HFCausalLM``)."""
     cfg = spec.config
     o = cfg.optim
-    if cfg.model.name == "hf":
-        from lightning_mgpu.hf.module import HFCausalLM
-
-        return HFCausalLM(str(Path(cfg.model.path).resolve()), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
-                          warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps, min_lr_ratio=o.min_lr_ratio,
-                          activation_checkpointing=cfg.model.activation_checkpointing, optimizer=o.name,
-                          muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype,
-                          adapters=OmegaConf.to_container(cfg.adapters, resolve=True), seed=cfg.adapters.seed,
-                          eod_token_id=spec.model.eod_token_id if cfg.data.source == "sft" else None)
-    return LLMModule(plain_model(spec.model), lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
-                     eps=o.eps, warmup_steps=o.warmup_steps, max_steps=cfg.trainer.max_steps,
-                     min_lr_ratio=o.min_lr_ratio, lr_scaling=o.lr_scaling,
-                     reference_batch_size=o.reference_batch_size, global_batch_size=cfg.data.global_batch_size,
-                     init_seed=cfg.model.init_seed, init_from=cfg.model.init_from, optimizer=o.name,
-                     muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype,
-                     adapters=OmegaConf.to_container(cfg.adapters, resolve=True))
+    common = dict(lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps, warmup_steps=o.warmup_steps,
+                  max_steps=cfg.trainer.max_steps, min_lr_ratio=o.min_lr_ratio, optimizer=o.name,
+                  muon_momentum=o.muon_momentum, muon_ns_dtype=o.muon_ns_dtype,
+                  adapters=OmegaConf.to_container(cfg.adapters, resolve=True))
+    return model_source(cfg).build_module(spec, common)
 
 
 def build_loggers(cfg: DictConfig, run_dir: Path) -> list[Logger]:

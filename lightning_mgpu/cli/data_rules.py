@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 from omegaconf import DictConfig
 
+from lightning_mgpu.cli.model_source import model_source
 from lightning_mgpu.cli.run_data import RunData
 from lightning_mgpu.cli.rule_base import DATA_SOURCES, TOKEN_DTYPES, _positive
 from lightning_mgpu.data import BYTE_VOCAB_SIZE
@@ -166,12 +167,7 @@ def data_vocabularies(data: RunData) -> tuple[list[Vocabulary], list[str]]:
 
 def vocabulary_problems(cfg: DictConfig, model: LlamaConfig, size: int, what: str) -> list[str]:
     """The rule for bytes and tokenizers alike: the data's largest token id (``size - 1``) must fit
-    ``model.vocab_size``."""
+    ``model.vocab_size``; the fix is the model source's."""
     if model.vocab_size >= size:
         return []
-    if cfg.model.init_from:
-        return [f"the vocab_size={model.vocab_size} of model.init_from={cfg.model.init_from!r} (its config.json) is "
-                f"smaller than {what}: ids up to {size - 1} have no embedding row; use the tokenizer that came with "
-                "the checkpoint (data.tokenizer, or the tokenizer.json beside its weights)"]
-    return [f"model.vocab_size={model.vocab_size} is smaller than {what}: ids up to {size - 1} have no embedding row; "
-            f"set model.vocab_size>={size}"]
+    return [model_source(cfg).vocabulary_problem(model.vocab_size, size, what)]

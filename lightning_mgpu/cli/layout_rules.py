@@ -4,11 +4,11 @@ asked where it is stated and named by its config key through :data:`~lightning_m
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_mgpu.cli.model_source import model_source
 from lightning_mgpu.cli.rule_base import _positive, keyed
 from lightning_mgpu.data.batching import batch_problems
 from lightning_mgpu.layout import ModelShape, chunks_per_rank, layout_problems
@@ -16,7 +16,6 @@ from lightning_mgpu.split_rules import sequence_problems, timer_problems
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.models.llama_plan import boundary_problems
 from lightning_mgpu.resilience.stragglers import slow_rank_problems
-from lightning_mgpu.problems import AnyProblem, Problem
 from lightning_mgpu.precision import fp8_layout_problems, pipeline_precision_problems, replica_precision_problems
 from lightning_mgpu.refusals import training_loop_problems
 
@@ -25,15 +24,6 @@ def _outer_problems(outer: DictConfig) -> list:
     from lightning_mgpu.parallel.replicas import OuterOptimizer
 
     return OuterOptimizer.of(OmegaConf.to_container(outer, resolve=True)).problems()
-
-
-def _of_a_directory(problem: AnyProblem, path: str) -> AnyProblem:
-    """A tied head named as a ``transformers`` directory states it: untying is no fix there (its files hold no head
-    of their own)."""
-    if isinstance(problem, Problem) and problem.field == "tie_embeddings":
-        return dataclasses.replace(problem, field=f"{path}/config.json: tie_word_embeddings",
-                                   fix="this model's head is its embedding; set pipeline_parallel_size=1")
-    return problem
 
 
 def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:
@@ -58,8 +48,7 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
                           offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape,
                           replicas=p.replicas, replica_update=p.replica_update, sync_every=p.sync_every,
                           max_staleness=p.max_staleness, expert_parallel_size=p.expert_parallel_size)
-    if cfg.model.name == "hf":
-        raw = [_of_a_directory(problem, cfg.model.path) for problem in raw]
+    raw = [model_source(cfg).restated(problem) for problem in raw]
     out = keyed(raw, t) + batch + keyed(_outer_problems(p.outer_optimizer), t)
     if isinstance(T, int) and isinstance(C, int) and T > 0 and C > 0 and isinstance(d.seq_len, int):
         out += sequence_problems(d.seq_len, C, T, bool(p.sequence_parallel), key="data.seq_len")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from pathlib import Path
 
 from omegaconf import DictConfig
+
+from lightning_mgpu.cli.model_source import model_source
 
 
 def launch_problems(cfg: DictConfig) -> list[str]:
@@ -43,20 +44,7 @@ def machine_problems(cfg: DictConfig) -> list[str]:
         if cfg.logger[name] is not None and not any(_importable(m) for m in modules):
             out.append(f"logger={name} needs the {' or '.join(modules)} package, which is not installed: "
                        f"pip install 'lightning_mgpu[{extra}]' (or choose another logger, e.g. logger=csv)")
-    return out + weights_problems(cfg) + gpu_problems(cfg.trainer.accelerator, cfg.trainer.devices)
-
-
-def weights_problems(cfg: DictConfig) -> list[str]:
-    """``model=hf`` trains the weights in ``model.path``: they must be on this machine (a dry run, which asks nothing
-    of the machine, lays out ``config.json`` alone; which tensors the model needs is checked when it is built)."""
-    m = cfg.model
-    if m.name != "hf" or not m.path or not (Path(m.path) / "config.json").is_file():
-        return []  # no directory at all is the config's own problem (lightning_mgpu.cli.rules)
-    if any(Path(m.path).glob("*.safetensors")):
-        return []
-    return [f"model.path={m.path!r} has no *.safetensors weights (pickled *.bin files are not read): save the model "
-            "there with save_pretrained(DIR) (safetensors is its default), or add dry_run=true to lay out its "
-            "config.json alone"]
+    return out + model_source(cfg).machine_problems() + gpu_problems(cfg.trainer.accelerator, cfg.trainer.devices)
 
 
 def gpu_problems(accelerator: str, devices: int) -> list[str]:

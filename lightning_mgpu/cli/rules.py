@@ -7,9 +7,7 @@ them all; ``plan_problems`` does the same for ``mgpu-plan``."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
-import json
 import math
 from pathlib import Path
 from typing import Optional
@@ -22,13 +20,13 @@ from lightning_mgpu.checkpoint.formats import (CheckpointSettings, complete_chec
 from lightning_mgpu.cli.data_rules import data_problems, seq_len_problems
 from lightning_mgpu.cli.errors import did_you_mean
 from lightning_mgpu.cli.layout_rules import parallel_problems
+from lightning_mgpu.cli.model_source import model_source
 from lightning_mgpu.resilience.faulty_hosts import exclusion_problems
 from lightning_mgpu.resilience.restarts import restart_problems
 from lightning_mgpu.cli.run_data import RunData, resolve_data, unread_data
 from lightning_mgpu.cli.run_model import resolve_model
 from lightning_mgpu.cli.rule_base import ACCELERATORS, LAUNCHERS, _MAX_TIME, _positive, keyed
-from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
-from lightning_mgpu.models.llama_config import activation_checkpointing_problems
+from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.module import lr_scaling_problems
 from lightning_mgpu.planner.hardware import GPUS
 from lightning_mgpu.optim.choice import NS_DTYPES, OPTIMIZERS
@@ -40,49 +38,13 @@ from lightning_mgpu.split_rules import steps_apart
 
 def model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaConfig], list[str]]:
     """(the model config when it can be built, its problems)."""
-    m = cfg.model
-    if m.name == "hf":
-        return _hf_model_problems(cfg, data)
-    if m.init_from:
-        from lightning_mgpu.hf.names import hf_path
-
-        if not (hf_path(m.init_from) / "config.json").is_file():
-            return None, [f"model.init_from={m.init_from!r} is not a Hugging Face Llama directory (no config.json); "
-                          "give hf:PATH of a directory with config.json and *.safetensors"]
-    if m.name not in LLAMA_SHAPES:
-        return None, [f"model.name={m.name!r} is unknown; choose one of {', '.join(LLAMA_SHAPES)} (or model=NAME)"]
-    out: list[str] = []
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len"):
-        if m[key] is not None:
-            out += _positive(f"model.{key}", m[key])
-    out += activation_checkpointing_problems(m.activation_checkpointing, "model.activation_checkpointing")
-    if m.compile:
-        from lightning_mgpu.parallel.compile import compile_backend_problems
-
-        out += compile_backend_problems(m.compile_backend, "model.compile_backend")
+    out = model_source(cfg).problems()
     if out:
         return None, out
     try:
         return resolve_model(cfg, data), []
     except ValueError as err:  # LlamaConfig lists its own rules (head_dim, heads vs kv heads, ...)
         return None, [f"model: {line.strip(' -')}" for line in str(err).splitlines()[1:]]
-
-
-def _hf_model_problems(cfg: DictConfig, data: RunData) -> tuple[Optional[LlamaConfig], list[str]]:
-    """``model=hf``: a directory with ``config.json``; compilation and imported weights are the package model's own
-    settings, which a ``transformers`` model trained as it is does not take (recomputation it takes: its decoder
-    layers are the blocks)."""
-    m = cfg.model
-    if not m.path or not (Path(m.path) / "config.json").is_file():
-        return None, [f"model.path={m.path!r} is not a Hugging Face model directory (no config.json); give "
-                      "model.path=DIR of a directory with config.json and *.safetensors"]
-    out = [f"model.{key}={m[key]!r} is a setting of the package's own model; model=hf trains the transformers model "
-           f"as it is: leave model.{key} unset" for key, unset in (("compile", False), ("init_from", None))
-           if m[key] != unset]
-    out += activation_checkpointing_problems(m.activation_checkpointing, "model.activation_checkpointing")
-    out += [f"model.{key}={m[key]!r}: model=hf takes its shape from {m.path}/config.json; leave model.{key} unset"
-            for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size") if m[key] is not None]
-    return (None, out) if out else (resolve_model(cfg, data), [])
 
 
 def trainer_problems(cfg: DictConfig) -> list[str]:
@@ -270,36 +232,7 @@ def adapter_problems(cfg: DictConfig, model: Optional[LlamaConfig] = None) -> li
     problems = lora.settings_problems(settings)
     if problems:
         return problems
-    if cfg.model.name != "hf":
-        return [] if model is None else list(_own_target_problems(json.dumps(settings, sort_keys=True), model))
-    config = Path(str(cfg.model.path)) / "config.json"
-    stamp = config.stat().st_mtime_ns if config.is_file() else None
-    return list(_target_problems(json.dumps(settings, sort_keys=True), str(cfg.model.path), stamp))
-
-
-@functools.lru_cache(maxsize=16)
-def _target_problems(settings: str, path: str, stamp: Optional[int]) -> tuple[str, ...]:
-    """``lora.target_problems``, remembered per settings and model directory (and its config.json's modification
-    time): PEFT wraps the whole model on meta to find the targets, 1.7 s for a 70B directory, and ``mgpu-plan``'s
-    commands and the checks of one run ask it again for every layout."""
-    from lightning_mgpu.hf import lora
-    from lightning_mgpu.hf.module import load_causal_lm
-
-    return tuple(lora.target_problems(json.loads(settings), load_causal_lm(path, on_meta=True), path))
-
-
-@functools.lru_cache(maxsize=16)
-def _own_target_problems(settings: str, config: LlamaConfig) -> tuple[str, ...]:
-    """``lora.target_problems`` over the package's own Llama of ``config``, built on the meta device, with
-    ``all-linear`` as :class:`~lightning_mgpu.hf.lora.ModelAdapters` reads it."""
-    import torch
-
-    from lightning_mgpu.hf import lora
-    from lightning_mgpu.models.llama import Llama
-
-    with torch.device("meta"):
-        model = Llama(config)
-    return tuple(lora.target_problems(json.loads(settings), model, "the model", own=True))
+    return model_source(cfg).adapter_target_problems(settings, model)
 
 
 def plan_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:

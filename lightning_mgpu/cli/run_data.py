@@ -11,6 +11,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_mgpu.cli.model_source import model_source
 from lightning_mgpu.data.manifest import Manifest, PreparedDataError, is_prepared, read_manifest
 
 
@@ -116,17 +117,6 @@ def _prepared(path: str) -> PreparedSource:
         return PreparedSource(path, None, str(err))
 
 
-def _model_directory(cfg: DictConfig) -> Optional[tuple[str, Path]]:
-    """(the key that names it, the Hugging Face directory the model comes from), if any."""
-    if cfg.model.name == "hf" and cfg.model.get("path"):
-        return f"model.path={cfg.model.path!r}", Path(cfg.model.path)
-    if cfg.model.init_from:
-        from lightning_mgpu.hf.names import hf_path
-
-        return f"model.init_from={cfg.model.init_from!r}", hf_path(cfg.model.init_from)
-    return None
-
-
 def _find_tokenizer(cfg: DictConfig, prepared: tuple[PreparedSource, ...]) -> Optional[tuple[Path, str]]:
     """(tokenizer path, how to name it) of a run, or None for byte tokens: ``data.tokenizer``; else the
     ``tokenizer.json`` beside the weights of ``model.path`` (``model=hf``) or ``model.init_from``; else the tokenizer the first prepared source was made
@@ -134,7 +124,7 @@ def _find_tokenizer(cfg: DictConfig, prepared: tuple[PreparedSource, ...]) -> Op
     explicit = cfg.data.get("tokenizer")
     if explicit:
         return Path(explicit), f"data.tokenizer={explicit!r}"
-    directory = _model_directory(cfg)
+    directory = model_source(cfg).weights_directory()
     if directory is not None:
         from lightning_mgpu.data.tokenizer import TOKENIZER_FILE
 

@@ -30,6 +30,7 @@ from lightning_mgpu.cli.dry_run import dry_run_report
 from lightning_mgpu.cli.errors import exit_on_refusal, refusal_exits, run_rank
 from lightning_mgpu.cli.fast_exit import skip_final_garbage_collection
 from lightning_mgpu.cli.metrics_history import KeepMetricsBeforeResume
+from lightning_mgpu.cli.model_source import model_source
 from lightning_mgpu.cli.quiet import quiet_known_warnings
 from lightning_mgpu.cli.memory_check import memory_problems
 from lightning_mgpu.resilience.elastic import run_local_job
@@ -262,20 +263,14 @@ def report_timeline(strategy, step: int, run_dir: Path) -> None:
 def no_sample_reason(spec: RunSpec) -> Optional[str]:
     """Why the run prints no sample at its end, or None when it does."""
     cfg, lost = spec.config, spec.data.lost_tokenizer
-    hf_sequence_parallel = cfg.model.name == "hf" and cfg.parallel.sequence_parallel
-    if cfg.parallel.pipeline_parallel_size > 1 or cfg.parallel.context_parallel_size > 1 or hf_sequence_parallel:
-        split = "pipeline stages" if cfg.parallel.pipeline_parallel_size > 1 else \
-            "context-parallel sequence chunks" if cfg.parallel.context_parallel_size > 1 else \
-            "sequence-parallel shards (a transformers model's sample needs whole sequences)"
+    if cfg.parallel.pipeline_parallel_size > 1 or cfg.parallel.context_parallel_size > 1:
+        split = "pipeline stages" if cfg.parallel.pipeline_parallel_size > 1 else "context-parallel sequence chunks"
         return (f"generation needs the whole model and whole sequences on each rank, and this run splits them into "
                 f"{split}")
     if lost is not None:
         return (f"the tokens were prepared with the tokenizer {lost}, which is missing or changed; set "
                 "data.tokenizer=PATH to decode them")
-    if cfg.model.name == "hf" and spec.data.tokenizer is None:
-        return (f"{cfg.model.path} has no tokenizer.json and data.tokenizer is not set, so the prompt cannot be "
-                "written in this model's tokens")
-    return None
+    return model_source(cfg).no_sample_reason(bool(cfg.parallel.sequence_parallel), spec.data.tokenizer is not None)
 
 
 def generate_sample(module, spec: RunSpec) -> str:
