@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install train test benchmarks gpu-check clean
+.PHONY: install train test benchmarks measurements measurements-page gpu-check clean
 
 install: $(STAMP)
 
@@ -35,9 +35,18 @@ CPU_BENCHMARKS := overhead zero_memory tp_vs_dtensor pipeline_bubble pipeline_in
 benchmarks: install
 	set -e; for b in $(CPU_BENCHMARKS); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py; done
 
-# On one CUDA GPU: the CUDA tests and the GPU benchmarks, one table (refuses without CUDA).
+# docs/measurements.md from the sections the benchmarks wrote in docs/measurements/ (seconds; benchmarks/record.py).
+# Each benchmark run in full rewrites its own section; `make measurements` runs the CPU set first (hours on 2 cores).
+measurements-page:
+	$(PY) benchmarks/record.py
+
+measurements: benchmarks
+	$(PY) benchmarks/record.py
+
+# On one CUDA GPU: the CUDA tests and the GPU benchmarks, one table (refuses without CUDA), recorded as the page's
+# GPU section; its status is the check's.
 gpu-check: install
-	$(PY) benchmarks/gpu_check.py
+	$(PY) benchmarks/gpu_check.py; status=$$?; [ $$status = 2 ] || $(PY) benchmarks/record.py; exit $$status
 
 clean:
 	rm -rf $(VENV) outputs multirun build *.egg-info

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from record import recorded
 from smoke import SMOKE
 
 HERE = Path(__file__).resolve().parent
@@ -152,5 +153,14 @@ def main() -> int:
     return 1 if failed else 0
 
 
+def recorded_main() -> int:
+    """:func:`main`, its table written as the measurements page's GPU section where CUDA ran it, failed checks
+    included (a refusal, or the smoke mode, writes nothing)."""
+    if not torch.cuda.is_available():
+        return main()
+    with recorded(__file__, "One GPU: `make gpu-check`", about=__doc__.split("\n\nWithout CUDA")[0], markdown=True):
+        return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(recorded_main())

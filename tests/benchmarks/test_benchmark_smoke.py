@@ -99,7 +99,7 @@ FIGURES = {
 }
 #: run by gpu_check.py (its smoke table shows each ran), or not a benchmark
 COVERED = {"gpu_llama_mfu.py", "gpu_planner_check.py", "compile_blocks.py", "gpu_fp8.py", "gpu_lora_strategies.py",
-           "smoke.py", "step_timer.py"}
+           "smoke.py", "step_timer.py", "record.py"}
 
 
 def test_every_benchmark_has_a_smoke_run():
