@@ -15,8 +15,8 @@ from lightning_mgpu.layout import ParallelLayout
 
 def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any], global_rank: int,
                    replica_sync: Optional[Any] = None) -> str:
-    """One line: what the run splits (tensor-parallel parameters, context ranks, the pipeline's schedule and stages;
-    a size of 1 is left out), the ZeRO stage and replicas, and with
+    """One line: what the run splits (tensor-parallel parameters, context ranks, experts, the pipeline's schedule and
+    stages; a size of 1 is left out), the ZeRO stage and replicas, and with
     ``replica_update="local"`` the replicas' outer step (a ``lightning_mgpu.parallel.replicas.ReplicaSync``)."""
     split = [p for p in engine.module.parameters() if getattr(p, "tensor_model_parallel", False)]
     sequence = any(getattr(m, "sequence_parallel", False) for m in engine.module.modules())
@@ -26,6 +26,9 @@ def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any],
                      f"({len(split)} split parameters{', sequence parallel' if sequence else ''})")
     if layout.size("cp") > 1:
         parts.append(f"context parallel over {layout.size('cp')} ranks")
+    if layout.size("ep") > 1:
+        experts = [p for p in engine.module.parameters() if getattr(p, "expert_partition", None) is not None]
+        parts.append(f"expert parallel over {layout.size('ep')} ranks ({len(experts)} expert weights split by expert)")
     if pipeline is not None:
         stages = [stage.stage_index for stage in pipeline.stages]
         parts.append(f"pipeline {type(pipeline.schedule).__name__} over {layout.size('pp')} ranks "

@@ -28,6 +28,9 @@ def test_cli_expert_parallel_trains_validates_and_checkpoints(token_file, tmp_pa
     proc = run_cli(args, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "experts: 2 layers of 4 experts, 2 on each rank of 2 (expert parallel)" in proc.stdout + proc.stderr
+    applied = [line for line in (proc.stdout + proc.stderr).splitlines() if "applied layout: rank 0" in line]
+    # the line reads the built model: 2 layers x (w1, w2, w3), each holding 2 of its 4 experts on this rank
+    assert len(applied) == 1 and "expert parallel over 2 ranks (6 expert weights split by expert)" in applied[0]
     optim = dict(lr=3e-3, warmup_steps=2, max_steps=STEPS, min_lr_ratio=0.1, weight_decay=0.1)
     ref = moe_reference(token_file, STEPS, model=CLI_MOE, optim=optim)
     metrics = run_dir / "metrics.csv"
