@@ -121,7 +121,7 @@ def table_lines(rows: list) -> list[str]:
     lines = ["", f"{'tp':>3} {'cp':>3} {'pp':>3} {'V':>2} {'dp':>4}{' ep' if moe else ''} {'zero':>4} {'mb':>3} "
                  f"{'ckpt':>4} | {'params':>7} {'grads':>6} {'optim':>6} {'activ':>6} {'buf':>5} {'total':>6} "
                  f"{'fits':>4} | {'compute':>8} {'tp':>6} {'cp':>6}{'    a2a' if moe else ''} {'bubble':>7} "
-                 f"{'p2p':>6} {'dp':>6} {'step':>7} | {'tok/s/GPU':>9} {'MFU':>5}"]
+                 f"{'p2p':>6} {'dp':>6} {'step':>7} {'no-ovl':>7} | {'tok/s/GPU':>9} {'MFU':>5}"]
     for r in rows:
         c, m, t = r.candidate, r.memory, r.time
         lines.append(
@@ -130,10 +130,11 @@ def table_lines(rows: list) -> list[str]:
             f"{m.optimizer / GB:6.1f} {m.activations / GB:6.1f} {m.buffers / GB:5.1f} {m.total / GB:6.1f} "
             f"{'yes' if r.fits else 'no':>4} | {t.compute:8.2f} {t.tensor_parallel:6.2f} {t.context_parallel:6.2f}"
             f"{f' {t.expert_parallel:6.2f}' if moe else ''} {t.pipeline_bubble:7.2f} "
-            f"{t.pipeline_p2p:6.2f} {t.data_parallel:6.2f} {t.total:7.2f} | {t.tokens_per_second_per_gpu:9.0f} "
+            f"{t.pipeline_p2p:6.2f} {t.data_parallel:6.2f} {t.total:7.2f} {t.without_overlap:7.2f} | "
+            f"{t.tokens_per_second_per_gpu:9.0f} "
             f"{t.mfu:5.1%}")
     return lines + ["", "memory in GB per GPU; time in seconds per optimizer step; dp: the data-parallel communication "
-                        "left after overlapping it with compute" + ("; ep: expert-parallel ranks (of dp x cp), a2a: "
+                        "left after overlapping it with compute; no-ovl: the step with none of it overlapped" + ("; ep: expert-parallel ranks (of dp x cp), a2a: "
                                                                     "their token all-to-all; MFU of the active "
                                                                     "parameters" if moe else "")]
 
@@ -180,7 +181,8 @@ def configured_layout_lines(cfg: DictConfig, model, cluster: ClusterSpec, precis
                  f"{ {'full': 'full recompute', 'selective': 'selective recompute'}.get(mine.checkpointing, 'no recompute')}"
                  f"{', sequence parallel' if mine.sequence_parallel and mine.tp > 1 else ''}: "
                  f"{m.total / GB:.1f} GB per GPU on its most loaded pipeline rank ({m.activations / GB:.1f} "
-                 f"activations), step {t.total:.2f} s, MFU {t.mfu:.1%}; {verdict}"]
+                 f"activations), step {t.total:.2f} s ({t.without_overlap:.2f} s with nothing overlapped), MFU {t.mfu:.1%}; "
+                 f"{verdict}"]
     lines += volume_lines(mine, t, cluster)
     if t.experts is not None:
         lines += expert_lines(model, mine, t)

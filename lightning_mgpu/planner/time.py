@@ -80,6 +80,12 @@ class StepTimeEstimate:
                 + self.context_parallel + self.expert_parallel)
 
     @property
+    def without_overlap(self) -> float:
+        """The step if no communication ran behind compute: every term above with the hidden data-parallel
+        communication counted in full (the bound a user can hold the overlapped estimate against)."""
+        return self.total + self.data_parallel_hidden
+
+    @property
     def tokens_per_second_per_gpu(self) -> float:
         return self.tokens_per_step / self.total / self.world_size
 

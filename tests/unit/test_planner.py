@@ -100,6 +100,7 @@ def test_overlap_hides_data_parallel_communication_behind_compute_up_to_its_leng
         assert plain.data_parallel_hidden == 0.0
         assert hidden.data_parallel + hidden.data_parallel_hidden == pytest.approx(plain.data_parallel)
         assert hidden.compute == plain.compute and hidden.total <= plain.total
+        assert hidden.without_overlap == pytest.approx(plain.total)  # the bound mgpu-plan prints beside the step
         n = 16 // (kw["tp"] * kw["pp"])  # ring collectives over the data-parallel ranks, across the two nodes
         ring = {"all_reduce": 2 * (n - 1) / n, "reduce_scatter": (n - 1) / n, "all_gather": (n - 1) / n}
         moved = {op: sum(b for (axis, o), b in plain.volume.items() if axis == "dp_cp" and o == op) * share
