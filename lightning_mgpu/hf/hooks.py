@@ -23,6 +23,7 @@ from lightning_mgpu.hf.context import apply_context_parallel
 from lightning_mgpu.hf.expert_parallel import apply_hf_expert_parallel
 from lightning_mgpu.hf.loss import causal_lm_loss
 from lightning_mgpu.hf.model import HFModel, find_hf_model
+from lightning_mgpu.hf.router_loss import last_stage_loss, wire_router_loss
 from lightning_mgpu.hf.stages import HFStage, hf_stages
 from lightning_mgpu.hf.tensor_plan import hf_tp_plan
 from lightning_mgpu.layout import ModelShape, ParallelLayout
@@ -65,8 +66,12 @@ class HFHooks:
         return apply_context_parallel(self.found, group, rank, size)
 
     def expert_parallel(self, layout: ParallelLayout) -> list[str]:
-        """Splits the model's routed experts over the expert-parallel ranks (:mod:`lightning_mgpu.hf.expert_parallel`)."""
-        return apply_hf_expert_parallel(self.found, layout)
+        """Splits the model's routed experts over the expert-parallel ranks (:mod:`lightning_mgpu.hf.expert_parallel`)
+        and forms its load-balancing loss over the tokens and stages the layout splits
+        (:mod:`lightning_mgpu.hf.router_loss`)."""
+        notes = apply_hf_expert_parallel(self.found, layout)
+        wire_router_loss(self.found, layout)
+        return notes
 
     def pipeline_stages(self, stage_ids: list[int], num_stages: int,
                         boundaries: Optional[list[int]] = None) -> nn.ModuleDict:
@@ -103,9 +108,12 @@ class HFHooks:
         extra = () if read.attention_mask is None else (read.attention_mask,)
         return (read.ids, positions, *extra), labels
 
-    def pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The model's own causal-LM loss of one micro-batch on the last stage."""
-        return self.found.model.loss_function(logits=logits, labels=labels, vocab_size=self.found.config.vocab_size)
+    def pipeline_loss(self, logits: Any, labels: torch.Tensor) -> torch.Tensor:
+        """The model's own causal-LM loss of one micro-batch on the last stage (and its load-balancing loss, where the
+        stage formed one: :func:`last_stage_loss`)."""
+        model = self.found.model
+        return last_stage_loss(model, logits, lambda out: model.loss_function(logits=out, labels=labels,
+                                                                               vocab_size=self.found.config.vocab_size))
 
     def _pipelined_forward(self, input_ids: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
                            attention_mask: Optional[torch.Tensor] = None, position_ids: Optional[torch.Tensor] = None,

@@ -26,6 +26,7 @@ from torch import nn
 from lightning_mgpu.hf.decoder import DecoderParts
 from lightning_mgpu.hf.documents import position_arguments
 from lightning_mgpu.hf.model import HFModel
+from lightning_mgpu.hf.router_loss import ATTRIBUTE, RouterLoss
 from lightning_mgpu.layout import stage_count_problems, tied_embedding_problems
 from lightning_mgpu.models.llama_plan import balanced_boundaries, boundary_problems
 from lightning_mgpu.problems import format_problems
@@ -74,14 +75,20 @@ class HFStage(nn.Module):
         if self.last:
             self.add_module(self.head_name, view._modules[self.head_name])
         self._view = [view]  # in a list: the view is not a submodule (its parameters are the stage's own)
+        self.router: Optional[RouterLoss] = getattr(found.model, ATTRIBUTE, None)
 
-    def forward(self, x: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                padding: Optional[torch.Tensor] = None) -> Any:
-        """Logits on the last stage, hidden states elsewhere. ``positions`` (``[batch, seq]``) are the model's
-        ``position_ids``; without a ``padding`` mask a break in them (not one more than the token before) starts a
-        document that attends only to itself, as ``transformers`` reads packed ``position_ids``; with one, the model
-        masks the padding itself. A stage that is not the last hands ``(hidden states, positions[, padding])`` on: they
-        are ``seq`` times smaller than the mask each stage builds."""
+    def forward(self, x: torch.Tensor, *received: torch.Tensor) -> Any:
+        """Logits on the last stage, hidden states elsewhere. After ``x`` come ``positions`` (``[batch, seq]``, the
+        model's ``position_ids``; without a ``padding`` mask a break in them (not one more than the token before)
+        starts a document that attends only to itself, as ``transformers`` reads packed ``position_ids``; with one, the
+        model masks the padding itself) and ``padding``, where given. A stage that is not the last hands ``(hidden
+        states, positions[, padding])`` on: they are ``seq`` times smaller than the mask each stage builds. Where the
+        model forms its load-balancing loss (:mod:`lightning_mgpu.hf.router_loss`), every stage but the first receives
+        and every stage but the last hands on its running sums last, and the last stage gives ``(logits, that loss)``."""
+        router, sums = self.router, None
+        if router is not None and not self.first:
+            received, sums = received[:-2], tuple(received[-2:])
+        positions, padding = (*received, None, None)[:2]
         given = {"input_ids": x} if self.first else {"inputs_embeds": x}
         if positions is not None and padding is None:
             dtype = x.dtype if x.is_floating_point() else next(self.parameters()).dtype
@@ -89,11 +96,19 @@ class HFStage(nn.Module):
         elif positions is not None:
             given.update(position_ids=positions, attention_mask=padding)
         if not self.last:
-            hidden = getattr(self, self.base_name)(**given, use_cache=False).last_hidden_state
-            return (hidden, *(t for t in (positions, padding) if t is not None)) if positions is not None else hidden
+            out = getattr(self, self.base_name)(**given, use_cache=False)
+            handed = (out.last_hidden_state, *(t for t in (positions, padding) if t is not None))
+            if router is not None:
+                handed += router.statistics(out.router_logits, padding, sums or router.zeros(x.device))
+            return handed if len(handed) > 1 else handed[0]
         view = self._view[0]
         view._modules[self.head_name] = getattr(self, self.head_name)  # the head a tensor-parallel plan swapped in
-        return type(view).forward(view, **given, use_cache=False).logits
+        if router is None:
+            return type(view).forward(view, **given, use_cache=False).logits
+        # the model forms no loss of its own on a stage's layers (the decoder still captures their router logits)
+        out = type(view).forward(view, **given, use_cache=False, output_router_logits=False)
+        aux = router.loss(*router.statistics(out.router_logits, padding, sums or router.zeros(x.device)))
+        return out.logits, aux.reshape(1)  # one dimension: the schedule concatenates the micro-batches' outputs
 
 
 def _stage_config(config: object, start: int, end: int) -> object:

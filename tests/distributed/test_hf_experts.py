@@ -88,6 +88,9 @@ class Seen(L.Callback):
         self.batches.append(batch.clone())
         self.losses.append(float(outputs["loss"] if isinstance(outputs, dict) else outputs))
         self.grad_norms.append(trainer.strategy.last_grad_norm)
+        router, pipeline = getattr(module.llm, "mgpu_router_loss", None), trainer.strategy.pipeline
+        if router is not None and pipeline is not None and pipeline.has_last:  # the step's micro-batches, in order
+            module.aux_losses += [float(v) for v in list(router.values)[-pipeline.n_microbatches:]]
 
 
 def fit_routed(rank: int, devices: int, family: str = "qwen3_moe", n_layers: int = 2, aux: bool = True,
@@ -107,8 +110,9 @@ def fit_routed(rank: int, devices: int, family: str = "qwen3_moe", n_layers: int
 
 
 def reference(family: str, n_layers: int, aux: bool, micro_batches: list[list[torch.Tensor]]) -> dict:
-    """One process, transformers' own experts: per step the mean of the data ranks' micro-batch losses (and
-    auxiliary losses), the global gradient norm before clipping at ``CLIP``, torch's AdamW."""
+    """One process, transformers' own experts: per step the mean of the micro-batches' losses (one call of the model
+    each: the data ranks' batches, and under pipeline stages each pipeline micro-batch of them), their auxiliary losses,
+    the global gradient norm before clipping at ``CLIP``, torch's AdamW."""
     model = routed_model(family, n_layers, aux)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
     losses, norms, auxes = [], [], []
@@ -124,10 +128,11 @@ def reference(family: str, n_layers: int, aux: bool, micro_batches: list[list[to
     return {"losses": losses, "grad_norms": norms, "aux": auxes}
 
 
-def micro_batches(results: list[dict]) -> list[list[torch.Tensor]]:
-    """Each step's micro-batches, one per data-parallel coordinate, in dp order."""
+def micro_batches(results: list[dict], pieces: int = 1) -> list[list[torch.Tensor]]:
+    """Each step's micro-batches, in dp order, each data-parallel coordinate's batch cut into ``pieces`` (the pipeline
+    micro-batches)."""
     by_dp = {r["coords"]["dp"]: r["batches"] for r in sorted(results, key=lambda r: r["rank"])}
-    return [[by_dp[d][step] for d in sorted(by_dp)] for step in range(STEPS)]
+    return [[part for d in sorted(by_dp) for part in by_dp[d][step].tensor_split(pieces)] for step in range(STEPS)]
 
 
 #: name -> (ranks, run arguments). Runs of one world size share one launch; between them every ZeRO stage.
@@ -137,11 +142,11 @@ RUNS = {
     "mixtral_ep2_zero2": (2, dict(family="mixtral", expert_parallel_size=2, zero_stage=2)),
     "gpt_oss_ep2_zero1": (2, dict(family="gpt_oss", expert_parallel_size=2, zero_stage=1)),
     "deepseek_v3_ep2_zero0": (2, dict(family="deepseek_v3", expert_parallel_size=2, zero_stage=0, aux=False)),
-    "ep2_cp2": (2, dict(expert_parallel_size=2, context_parallel_size=2, zero_stage=1, aux=False)),
-    "ep2_tp2_sp_zero0": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, zero_stage=0,
-                                 aux=False)),
-    "ep2_pp2_1f1b": (4, dict(expert_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2, zero_stage=1,
-                             aux=False)),
+    "ep2_cp2": (2, dict(expert_parallel_size=2, context_parallel_size=2, zero_stage=1)),
+    "pp2_zbv": (2, dict(n_layers=4, pipeline_parallel_size=2, pipeline_schedule="zbv", virtual_pipeline_size=2,
+                        num_microbatches=2, zero_stage=1)),
+    "ep2_tp2_sp_zero0": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, zero_stage=0)),
+    "ep2_pp2_1f1b": (4, dict(expert_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2, zero_stage=1)),
 }
 #: Each expert layer's local experts (half of 8, each whole) by family: the weights' shapes; and the router's weight.
 LOCAL = {"qwen3_moe": {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)},
@@ -165,24 +170,28 @@ def launch(ranks: int) -> dict[str, list[dict]]:
 def test_expert_parallel_equals_one_process(name):
     ranks, kw = RUNS[name]
     results = launch(ranks)[name]
-    family, aux = kw.get("family", "qwen3_moe"), kw.get("aux", True)
-    expected = reference(family, 2, aux, micro_batches(results))
-    pp = kw.get("pipeline_parallel_size", 1)
+    family, aux, n_layers = kw.get("family", "qwen3_moe"), kw.get("aux", True), kw.get("n_layers", 2)
+    pp, ep = kw.get("pipeline_parallel_size", 1), kw.get("expert_parallel_size", 1)
+    pieces = kw.get("num_microbatches", 1) if pp > 1 else 1
+    expected = reference(family, n_layers, aux, micro_batches(results, pieces))
     for r in results:
         shapes = {n.removeprefix("llm."): s for n, s in r["shapes"].items()}
         held = sorted({int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.")})
-        assert len(held) == 2 // pp
-        for layer in set(held) & set(EXPERT_LAYERS.get(family, [0, 1])):  # half the experts, each whole
+        assert len(held) == n_layers // pp
+        for layer in set(held) & set(EXPERT_LAYERS.get(family, [0, 1])) if ep > 1 else ():  # half the experts, whole
             block = f"model.layers.{layer}.mlp"
             assert {w: shapes[f"{block}.experts.{w}"] for w in LOCAL[family]} == LOCAL[family]
             assert shapes[f"{block}.{ROUTER.get(family, 'gate.weight')}"] == (EXPERTS, 32)  # it sees every expert
-        assert r["implementation"] == "mgpu_expert_parallel"
+        assert (r["implementation"] == "mgpu_expert_parallel") == (ep > 1)
         assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5, (name, r["losses"], expected["losses"])
         assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5, (name, r["grad_norms"],
                                                                               expected["grad_norms"])
-        if aux:  # the model's load-balancing loss of this rank's micro-batch: the router's statistics
-            assert max_abs_diff(r["aux"], [step[r["coords"]["dp"]] for step in expected["aux"]]) < 1e-5, (
-                name, r["aux"], expected["aux"])
+        if aux and (pp == 1 or r["aux"]):  # the model's load-balancing loss of each of this rank's micro-batches
+            dp = r["coords"]["dp"]
+            mine = [a for step in expected["aux"] for a in step[dp * pieces:(dp + 1) * pieces]]
+            assert len(r["aux"]) == len(mine) and max_abs_diff(r["aux"], mine) < 1e-5, (name, r["aux"], mine)
+    if aux and pp > 1:  # under pipeline stages the last stage's ranks form it: one such rank per data coordinate
+        assert len([r for r in results if r["aux"]]) == ranks // pp // kw.get("tensor_parallel_size", 1)
 
 
 def test_a_load_balancing_loss_the_layout_would_leave_out_or_count_in_parts_is_refused():
