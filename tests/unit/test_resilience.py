@@ -102,3 +102,19 @@ def test_the_fault_matrix_spec_acts_in_the_right_attempt_and_names_every_bad_ent
     said = str(refused.value)
     assert all(f"MGPU_FAULT={bad!r}" in said for bad in ("SIGKILL@lunch:1:3", "boom@backward:0:1", "raise@save:x:1"))
     assert "e.g. MGPU_FAULT=SIGKILL@collective:1:3" in said
+
+
+def test_gradients_are_finite_exactly_when_every_element_is():
+    """The step guard's check sums each gradient first: finite elements whose sum overflows fp32 (2 x 3e38) are
+    finite, and a NaN or an infinity anywhere, or infinities of both signs whose sum is NaN, are not."""
+    from lightning_mgpu.resilience.step_guard import _gradients_finite
+
+    p, q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.SGD([p, q], lr=0.1)
+    p.grad, q.grad = torch.tensor([3e38, 3e38, -1.0, 0.0]), torch.ones(3)
+    assert _gradients_finite(optimizer)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        q.grad = torch.tensor([1.0, bad, 1.0])
+        assert not _gradients_finite(optimizer), bad
+    p.grad, q.grad = torch.tensor([float("inf"), -float("inf"), 0.0, 0.0]), torch.ones(3)
+    assert not _gradients_finite(optimizer)
