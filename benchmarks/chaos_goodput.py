@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from cli_helpers import TINY_ARGS  # noqa: E402
 from forked_cli import popen_cli  # noqa: E402
 from helpers import make_token_file  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import SMOKE, sized  # noqa: E402
 
 from lightning_mgpu.checkpoint.universal import read_model_weights  # noqa: E402
@@ -258,4 +259,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
+    # the section is the default run's; --steps/--gaps variants (the restart buckets' section) write none
+    variant = any(arg.startswith(("--steps", "--gaps")) for arg in sys.argv[1:])
+    with recorded(__file__, "Goodput under chaos with every bucket", about=__doc__, when=not variant):
+        main()
