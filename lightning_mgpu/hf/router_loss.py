@@ -87,9 +87,10 @@ def router_loss_problems(found: HFModel, layout: ParallelLayout) -> list[Problem
         ("pipeline_parallel_size", layout.size("pp"), layout.size("pp") > 1),
         ("context_parallel_size", layout.size("cp"), layout.size("cp") > 1),
         ("sequence_parallel", True, layout.sequence_parallel)) if on]
-    return [Problem("output_router_logits", True, f"{name} does not compute its load-balancing loss as transformers' "
-                    f"mixtures of experts do ({', '.join(MODEL_ATTRIBUTES)} and load_balancing_loss_func), so it cannot "
-                    f"be formed over the tokens and layers that {' and '.join(axes)} split",
+    return [Problem("output_router_logits", True, f"with {name}: its load-balancing loss is not formed as "
+                    f"transformers' mixtures of experts form it ({', '.join(MODEL_ATTRIBUTES)} and "
+                    f"load_balancing_loss_func), so it cannot be formed over the tokens and layers that "
+                    f"{' and '.join(axes)} split",
                     "set the model's config.output_router_logits=False, or a layout without "
                     f"{', '.join(a.split('=')[0] for a in axes)}")]
 

@@ -6,12 +6,14 @@ Mixtral (ZeRO-2); gpt-oss (expert biases, its clamped gate, attention sinks; ZeR
 layer, a shared expert, group-limited routing; ZeRO-0).
 
 Each rank holds half the routed experts (local shapes asserted), tokens travel by all-to-all, and the model's router,
-top-k, normalisation and load-balancing loss (``output_router_logits=True``, coefficient 0.1; off where the layout
-splits sequences or stages, which refuse it) are its own. The reference is one process running the same model from
-the same weights, written here as a plain loop: each data rank's micro-batch through the model with transformers' own
-experts, the mean of their losses (what data parallelism computes: the model's auxiliary loss counts each
-micro-batch's tokens), the global gradient norm before clipping. Loss, gradient norm and the model's auxiliary loss
-(the router's statistics) each step within 1e-5."""
+top-k, normalisation and load-balancing loss (``output_router_logits=True``, coefficient 0.1) are its own; where the
+layout splits sequences (cp2, SP) or layers (pp2 under 1F1B, and ZBV without experts split: a V schedule) the loss is
+formed over the whole micro-batch and every layer (``lightning_mgpu.hf.router_loss``). The reference is one process
+running the same model from the same weights, written here as a plain loop: one call of the model with
+transformers' own experts per micro-batch (each data rank's batch, under pipeline stages each pipeline micro-batch of
+it), the mean of their losses (what data parallelism computes: the model's auxiliary loss counts each call's tokens),
+the global gradient norm before clipping. Loss, gradient norm and the model's auxiliary loss (the router's statistics)
+each step within 1e-5; under pipeline stages the auxiliary losses are those the last stage formed."""
 
 from __future__ import annotations
 
@@ -27,9 +29,6 @@ from hf_helpers import CLIP, LR, MICRO, VOCAB, token_ids
 from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUStrategy, parameter_shape
-from lightning_mgpu.hf import find_hf_model
-from lightning_mgpu.hf.router_loss import router_loss_problems
-from lightning_mgpu.layout import LayoutRequest
 from lightning_mgpu.testing import run_distributed
 
 EXPERTS = 8
@@ -192,23 +191,3 @@ def test_expert_parallel_equals_one_process(name):
             assert len(r["aux"]) == len(mine) and max_abs_diff(r["aux"], mine) < 1e-5, (name, r["aux"], mine)
     if aux and pp > 1:  # under pipeline stages the last stage's ranks form it: one such rank per data coordinate
         assert len([r for r in results if r["aux"]]) == ranks // pp // kw.get("tensor_parallel_size", 1)
-
-
-def test_a_load_balancing_loss_the_layout_would_leave_out_or_count_in_parts_is_refused():
-    """The model adds its load-balancing loss in its causal LM's forward (which pipeline stages do not run) over the
-    tokens that call saw (under context or sequence parallelism a part of each sequence: measured at cp2 x ep2 3e-3
-    from one process in loss, and tp2 + SP ranks' losses differ from each other). Every such axis named at once."""
-    found = find_hf_model(RoutedLM("qwen3_moe", 2, aux=True))
-    layout = LayoutRequest(tensor_parallel_size=2, pipeline_parallel_size=2, context_parallel_size=2,
-                           sequence_parallel=True).build(8)
-    fix = "set the model's config.output_router_logits=False (no load-balancing loss), or "
-    counted = ("with output_router_logits=True: Qwen3MoeForCausalLM's load-balancing loss would count each rank's part "
-               "of the sequence only, not the whole sequence as one process does; ")
-    assert [str(p) for p in router_loss_problems(found, layout)] == [
-        "pipeline_parallel_size=2 with output_router_logits=True: Qwen3MoeForCausalLM adds its load-balancing loss in "
-        "its forward from every layer's router logits, which pipeline stages do not run, so the loss would be left "
-        f"out; {fix}pipeline_parallel_size=1",
-        f"context_parallel_size=2 {counted}{fix}context_parallel_size=1",
-        f"sequence_parallel=True {counted}{fix}sequence_parallel=False"]
-    assert router_loss_problems(found, LayoutRequest(tensor_parallel_size=2, expert_parallel_size=2).build(4)) == []
-    assert router_loss_problems(find_hf_model(RoutedLM("qwen3_moe", 2, aux=False)), layout) == []
