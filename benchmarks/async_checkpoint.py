@@ -28,6 +28,7 @@ from lightning_mgpu.callbacks import PeriodicCheckpoint  # noqa: E402
 from lightning_mgpu.data import TokenFileDataModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 MODELS = {"tiny": LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=256),
@@ -67,4 +68,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Checkpoints in the background", about=__doc__):
+        main()

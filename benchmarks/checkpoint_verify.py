@@ -28,6 +28,7 @@ from lightning_mgpu.checkpoint import store  # noqa: E402
 from lightning_mgpu.data import TokenFileDataModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 
 MODELS = {"tiny": LlamaConfig(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=192, vocab_size=256),
           "100M": LlamaConfig(dim=768, n_layers=14, n_heads=12, n_kv_heads=4, ffn_hidden=2048, vocab_size=8192,
@@ -103,4 +104,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Checkpoint verification", about=__doc__):
+        main()

@@ -23,6 +23,7 @@ from lightning_mgpu import MGPUStrategy  # noqa: E402
 from lightning_mgpu.callbacks.comm import CommunicationCounter  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 from step_timer import QuietLLMModule, Timer  # noqa: E402
 
@@ -62,4 +63,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    main()
+    with recorded(__file__, "The communication counter's cost", about=__doc__):
+        main()

@@ -24,6 +24,7 @@ torch.set_num_threads(1)
 
 from lightning_mgpu import LLMModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import SMOKE, sized  # noqa: E402
 
 MODEL = sized(LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=768, vocab_size=1024,
@@ -66,4 +67,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Compiled blocks", about=__doc__, when=not CUDA):
+        main()

@@ -25,6 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from lightning_mgpu.models import Llama, LlamaConfig  # noqa: E402
 from lightning_mgpu.parallel.context import apply_context_parallel, shard_sequence  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 MODEL = sized(LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=2, ffn_hidden=768, vocab_size=1024,
@@ -83,4 +84,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Context parallelism", about=__doc__):
+        main()

@@ -18,6 +18,7 @@ torch.set_num_threads(1)
 
 from lightning_mgpu import LLMModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 EOD = 0
@@ -71,4 +72,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Packed-document mask", about=__doc__):
+        main()

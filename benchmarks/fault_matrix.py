@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from cli_helpers import BIN, RESTARTABLE, cli_args  # noqa: E402
 from forked_cli import run_cli  # noqa: E402
 from helpers import make_token_file  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import SMOKE  # noqa: E402
 
 from lightning_mgpu.checkpoint.universal import read_model_weights  # noqa: E402
@@ -181,4 +182,5 @@ if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # reading the final checkpoints in this one process, as intended
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    main()
+    with recorded(__file__, "The fault matrix", about=__doc__, when=not sys.argv[1:]):
+        main()

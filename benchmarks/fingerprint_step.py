@@ -27,6 +27,7 @@ from lightning_mgpu.data import TokenFileDataModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.resilience import SilentCorruptionCheck  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 MODEL = sized(LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=256,
@@ -82,4 +83,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Silent corruption check per step, in a live run", about=__doc__):
+        main()

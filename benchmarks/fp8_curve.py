@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the ti
 
 from helpers import GLOBAL_BATCH, OPTIM, TINY, fit, make_token_file  # noqa: E402
 from moe_helpers import TINY_MOE  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 from lightning_mgpu import LLMModule, MGPUPrecision  # noqa: E402
@@ -101,4 +102,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    main()
+    with recorded(__file__, "fp8 on each layout over 100 steps", about=__doc__):
+        main()

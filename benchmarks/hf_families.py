@@ -27,6 +27,7 @@ import transformers  # noqa: E402
 import hf_helpers  # noqa: E402
 from helpers import in_turn, max_abs_diff  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 #: family -> its tiny config with the shape ``hf_helpers`` gives (a padding row where the family sets one: in the
@@ -98,4 +99,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    main()
+    with recorded(__file__, "Twenty-four `transformers` families as they are", about=__doc__):
+        main()

@@ -27,6 +27,7 @@ from lightning_mgpu import MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
 from step_timer import QuietLLMModule, Timer  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 DIM, LAYERS, HEADS, KV, FFN, VOCAB = sized((256, 4, 8, 4, 768, 256), (32, 2, 4, 2, 64, 64))
@@ -83,4 +84,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    main()
+    with recorded(__file__, "A Hugging Face model as it is", about=__doc__):
+        main()

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from lightning_mgpu import MGPUStrategy  # noqa: E402
 from lightning_mgpu.testing import reset_peak_resident, resident_bytes, run_distributed  # noqa: E402
 from step_timer import Timer  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 DIM, LAYERS, HEADS, FFN, VOCAB = sized((256, 4, 8, 768, 1024), (32, 2, 4, 64, 64))
@@ -99,4 +100,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    main()
+    with recorded(__file__, "LoRA against full fine-tuning: step time and memory", about=__doc__):
+        main()

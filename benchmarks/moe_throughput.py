@@ -25,6 +25,7 @@ from lightning_mgpu.models import Llama, LlamaConfig  # noqa: E402
 from lightning_mgpu.parallel import experts  # noqa: E402
 from lightning_mgpu.planner.experts import all_to_all_bytes  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 MODEL = sized(LlamaConfig(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=256, vocab_size=1024,
@@ -75,4 +76,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Mixture of experts on CPU", about=__doc__):
+        main()

@@ -28,6 +28,7 @@ from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
 from step_timer import QuietLLMModule, Timer  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import SMOKE, sized  # noqa: E402
 
 DIM, LAYERS, HEADS, KV, FFN, VOCAB = sized((256, 4, 8, 4, 768, 256), (32, 2, 4, 2, 64, 64))
@@ -100,4 +101,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    main()
+    with recorded(__file__, "Muon against AdamW", about=__doc__):
+        main()

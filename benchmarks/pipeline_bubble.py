@@ -26,6 +26,7 @@ from helpers import TINY, fit, make_token_file  # noqa: E402
 from lightning_mgpu.layout import SCHEDULES, layout_problems, theoretical_bubble  # noqa: E402
 from lightning_mgpu.parallel.timeline import bubble_fraction, message_waits, replayed_bubble, start_delays  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 MODEL = sized(replace(TINY, dim=256, n_heads=8, n_kv_heads=4, ffn_hidden=768, n_layers=8, max_seq_len=256),
@@ -78,4 +79,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Pipeline bubble", about=__doc__):
+        main()

@@ -26,6 +26,7 @@ from lightning_mgpu.layout import SCHEDULES  # noqa: E402
 from lightning_mgpu.parallel.timeline import chunks_in_flight  # noqa: E402
 from lightning_mgpu.planner.memory import in_flight_chunks  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 MODEL = replace(TINY, n_layers=sized(8, 4))
@@ -52,4 +53,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded(__file__, "Pipeline chunks in flight", about=__doc__, markdown=True):
+        sys.exit(main())

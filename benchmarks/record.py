@@ -37,7 +37,7 @@ REQUIRED = ("title", "command", "commit", "machine", "date")
 #: The page's sections, in order (each a fragment's file name without ``.md``). A new benchmark adds its name here.
 ORDER = (
     # step time and overheads
-    "overhead", "tp_vs_dtensor", "hf_step_time", "tp_vs_hf_tp", "vs_deepspeed_strategy", "comm_count",
+    "overhead", "tp_vs_dtensor", "hf_step_time", "tp_vs_hf_tp", "vs_deepspeed_strategy", "comm_volume", "comm_count",
     "compile_blocks", "document_mask", "action_labels",
     # memory
     "setup_memory", "memory_factors", "selective_checkpointing",
@@ -46,9 +46,9 @@ ORDER = (
     # the planner
     "planner_calibration", "whole_run_plan", "dry_run_405b", "dry_run_moe",
     # precision and optimizers
-    "muon_step", "fp8_curve", "fp8_steps", "fp8_vs_bf16", "bf16_zero0",
+    "muon_step", "muon_quality", "fp8_curve", "fp8_steps", "fp8_vs_bf16", "bf16_zero0",
     # transformers models and fine-tuning
-    "hf_families", "lora_memory", "lora_step",
+    "hf_families", "lora_memory", "lora_checkpoints", "lora_step",
     # data
     "prepare_throughput", "sft_data", "sft_step_time",
     # failures and checkpoints
@@ -212,6 +212,7 @@ def description(doc: Optional[str]) -> str:
 def fragment_text(title: str, command: str, about: str, output: str, markdown: bool,
                   anchor: Optional[str] = None) -> str:
     """A fragment's file: header, description and the run's output (its headings under the section's)."""
+    output = output.strip("\n")
     if markdown:
         output = re.sub(r"^(#{1,3}) ", lambda m: "#" * (len(m.group(1)) + 2) + " ", output, flags=re.M)
     else:
@@ -223,11 +224,13 @@ def fragment_text(title: str, command: str, about: str, output: str, markdown: b
 
 
 @contextlib.contextmanager
-def recorded(script: str, title: str, about: Optional[str] = None, markdown: bool = False) -> Iterator[None]:
+def recorded(script: str, title: str, about: Optional[str] = None, markdown: bool = False,
+             when: bool = True) -> Iterator[None]:
     """Run the body (a benchmark's ``main()``), print as usual, and write what it printed as the section ``title`` of
     ``docs/measurements/<script's name>.md``, if it ends without an error (``sys.exit(0)`` counts as one) and was not
-    a ``--smoke`` run. ``markdown``: the output is markdown (tables) rather than text to show as it is."""
-    if "--smoke" in sys.argv[1:]:
+    a ``--smoke`` run. ``markdown``: the output is markdown (tables) rather than text to show as it is. ``when``:
+    False for a variant of the run that is not the section's (one case of it, another device), which writes nothing."""
+    if "--smoke" in sys.argv[1:] or not when:
         yield
         return
     tee, stdout = _Tee(sys.stdout), sys.stdout

@@ -26,6 +26,7 @@ from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.data import StdlibCorpusDataModule  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 WORLD = 4
@@ -97,4 +98,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded(__file__, "Replica updates", about=__doc__, when="--only" not in sys.argv[1:]):
+        sys.exit(main())

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 from lightning_mgpu.resilience.fingerprint import fingerprints  # noqa: E402
@@ -56,4 +57,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Step guard and silent corruption check", about=__doc__):
+        main()

@@ -22,6 +22,7 @@ import torch
 
 from lightning_mgpu.models import LlamaConfig
 from lightning_mgpu.testing import rank_memory_bound, run_distributed, setup_and_first_step_peaks
+from record import recorded
 
 GB = 1e9
 
@@ -66,4 +67,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded(__file__, "Setup memory per rank", about=__doc__, when=not sys.argv[1:]):
+        sys.exit(main())

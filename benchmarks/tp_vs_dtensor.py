@@ -37,6 +37,7 @@ from torch.utils.data import DataLoader, Dataset  # noqa: E402
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 MODEL = sized(LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=768, vocab_size=4096,
@@ -169,4 +170,5 @@ def main() -> None:
     sys.stdout.flush()
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Tensor parallelism against DTensor", about=__doc__):
+        main()

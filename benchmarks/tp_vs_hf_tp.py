@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from lightning_mgpu import MGPUStrategy  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 from step_timer import Timer  # noqa: E402
 
@@ -124,4 +125,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    main()
+    with recorded(__file__, "Tensor parallel 2 against transformers' own", about=__doc__):
+        main()
