@@ -15,6 +15,10 @@ times the all-reduce of a dense MLP's output, the price of not summing router gr
 
 The balancing losses' statistics are summed over the context ranks (the rest of each sequence), and for
 ``aux_loss="global_batch"`` over every data x context rank.
+
+Collectives issued while autograd runs a backward pass go over ``backward_groups`` where a twin of the group is set
+there (``lightning_mgpu.parallel.pipeline_overlap`` sets them, so that a forward and a backward running at once on two
+threads never share a group: each group's collectives then come from one thread, in the schedule's order).
 """
 
 from __future__ import annotations
@@ -45,6 +49,16 @@ class ExpertWiring(MoEWiring):
         self.tp_group = layout.group("tp")
         self.C, self.cp_group = layout.size("cp"), layout.group("cp")
         self.D, self.dp_cp_group = layout.size("dp_cp"), layout.group("dp_cp")
+        #: A twin of ``ep``/``dp_cp``'s group used inside backward passes (empty: the same groups everywhere).
+        self.backward_groups: dict[str, Any] = {}
+
+    def _group(self, axis: str) -> Any:
+        """``axis``'s group, or its twin from ``backward_groups`` while autograd runs a backward (a recomputed
+        forward under activation checkpointing included)."""
+        own = self.ep_group if axis == "ep" else self.dp_cp_group
+        if self.backward_groups and torch._C._current_graph_task_id() != -1:
+            return self.backward_groups.get(axis, own)
+        return own
 
     def statistics_ranks(self, aux_loss: str) -> int:
         return self.D if aux_loss == "global_batch" else self.C
@@ -52,7 +66,7 @@ class ExpertWiring(MoEWiring):
     def sum_statistics(self, t: torch.Tensor, aux_loss: str) -> torch.Tensor:
         if self.statistics_ranks(aux_loss) == 1:
             return t
-        return ReduceFromRegion.apply(t, self.dp_cp_group if aux_loss == "global_batch" else self.cp_group)
+        return ReduceFromRegion.apply(t, self._group("dp_cp") if aux_loss == "global_batch" else self.cp_group)
 
     def router_input(self, x: torch.Tensor) -> torch.Tensor:
         return ScaleGradient.apply(x, 1.0 / self.T) if self.T > 1 else x
@@ -62,9 +76,9 @@ class ExpertWiring(MoEWiring):
             return tokens, counts, None
         sent = counts.view(self.Ep, self.local)
         received = torch.empty_like(sent)
-        dist.all_to_all_single(received, sent, group=self.ep_group)  # [source rank, local expert] counts
+        dist.all_to_all_single(received, sent, group=self._group("ep"))  # [source rank, local expert] counts
         send_splits, recv_splits = sent.sum(1).tolist(), received.sum(1).tolist()
-        arrived = _all_to_all(tokens, recv_splits, send_splits, self.ep_group)
+        arrived = self._all_to_all(tokens, recv_splits, send_splits)
         # Rows arrive grouped by source rank, then expert: regroup them by expert, then source rank.
         expert_of_row = torch.arange(self.local, device=tokens.device).repeat(self.Ep)
         expert_of_row = torch.repeat_interleave(expert_of_row, received.flatten(), output_size=arrived.shape[0])
@@ -79,7 +93,12 @@ class ExpertWiring(MoEWiring):
             return outputs
         order, send_splits, recv_splits, _ = handle
         back = outputs[torch.argsort(order)]  # as the rows arrived
-        return _all_to_all(back, send_splits, recv_splits, self.ep_group)
+        return self._all_to_all(back, send_splits, recv_splits)
+
+    def _all_to_all(self, x: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        if not self.backward_groups:
+            return _all_to_all(x, output_splits, input_splits, self._group("ep"))
+        return _TwinAllToAll.apply(x, output_splits, input_splits, self)
 
     def expert_output(self, y: torch.Tensor) -> torch.Tensor:
         return ReduceFromRegion.apply(y, self.tp_group) if self.T > 1 else y
@@ -97,6 +116,26 @@ def _all_to_all(x: torch.Tensor, output_splits: list[int], input_splits: list[in
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
 
     return wait_tensor(all_to_all_single_autograd(x.contiguous(), output_splits, input_splits, group))
+
+
+class _TwinAllToAll(torch.autograd.Function):
+    """:func:`_all_to_all` whose gradient's exchange picks its group when backward runs (the twin). Written here
+    because ``all_to_all_single_autograd`` sends the gradient over the group its forward used."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                wiring: ExpertWiring) -> torch.Tensor:
+        ctx.splits, ctx.wiring = (output_splits, input_splits), wiring
+        out = x.new_empty((sum(output_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=wiring._group("ep"))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        output_splits, input_splits = ctx.splits
+        out = grad.new_empty((sum(input_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), input_splits, output_splits, group=ctx.wiring._group("ep"))
+        return out, None, None, None
 
 
 def apply_expert_parallel(module: nn.Module, layout: ParallelLayout) -> list[str]:
