@@ -39,6 +39,7 @@ from torch.distributed.pipelining.schedules import (
 from lightning_mgpu.engine import deferred_grad_reduction
 from lightning_mgpu.models.moe import moe_layers, shapes_only
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.pipeline_overlap import OverlappedForwardBackward, overlap_for
 from lightning_mgpu.parallel.timeline import ACTION_METHODS, PipelineTimeline
 
 SCHEDULE_CLASSES = {
@@ -119,6 +120,9 @@ class Pipeline:
         stages: Any = self.stages[0] if name in SINGLE_STAGE_SCHEDULES else self.stages
         self.schedule = SCHEDULE_CLASSES[name](stages, n_microbatches, loss_fn=self._microbatch_loss,
                                                scale_grads=False)
+        #: DualPipeV's forward / backward pairs on two threads, where it applies (``pipeline_overlap``); else None.
+        self.overlap: Optional[OverlappedForwardBackward] = overlap_for(
+            self.schedule, layout, [engine.module[str(i)] for i in ids], device)
         self.eval_schedule = self.schedule if name in SINGLE_STAGE_SCHEDULES else \
             ForwardOnlySchedule(self.stages, layout, n_microbatches, self._microbatch_loss)
         self.has_first, self.has_last = 0 in ids, total - 1 in ids
@@ -144,7 +148,10 @@ class Pipeline:
         if self.timeline is not None:
             self.timeline.next_step()
         with deferred_grad_reduction(self.engine):
-            return self._run(self.schedule.step, inputs, targets)
+            loss = self._run(self.schedule.step, inputs, targets)
+            if self.overlap is not None:
+                self.overlap.finish()  # the sends it issued itself
+            return loss
 
     @torch.no_grad()
     def evaluate(self, inputs: StageInput, targets: torch.Tensor) -> torch.Tensor:
