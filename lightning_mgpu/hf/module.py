@@ -25,6 +25,7 @@ from lightning_mgpu.hf import lora
 from lightning_mgpu.hf.decoder import layers_name
 from lightning_mgpu.hf.documents import document_arguments, document_positions, items_per_part
 from lightning_mgpu.hf.model import find_hf_model
+from lightning_mgpu.hf.router_loss import last_stage_loss
 from lightning_mgpu.hf.weights import PretrainedSlices, real_buffers
 from lightning_mgpu.lr_schedule import lr_multiplier
 from lightning_mgpu.optim.choice import build_optimizer
@@ -152,10 +153,11 @@ class HFCausalLM(L.LightningModule):
         eod = self.hparams.get("eod_token_id")
         return (inputs if eod is None else (inputs, document_positions(inputs, eod))), targets
 
-    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def pipeline_loss(self, logits: Any, targets: torch.Tensor) -> torch.Tensor:
+        """The model's loss of the last stage's logits (and its load-balancing loss where the stage formed one)."""
         extra = {} if self._items is None else {"num_items_in_batch": self._items}  # documents: the global count
-        return self.llm.loss_function(logits=logits, labels=targets, shift_labels=targets,
-                                      vocab_size=self.llm.config.vocab_size, **extra)
+        return last_stage_loss(self.llm, logits, lambda out: self.llm.loss_function(
+            logits=out, labels=targets, shift_labels=targets, vocab_size=self.llm.config.vocab_size, **extra))
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams
