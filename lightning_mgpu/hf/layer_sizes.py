@@ -116,7 +116,17 @@ def transformers_parameters(shape: Any, active: bool = False) -> int:
     attention = shape.dim * hd * (2 * shape.n_heads + 2 * shape.n_kv_heads) + (2 * hd if shape.qk_norm else 0)
     dense_layer = attention + 3 * shape.dim * shape.ffn_hidden + 2 * shape.dim + extras.whole + extras.split
     moe = sum(shape.is_moe_layer(i) for i in range(shape.n_layers)) if built is not None else 0
-    idle = (shape.num_experts - shape.experts_per_token) * 3 * shape.dim * shape.expert_ffn_hidden if active else 0
+    idle = (idle_experts(shape, built) if active else 0) if built is not None else 0
     moe_layer = built.whole + built.split - idle if built is not None else 0
     embeddings = shape.vocab_size * shape.dim * (1 if shape.tie_embeddings else 2)
     return (shape.n_layers - moe) * dense_layer + moe * moe_layer + embeddings + shape.dim
+
+
+def idle_experts(shape: Any, built: LayerExtras) -> int:
+    """The routed experts' parameters of one expert layer that a token does not run through: the ``E - k`` experts'
+    share of the layer's routed weights as built (gpt-oss's expert biases with them), or ``3 x dim x hidden`` each for
+    a family whose config names no routed weights (no ``base_model_ep_plan``)."""
+    idle = shape.num_experts - shape.experts_per_token
+    if built.routed:
+        return built.routed * idle // shape.num_experts
+    return idle * 3 * shape.dim * shape.expert_ffn_hidden
