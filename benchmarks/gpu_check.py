@@ -13,7 +13,9 @@ What it runs, each as its own process (a failure of one does not hide the others
 * ``compile_blocks.py --cuda``: compile's speed-up of the blocks;
 * ``gpu_fp8.py``: fp8 (rowwise, tensorwise) step time and tokens/s against bf16, side by side;
 * ``gpu_lora_strategies.py``: a PEFT LoRA model's step time and peak memory under ``MGPUStrategy(zero_stage=2)``
-  against Lightning's ``DeepSpeedStrategy(stage=2)``, which runs only on CUDA.
+  against Lightning's ``DeepSpeedStrategy(stage=2)``, which runs only on CUDA;
+* ``pipeline_overlap.py --cuda``: DualPipeV's forward / backward pairs overlapped against sequential at ep2 x pp2 with
+  NCCL (with 4 GPUs or more; on fewer it prints that it did not run).
 
 Without CUDA it refuses (exit status 2) naming what is missing. ``--smoke`` runs every check but the CUDA tests in its
 smoke mode, in this process (the CPU without a GPU): the table then shows that the check runs, not what the GPU does.
@@ -83,13 +85,18 @@ def checks() -> list[Check]:
     lora = Reading("LoRA step time, MGPUStrategy(zero_stage=2) / Lightning's DeepSpeedStrategy(stage=2)",
                    _found(r"DeepSpeedStrategy \(LoRA, ZeRO-2, one GPU\): step ([\d.]+)"),
                    "<= 1.0 (and peak memory <= 1.0, printed beside it)", _each(lambda x: x <= 1.0))
+    overlap = Reading("DualPipeV step time, overlapped / sequential pairs (ep2 x pp2, 4 GPUs)",
+                      _found(r"ratio overlapped / sequential: ([\d.]+|not run: .*)"),
+                      "<= 1.0 (the all-to-alls hide under the other action); not run with fewer than 4 GPUs",
+                      lambda f: f.startswith("not run") or _each(lambda x: x <= 1.0)(f))
     cuda_tests = None if SMOKE else python + ["-m", "pytest", "-q", "-m", "gpu", str(HERE.parent / "tests" / "gpu")]
     return [Check(cuda_tests, [tests]),
             Check(python + [str(HERE / "gpu_llama_mfu.py"), *smoke], [mfu]),
             Check(python + [str(HERE / "gpu_planner_check.py"), *smoke], [memory, step]),
             Check(python + [str(HERE / "compile_blocks.py"), *(smoke or ["--cuda"])], [compiled]),
             Check(python + [str(HERE / "gpu_fp8.py"), *smoke], [fp8]),
-            Check(python + [str(HERE / "gpu_lora_strategies.py"), *smoke], [lora])]
+            Check(python + [str(HERE / "gpu_lora_strategies.py"), *smoke], [lora]),
+            Check(python + [str(HERE / "pipeline_overlap.py"), "--cuda", *smoke], [overlap])]
 
 
 def in_this_process(command: list[str]) -> subprocess.CompletedProcess:

@@ -123,7 +123,8 @@ class OverlappedForwardBackward:
         stages = {stage.stage_index: stage for stage in self.schedule._stages}
         errors: list[BaseException] = []
         modes = _get_current_dispatch_mode_stack()  # thread-local: the communication counter, say
-        thread = threading.Thread(target=self._backward, args=(backward, stages, modes, errors),
+        stream = torch.accelerator.current_stream() if torch.accelerator.is_available() else None
+        thread = threading.Thread(target=self._backward, args=(backward, stages, modes, stream, errors),
                                   name="mgpu-overlap-backward")
         thread.start()
         try:
@@ -146,9 +147,14 @@ class OverlappedForwardBackward:
             stages[action.stage_index + 1].set_local_fwd_input(output, mb)
         self._send(stage, action)
 
-    def _backward(self, action: _Action, stages: dict, modes: list, errors: list) -> None:
-        """torch's ``FULL_BACKWARD`` branch, on this thread; an error is handed to the schedule's thread."""
+    def _backward(self, action: _Action, stages: dict, modes: list, stream: Any, errors: list) -> None:
+        """torch's ``FULL_BACKWARD`` branch, on this thread; an error is handed to the schedule's thread. On a GPU it
+        runs on the schedule thread's device and stream (both are per thread), so its kernels queue behind the
+        forward's in issue order and read nothing early."""
         try:
+            if stream is not None:
+                torch.accelerator.set_device_index(stream.device.index)
+                torch.accelerator.set_stream(stream)
             with contextlib.ExitStack() as entered:
                 for mode in modes:
                     entered.enter_context(mode)

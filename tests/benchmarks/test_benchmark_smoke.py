@@ -35,6 +35,7 @@ SMOKE = {
     "overhead.py": "overhead ratio (ours / hand-written)",
     "pipeline_bubble.py": "worst excess over theory",
     "pipeline_in_flight.py": "planned >= measured",
+    "pipeline_overlap.py": "ratio overlapped / sequential",
     "planner_calibration.py": "| run | GPUs | layout |",
     "replica_updates.py": "| update | train loss",
     "setup_memory.py": "first-step peak GB",
@@ -76,6 +77,9 @@ FIGURES = {
     "overhead.py": [(rf"overhead ratio \(ours / hand-written\): {_N}", 0.05, 100.0)],
     "pipeline_bubble.py": [(r"^1f1b\s+2\s+4\s+(\d+\.\d)%\s+(\d+\.\d)%", 0.0, 100.0),
                            (r"worst excess over theory: ([+-]\d+\.\d) percentage points", -100.0, 100.0)],
+    "pipeline_overlap.py": [(rf"ratio overlapped / sequential: {_N}", 0.05, 100.0),
+                            (r"max difference overlapped - sequential: loss (\d\.\de[+-]\d\d), grad norm "
+                             r"(\d\.\de[+-]\d\d)", -1.0, 1e-6)],  # exact: the same sums in the same order
     "pipeline_in_flight.py": [(r"\| \[(\d+), (\d+)\] \| \[(\d+), (\d+)\] \| yes \|", 0.0, 9.0)],
     "planner_calibration.py": [(r"\| ([\d,]+) \| ([\d,]+) \| [+-]\d+% \|", 1.0, 1e7)],  # published, predicted
     "replica_updates.py": [(rf"^\| (?:sync|local|async)[^|]* \| {_N} \| {_N} \|", 0.0, 20.0),  # losses
