@@ -225,11 +225,12 @@ def fragment_text(title: str, command: str, about: str, output: str, markdown: b
 
 @contextlib.contextmanager
 def recorded(script: str, title: str, about: Optional[str] = None, markdown: bool = False,
-             when: bool = True) -> Iterator[None]:
+             when: bool = True, name: Optional[str] = None) -> Iterator[None]:
     """Run the body (a benchmark's ``main()``), print as usual, and write what it printed as the section ``title`` of
     ``docs/measurements/<script's name>.md``, if it ends without an error (``sys.exit(0)`` counts as one) and was not
     a ``--smoke`` run. ``markdown``: the output is markdown (tables) rather than text to show as it is. ``when``:
-    False for a variant of the run that is not the section's (one case of it, another device), which writes nothing."""
+    False for a variant of the run that is not the section's (one case of it, another device), which writes nothing.
+    ``name``: the fragment's name where a script writes more than one section (else the script's name)."""
     if "--smoke" in sys.argv[1:] or not when:
         yield
         return
@@ -240,21 +241,23 @@ def recorded(script: str, title: str, about: Optional[str] = None, markdown: boo
     except SystemExit as stop:
         if stop.code not in (None, 0):
             raise
-        _write(script, title, about, tee.copy.getvalue(), markdown)
+        _write(script, title, about, tee.copy.getvalue(), markdown, name)
         raise
     finally:
         sys.stdout = stdout
-    _write(script, title, about, tee.copy.getvalue(), markdown)
+    _write(script, title, about, tee.copy.getvalue(), markdown, name)
 
 
-def _write(script: str, title: str, about: Optional[str], output: str, markdown: bool) -> None:
+def _write(script: str, title: str, about: Optional[str], output: str, markdown: bool,
+           name: Optional[str] = None) -> None:
     path = Path(script).resolve()
     command = " ".join(["python", os.path.relpath(path, ROOT), *sys.argv[1:]])
     directory = Path(os.environ.get("MGPU_MEASUREMENTS_DIR", FRAGMENTS))
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"{path.stem}.md"
+    name = name or path.stem
+    target = directory / f"{name}.md"
     # the section's link target as the other pages know it, kept from the fragment this run replaces
-    anchor = parse(path.stem, target.read_text())[0].fields.get("anchor") if target.exists() else None
+    anchor = parse(name, target.read_text())[0].fields.get("anchor") if target.exists() else None
     text = fragment_text(title, command, description(about), output, markdown, anchor)
     with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as tmp:
         tmp.write(text)

@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from chat_helpers import MARKED, PLAIN, conversations, make_chat_tokenizer, write_jsonl  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -41,7 +42,8 @@ BATCH, STEPS, STEP_SEQ = sized(8, 2), sized(10, 2), sized(256, 128)
 DIM, LAYERS = sized(128, 32), sized(4, 1)
 
 
-def main() -> None:
+def main() -> Path:
+    """Preparation and packing; the directory of the prefix-diff conversations prepared by one process."""
     root = Path(tempfile.mkdtemp(prefix="sft-bench-"))
     data = write_jsonl(root / "chat.jsonl", conversations(ROWS))
     for name, template in (("generation-markers", MARKED), ("prefix-diff", PLAIN)):
@@ -65,8 +67,7 @@ def main() -> None:
               f"({train.answer_tokens() / len(p.sequences):.1f} per sequence); padded, one conversation a sequence: "
               f"{len(train.starts) - 1:,} sequences, {p.used_tokens / ((len(train.starts) - 1) * p.capacity):.1%} "
               f"conversation tokens")
-
-    step_times(out)
+    return out
 
 
 def padded_batch(train: PackedConversations, first: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,4 +123,8 @@ def step_times(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with recorded(__file__, "Conversations: preparation and packing", about=__doc__.split(" Last, ")[0]):
+        prepared = main()
+    with recorded(__file__, "Conversations: packed against padded step time", about="The" + __doc__.split(" Last, the")[1],
+                  name="sft_step_time"):
+        step_times(prepared)
