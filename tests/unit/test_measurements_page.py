@@ -73,3 +73,15 @@ def test_a_smoke_run_writes_no_fragment_and_a_full_run_writes_what_it_printed(re
     assert all(fields.get(key) for key in REQUIRED), fields
     rows = [line for line in printed.splitlines() if line.startswith("| MPT-")]
     assert len(rows) > 10 and all(row in text for row in rows)
+
+
+#: benchmarks whose sections were carried over from the hand-written page and whose scripts do not record yet
+NOT_YET_RECORDING = {"hf_moe_ep"}
+
+
+def test_every_benchmark_that_owns_a_section_writes_it(record):
+    owners = {name for name in record.ORDER if (BENCHMARKS / f"{name}.py").exists()}
+    silent = {name for name in owners if "recorded(" not in (BENCHMARKS / f"{name}.py").read_text()}
+    assert silent == NOT_YET_RECORDING, (
+        f"{sorted(silent - NOT_YET_RECORDING)} own a section but do not write it: run main() inside record.recorded; "
+        f"{sorted(NOT_YET_RECORDING - silent)} record now: take them out of NOT_YET_RECORDING")
