@@ -85,3 +85,10 @@ def test_every_benchmark_that_owns_a_section_writes_it(record):
     assert silent == NOT_YET_RECORDING, (
         f"{sorted(silent - NOT_YET_RECORDING)} own a section but do not write it: run main() inside record.recorded; "
         f"{sorted(NOT_YET_RECORDING - silent)} record now: take them out of NOT_YET_RECORDING")
+
+
+def test_make_measurements_runs_every_cpu_benchmark_that_writes_a_section():
+    makefile = (ROOT / "Makefile").read_text()
+    listed = set(re.search(r"^CPU_BENCHMARKS :=((?:.*\\\n)*.*)$", makefile, re.M).group(1).replace("\\\n", " ").split())
+    writers = {p.stem for p in BENCHMARKS.glob("*.py") if "with recorded(" in p.read_text() and p.stem != "gpu_check"}
+    assert writers <= listed, f"add {sorted(writers - listed)} to CPU_BENCHMARKS in the Makefile"
