@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from lightning_mgpu.hf.documents import document_numbers
 from lightning_mgpu.hf.model import HFModel
 from lightning_mgpu.parallel.context import ContextParallelAttention, chunk_positions, shard_sequence
+from lightning_mgpu.problems import Problem, raise_problems
 
 #: The name the attention and mask functions are registered under in ``transformers``.
 ATTENTION_NAME = "mgpu_context_parallel"
@@ -133,9 +134,23 @@ def _refuse_what_does_not_split(ids: torch.Tensor, mask: Optional[torch.Tensor],
         raise ValueError("Cannot split this batch over context-parallel ranks: " + "; ".join(problems))
 
 
+def attention_sink_problems(found: HFModel, size: int) -> list[Problem]:
+    """gpt-oss's attention adds a learned per-head sink logit to each softmax's denominator (``self_attn.sinks``, handed
+    to the attention function as ``s_aux``); the context-parallel kernel's softmax has no such term, so it would
+    silently attend as if there were none. Refused (its sliding window is refused with the layout already)."""
+    sinks = [name for name, _ in found.base.named_parameters() if name.endswith(".sinks")]
+    if size == 1 or not sinks:
+        return []
+    return [Problem("context_parallel_size", size, f"cannot split {type(found.model).__name__}'s attention, which "
+                    f"adds learned sink logits to its softmax ({len(sinks)} layers: {found.base_prefix}{sinks[0]}, "
+                    "...): the context-parallel kernel has no sink term and would attend without them",
+                    "use context_parallel_size=1 (tensor, pipeline, expert and data parallelism split it)")]
+
+
 def apply_context_parallel(found: HFModel, group: Any, rank: int, size: int) -> int:
     """Wire the model's attention and inputs for ``size`` context ranks; the number of attention layers that now
-    attend over the whole sequence."""
+    attend over the whole sequence. Refuses first an attention the kernel cannot compute (sinks)."""
+    raise_problems("Invalid layout for this model's attention", attention_sink_problems(found, size))
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 

@@ -29,6 +29,8 @@ from hf_helpers import CLIP, LR, MICRO, VOCAB, token_ids
 from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUStrategy, parameter_shape
+from lightning_mgpu.hf import find_hf_model
+from lightning_mgpu.hf.context import attention_sink_problems
 from lightning_mgpu.testing import run_distributed
 
 EXPERTS = 8
@@ -146,6 +148,28 @@ RUNS = {
                         num_microbatches=2, zero_stage=1)),
     "ep2_tp2_sp_zero0": (4, dict(expert_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True, zero_stage=0)),
     "ep2_pp2_1f1b": (4, dict(expert_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2, zero_stage=1)),
+    # gpt-oss: its plan splits the embedding only (attention with its sinks, and the experts, whole on each tp rank)
+    "gpt_oss_ep2_tp2_sp_zero0": (4, dict(family="gpt_oss", expert_parallel_size=2, tensor_parallel_size=2,
+                                         sequence_parallel=True, zero_stage=0, aux=False)),
+    "gpt_oss_ep2_pp2_1f1b": (4, dict(family="gpt_oss", expert_parallel_size=2, pipeline_parallel_size=2,
+                                     num_microbatches=2, zero_stage=1, aux=False)),
+    "gpt_oss_ep2_zero3": (2, dict(family="gpt_oss", expert_parallel_size=2, zero_stage=3, aux=False)),
+    # DeepSeek V3: MLA projections and the dense layer's MLP split by its plan; 3 layers at pp2 so that each pipeline
+    # rank holds a layer with experts (stages [0, 1] and [2])
+    "deepseek_v3_ep2_tp2_sp_zero0": (4, dict(family="deepseek_v3", expert_parallel_size=2, tensor_parallel_size=2,
+                                             sequence_parallel=True, zero_stage=0, aux=False)),
+    "deepseek_v3_ep2_pp2_1f1b": (4, dict(family="deepseek_v3", n_layers=3, expert_parallel_size=2,
+                                         pipeline_parallel_size=2, num_microbatches=2, zero_stage=1, aux=False)),
+    "deepseek_v3_ep2_pp2_zbv": (4, dict(family="deepseek_v3", n_layers=4, expert_parallel_size=2,
+                                        pipeline_parallel_size=2, pipeline_schedule="zbv", virtual_pipeline_size=2,
+                                        num_microbatches=2, zero_stage=1, aux=False)),
+    "deepseek_v3_ep2_cp2_zero3": (2, dict(family="deepseek_v3", expert_parallel_size=2, context_parallel_size=2,
+                                          zero_stage=3, aux=False)),
+}
+#: Runs refused at setup on every rank, each ValueError's message kept (last in their launch: nothing trains).
+REFUSED = {
+    "deepseek_v3_ep2_pp2_dense_stage": (4, dict(family="deepseek_v3", expert_parallel_size=2,
+                                                pipeline_parallel_size=2, num_microbatches=2, zero_stage=1, aux=False)),
 }
 #: Each expert layer's local experts (half of 8, each whole) by family: the weights' shapes; and the router's weight.
 LOCAL = {"qwen3_moe": {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)},
@@ -158,9 +182,19 @@ ROUTER = {"gpt_oss": "router.weight"}
 EXPERT_LAYERS = {"deepseek_v3": [1]}
 
 
+def refused_routed(rank: int, devices: int, **kw: Any) -> str:
+    """The message of the ``ValueError`` a refused :func:`fit_routed` raises on this rank."""
+    try:
+        fit_routed(rank, devices, **kw)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
 @functools.cache
 def launch(ranks: int) -> dict[str, list[dict]]:
     calls = {name: (fit_routed, (ranks,), kw) for name, (n, kw) in RUNS.items() if n == ranks}
+    calls.update({name: (refused_routed, (ranks,), kw) for name, (n, kw) in REFUSED.items() if n == ranks})
     results = run_distributed(in_turn, ranks, calls)
     return {name: [r[name] for r in results] for name in calls}
 
@@ -173,10 +207,11 @@ def test_expert_parallel_equals_one_process(name):
     pp, ep = kw.get("pipeline_parallel_size", 1), kw.get("expert_parallel_size", 1)
     pieces = kw.get("num_microbatches", 1) if pp > 1 else 1
     expected = reference(family, n_layers, aux, micro_batches(results, pieces))
+    by_stage: dict[int, set[int]] = {}  # each pipeline rank's layers: disjoint, together every layer
     for r in results:
         shapes = {n.removeprefix("llm."): s for n, s in r["shapes"].items()}
         held = sorted({int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.")})
-        assert len(held) == n_layers // pp
+        assert held and by_stage.setdefault(r["coords"]["pp"], set(held)) == set(held)
         for layer in set(held) & set(EXPERT_LAYERS.get(family, [0, 1])) if ep > 1 else ():  # half the experts, whole
             block = f"model.layers.{layer}.mlp"
             assert {w: shapes[f"{block}.experts.{w}"] for w in LOCAL[family]} == LOCAL[family]
@@ -191,3 +226,28 @@ def test_expert_parallel_equals_one_process(name):
             assert len(r["aux"]) == len(mine) and max_abs_diff(r["aux"], mine) < 1e-5, (name, r["aux"], mine)
     if aux and pp > 1:  # under pipeline stages the ranks of the last stage form it (each data and tensor coordinate)
         assert len([r for r in results if r["aux"]]) == ranks // pp
+    assert sorted(i for layers in by_stage.values() for i in layers) == list(range(n_layers))
+
+
+def test_attention_sinks_under_context_parallelism_are_refused():
+    """gpt-oss adds a learned sink logit per head to its softmax; the context-parallel kernel has none (its sliding
+    window, the layout refuses first: with the window set to null only the sinks remain)."""
+    module = RoutedLM("gpt_oss", 2, aux=False)
+    module.llm.config.sliding_window = None
+    found = find_hf_model(module)
+    assert [str(p) for p in attention_sink_problems(found, 2)] == [
+        "context_parallel_size=2 cannot split GptOssForCausalLM's attention, which adds learned sink logits to its "
+        "softmax (2 layers: llm.model.layers.0.self_attn.sinks, ...): the context-parallel kernel has no sink term and "
+        "would attend without them; use context_parallel_size=1 (tensor, pipeline, expert and data parallelism split "
+        "it)"]
+    assert attention_sink_problems(found, 1) == []
+    assert attention_sink_problems(find_hf_model(RoutedLM("deepseek_v3", 2, aux=False)), 2) == []
+
+
+def test_a_pipeline_rank_without_experts_is_refused_on_every_rank():
+    """DeepSeek V3 of 2 layers, the first dense, at ep2 x pp2: pipeline rank 0 would hold no experts, and its
+    gradient-norm collectives would not meet rank 1's (the run hung, at ZeRO-0, 1 and 3, before this refusal)."""
+    results = launch(4)["deepseek_v3_ep2_pp2_dense_stage"]
+    assert len(set(results)) == 1, results
+    assert ("pipeline_parallel_size=2 with expert_parallel_size=2: DeepseekV3ForCausalLM has routed experts in "
+            "layers [1] only, and pipeline rank 0 would hold layers [0], none with experts") in results[0], results[0]
