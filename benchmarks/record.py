@@ -134,9 +134,9 @@ def render_section(fragment: Fragment) -> str:
     f = fragment.fields
     anchor = f" {{#{f['anchor']}}}" if "anchor" in f else ""
     commands = f["command"].splitlines()
-    command = (f"`{commands[0]}`" if len(commands) == 1 else
-               "\n\n  ```\n" + "\n".join(f"  {c}" for c in commands) + "\n  ```")
-    return (f"## {f['title']}{anchor}\n\n- Command: {command}\n- Commit: {f['commit']}\n- Machine: {f['machine']}\n"
+    command = (f"Command: `{commands[0]}`" if len(commands) == 1 else
+               "Commands:\n\n  ```\n" + "\n".join(f"  {c}" for c in commands) + "\n  ```")
+    return (f"## {f['title']}{anchor}\n\n- {command}\n- Commit: {f['commit']}\n- Machine: {f['machine']}\n"
             f"- Date: {f['date']}\n\n{fragment.body}\n")
 
 
