@@ -120,7 +120,8 @@ class Pipeline:
         stages: Any = self.stages[0] if name in SINGLE_STAGE_SCHEDULES else self.stages
         self.schedule = SCHEDULE_CLASSES[name](stages, n_microbatches, loss_fn=self._microbatch_loss,
                                                scale_grads=False)
-        #: DualPipeV's forward / backward pairs on two threads, where it applies (``pipeline_overlap``); else None.
+        #: DualPipeV's forward / backward pairs on two threads where it applies (``pipeline_overlap``; on by default on
+        #: an accelerator, ``enable()`` on CPU), else None.
         self.overlap: Optional[OverlappedForwardBackward] = overlap_for(
             self.schedule, layout, [engine.module[str(i)] for i in ids], device)
         self.eval_schedule = self.schedule if name in SINGLE_STAGE_SCHEDULES else \

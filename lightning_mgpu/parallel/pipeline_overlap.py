@@ -27,7 +27,8 @@ sequentially (the two actions run on different stages), so the result is the seq
 Where it applies (:func:`overlap_problems`): ``dualpipev`` (torch's zero-bubble schedules emit no ``OVERLAP_F_B``
 action; fusing their forwards and input-gradient steps would be a schedule of our own) with expert parallelism, whose
 all-to-alls are what a backward can hide, and without tensor or context parallelism or ZeRO-3, whose collectives the
-layers issue on groups this module does not twin.
+layers issue on groups this module does not twin. There it is on by default on an accelerator and off on CPU
+(:func:`overlap_for`); ``Pipeline.overlap.enable(on)`` switches it between steps.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ TWINNED = ("ep", "dp_cp")
 
 
 def overlap_problems(layout: ParallelLayout) -> list[str]:
-    """Why the forward / backward overlap does not apply to ``layout`` (empty: it does, and is on)."""
+    """Why the forward / backward overlap does not apply to ``layout`` (empty: it does)."""
     out = []
     if layout.pipeline_schedule != "dualpipev":
         out.append(f"pipeline_schedule={layout.pipeline_schedule!r} pairs no forward with a backward (dualpipev does)")
@@ -98,7 +99,8 @@ class OverlappedForwardBackward:
         self.enabled = False
 
     def enable(self, on: bool = True) -> None:
-        """Register (or remove) the overlap; removed, the schedule is torch's own again (sequential pairs)."""
+        """Register (or remove) the overlap; removed, the schedule is torch's own again (sequential pairs). Call it
+        between steps, on every rank of the pipeline alike."""
         rank = self.schedule.rank
         functions = self.schedule._comp_type_to_function_map
         if on:
@@ -208,11 +210,13 @@ def folded_sends(actions: list[_Action]) -> list[_Action]:
 
 def overlap_for(schedule: Any, layout: ParallelLayout, modules: list[torch.nn.Module],
                 device: torch.device) -> Optional[OverlappedForwardBackward]:
-    """The overlap of ``schedule``'s paired actions, registered, where it applies to ``layout`` (else None). Every
-    rank calls it, in the same order (it creates process groups)."""
+    """The overlap of ``schedule``'s paired actions where it applies to ``layout`` (else None), switched on where it
+    helps: on an accelerator. On CPU it is built but off: the two threads compete for the cores the other ranks compute
+    on (measured 1.2x slower a step, ``benchmarks/pipeline_overlap.py``); ``enable()`` turns it on. Every rank calls
+    this, in the same order (it creates process groups)."""
     if overlap_problems(layout):
         return None
     backend = layout.group("ep")._get_backend(torch.device(device.type))
     overlap = OverlappedForwardBackward(schedule, modules, twin_groups(layout, backend.options._timeout))
-    overlap.enable()
+    overlap.enable(device.type != "cpu")
     return overlap
