@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Optional
 
 from lightning_mgpu.parallel.plan import plan_pattern
@@ -38,21 +38,36 @@ class LayerExtras:
     #: of ``whole``, the routed experts' weights (``base_model_ep_plan``'s ``grouped_gemm``): what expert
     #: parallelism splits by expert (``lightning_mgpu.hf.expert_parallel``)
     routed: int = 0
+    #: the attention's matrices as built (``self_attn``'s 2-D parameters; 0 where not built): what a full
+    #: recomputation runs again, which for latent attention (DeepSeek's MLA) no Llama count of heads gives
+    attention: int = 0
 
 
 def built_counts(hf: Mapping, shape: Any) -> dict:
     """The fields of a ``TransformersShape`` counted from layers ``transformers`` builds: a dense layer's extras over
     the planner's Llama layer, and for a mixture of experts its expert layer and which layers hold experts."""
+    if hf.get("kv_lora_rank"):  # latent attention: scores over qk_nope + qk_rope dims, values of v_head_dim
+        shape = replace(shape, head_dim=latent_head_dim(hf))
     hd = shape.head_dim
     counted_whole = 2 * shape.dim + (2 * hd if shape.qk_norm else 0)
     counted_split = shape.dim * hd * (2 * shape.n_heads + 2 * shape.n_kv_heads) + 3 * shape.dim * shape.ffn_hidden
+    head = dict(head_dim=shape.head_dim)
     if not shape.num_experts:
-        return dict(layer_extras=layer_extras(hf, counted_whole, counted_split, 0))
+        return dict(head, layer_extras=layer_extras(hf, counted_whole, counted_split, 0))
     experts = moe_layer_pattern(hf, shape.n_layers)
     dense = next((i for i, moe in enumerate(experts) if not moe), None)
-    return dict(layer_extras=layer_extras(hf, counted_whole, counted_split, dense) if dense is not None
+    return dict(head, layer_extras=layer_extras(hf, counted_whole, counted_split, dense) if dense is not None
                 else LayerExtras(), moe_layer=layer_sizes(hf, experts.index(True)) if any(experts) else None,
                 moe_layers=experts)
+
+
+def latent_head_dim(hf: Mapping) -> int:
+    """The head width the planner counts for latent attention (DeepSeek's MLA): the mean of a query/key head's
+    ``qk_nope_head_dim + qk_rope_head_dim`` and a value head's ``v_head_dim``, so that ``2 x heads x width`` is what
+    its scores and its weighted values multiply per key (``QK^T`` over 192, ``PV`` over 128 for DeepSeek-V3: 160) and
+    the q, k, v and output activations it keeps sum to what the model keeps. The planner's parameter counts stay those
+    of the layer as built (:func:`layer_extras` takes the difference)."""
+    return (int(hf["qk_nope_head_dim"]) + int(hf["qk_rope_head_dim"]) + int(hf["v_head_dim"])) // 2
 
 
 def moe_layer_pattern(hf: Mapping, n_layers: int) -> tuple[bool, ...]:
@@ -72,7 +87,7 @@ def layer_extras(hf: Mapping, counted_whole: int, counted_split: int, index: int
     if sizes is None:
         return LayerExtras()
     return LayerExtras(sizes.whole - counted_whole, sizes.split - counted_split, sizes.whole_vectors - counted_whole,
-                       sizes.split_vectors)
+                       sizes.split_vectors, attention=sizes.attention)
 
 
 def layer_sizes(hf: Mapping, index: int) -> Optional[LayerExtras]:
@@ -98,7 +113,7 @@ def _layer_sizes(config_json: str, index: int) -> Optional[LayerExtras]:
     plan = {plan_pattern(key): style for key, style in (getattr(config, "base_model_tp_plan", None) or {}).items()}
     routed = [plan_pattern(key) for key, style in (getattr(config, "base_model_ep_plan", None) or {}).items()
               if style == "grouped_gemm"]
-    counts = dict(whole=0, split=0, whole_vectors=0, split_vectors=0, routed=0)
+    counts = dict(whole=0, split=0, whole_vectors=0, split_vectors=0, routed=0, attention=0)
     for name, parameter in layer.named_parameters():
         module, _, kind = f"layers.{index}.{name}".rpartition(".")
         style = next((style for pattern, style in plan.items() if pattern.fullmatch(module)), None)
@@ -106,6 +121,7 @@ def _layer_sizes(config_json: str, index: int) -> Optional[LayerExtras]:
         counts[part] += parameter.numel()
         counts[f"{part}_vectors"] += parameter.numel() if parameter.dim() == 1 else 0
         counts["routed"] += parameter.numel() if any(p.fullmatch(f"layers.{index}.{name}") for p in routed) else 0
+        counts["attention"] += parameter.numel() if name.startswith("self_attn.") and parameter.dim() == 2 else 0
     return LayerExtras(**counts)
 
 

@@ -168,11 +168,18 @@ def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int, mode: str) -> floa
     if mode == "selective":
         return scores + experts
     if mode == "full":
-        kv = cfg.n_kv_heads * cfg.head_dim
-        attention = cfg.dim * (2 * q + 2 * kv)
+        attention = attention_matrices(cfg)
         dense_mlp = 2 * cfg.dim * cfg.ffn_hidden  # all but w2
         return 2.0 * (cfg.n_layers * attention + (cfg.n_layers - moe) * dense_mlp) + experts + scores
     return 0.0
+
+
+def attention_matrices(cfg: LlamaConfig) -> int:
+    """One layer's attention weights that a token multiplies: ``dim (2 q + 2 kv)`` of a Llama layer, or those of a
+    ``transformers`` layer as built (``layer_extras.attention``: latent attention's down and up projections)."""
+    built = [getattr(cfg, "moe_layer", None), getattr(cfg, "layer_extras", None)]
+    counted = next((extras.attention for extras in built if getattr(extras, "attention", 0)), 0)
+    return counted or cfg.dim * (2 * cfg.n_heads * cfg.head_dim + 2 * cfg.n_kv_heads * cfg.head_dim)
 
 
 def skipped_weight_gradient_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:

@@ -22,6 +22,7 @@ from lightning_mgpu.cli.rules import plan_problems
 from lightning_mgpu.cli.spec import config_problems, run_spec
 from lightning_mgpu.hf.names import planning_shape
 from lightning_mgpu.planner import GPUS, ClusterSpec
+from lightning_mgpu.planner.model_stats import attention_matrices, model_flops_per_token
 
 
 def gpt_oss_120b_by_hand() -> tuple[int, int]:
@@ -59,6 +60,19 @@ def test_the_planner_counts_gpt_oss_and_deepseek_v3_as_worked_by_hand():
         assert (shape.num_parameters(), shape.num_parameters(active=True)) == (whole, active), family
     assert gpt_oss_120b_by_hand() == (116_829_156_672, 5_711_982_912)
     assert deepseek_v3_by_hand() == (671_026_404_352, 37_552_282_624)
+
+
+def test_the_planner_counts_latent_attention_by_its_own_widths():
+    """DeepSeek-V3's attention: 128 heads whose scores run over 128 + 64 dims and whose values are 128 wide (not
+    7168 / 128 = 56), so a token's scores and weighted values cost ``2 x 128 x (192 + 128)`` multiply-adds per key,
+    and a full recomputation runs the layer's latent projections again, 187,105,280 weights (worked by hand below)."""
+    shape = planning_shape(json.loads((HF_FAMILIES / "deepseek_v3" / "config.json").read_text()))
+    assert 2 * shape.n_heads * shape.head_dim == 128 * (128 + 64 + 128)  # QK^T over 192, PV over 128
+    h = 7168
+    by_hand = h * 1536 + 1536 * 128 * 192 + h * (512 + 64) + 512 * 128 * 256 + 128 * 128 * h  # q_a, q_b, kv_a, kv_b, o
+    assert attention_matrices(shape) == by_hand == 187_105_280  # its two latent norms (1536 + 512) are no matmul
+    seq = 4096
+    assert model_flops_per_token(shape, seq) - model_flops_per_token(shape, 1) == 6.0 * 61 * (seq - 1) * 128 * 160
 
 
 def figure(comment: str, pattern: str) -> str:
