@@ -2,8 +2,10 @@
 LightningModule holding the model, ``Trainer(strategy=MGPUStrategy(expert_parallel_size=2, ...))``. Qwen3-MoE at ep2
 under ZeRO-1 and ZeRO-3, over context-parallel ranks (cp2), with tensor and sequence parallelism (ZeRO-0: the experts,
 whole on both tensor-parallel ranks, counted once in the package's global norm) and with pipeline stages (1F1B);
-Mixtral (ZeRO-2); gpt-oss (expert biases, its clamped gate, attention sinks; ZeRO-1); DeepSeek V3 (a dense first
-layer, a shared expert, group-limited routing; ZeRO-0).
+Mixtral (ZeRO-2); gpt-oss (expert biases, its clamped gate, attention sinks; ZeRO-1 and ZeRO-3, tp2 + SP, pp2 1F1B);
+DeepSeek V3 (a dense first layer, a shared expert, group-limited routing, latent attention; ZeRO-0, tp2 + SP, pp2 under
+1F1B and ZBV, cp2 at ZeRO-3). A DeepSeek V3 split that leaves a pipeline rank without experts is refused on every rank,
+and gpt-oss's attention sinks under context parallelism.
 
 Each rank holds half the routed experts (local shapes asserted), tokens travel by all-to-all, and the model's router,
 top-k, normalisation and load-balancing loss (``output_router_logits=True``, coefficient 0.1) are its own; where the
