@@ -50,7 +50,7 @@ from torch.distributed.pipelining.schedules import (
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from lightning_mgpu.layout import ParallelLayout
-from lightning_mgpu.models.moe import moe_layers
+from lightning_mgpu.parallel.experts import ExpertWiring
 
 OVERLAP_F_B, SEND_F, SEND_B = _ComputationType.OVERLAP_F_B, _ComputationType.SEND_F, _ComputationType.SEND_B
 #: The groups a mixture-of-experts layer communicates on that get a twin for backward passes.
@@ -91,7 +91,7 @@ class OverlappedForwardBackward:
     def __init__(self, schedule: _PipelineScheduleRuntime, modules: list[torch.nn.Module],
                  twins: dict[str, Any]) -> None:
         self.schedule, self.twins = schedule, twins
-        self.wirings = [layer.wiring for m in modules for layer in moe_layers(m)]
+        self.wirings = expert_wirings(modules)
         self.sequential_order = schedule.pipeline_order_with_comms
         self.sends: list[dist.Work] = []
         self.overlapped = 0  #: pairs run on two threads so far
@@ -186,6 +186,18 @@ class OverlappedForwardBackward:
 
     def _local(self, stage_index: int) -> bool:
         return any(stage.stage_index == stage_index for stage in self.schedule._stages)
+
+
+def expert_wirings(modules: list[torch.nn.Module]) -> list[ExpertWiring]:
+    """Every expert exchange in ``modules``: the package's mixture-of-experts layers' and those set on a transformers
+    experts module (``mgpu_exchange``), so that none keeps sharing its groups between the threads."""
+    found = []
+    for module in modules:
+        for sub in module.modules():
+            for wiring in (getattr(sub, "wiring", None), getattr(getattr(sub, "mgpu_exchange", None), "wiring", None)):
+                if isinstance(wiring, ExpertWiring) and wiring not in found:
+                    found.append(wiring)
+    return found
 
 
 def folded_sends(actions: list[_Action]) -> list[_Action]:

@@ -31,7 +31,8 @@ class Overlap(L.Callback):
 
     def on_train_start(self, trainer, module) -> None:
         overlap = trainer.strategy.pipeline.overlap
-        self.out.update(built=overlap is not None, by_default=overlap is not None and overlap.enabled)
+        self.out.update(built=overlap is not None, by_default=overlap is not None and overlap.enabled,
+                        wirings=len(overlap.wirings) if overlap is not None else 0)
         if overlap is not None:
             overlap.enable(self.on)
 
@@ -58,6 +59,8 @@ def test_overlapped_pairs_equal_the_sequential_schedule(token_file):
         sequential, overlapped = r[False], r[True]
         assert sequential["built"] and overlapped["built"]  # it applies to this layout
         assert not sequential["by_default"]  # off by default on CPU, where it costs time
+        # layer l on stage l; pipeline rank 0 holds stages 0 (dense) and 3, rank 1 stages 1 and 2: all set to twin
+        assert overlapped["wirings"] == (1 if overlapped["rank"] % 2 == 0 else 2), overlapped
         assert sequential["pairs"] == 0
         # at least one pair a step on every rank (8 micro-batches over 4 stages)
         assert overlapped["pairs"] >= STEPS, overlapped["pairs"]
