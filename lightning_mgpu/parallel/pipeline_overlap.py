@@ -4,13 +4,14 @@ torch's ``ScheduleDualPipeV`` pairs a forward on one of the rank's two stages wi
 (``OVERLAP_F_B``) but runs the pair one after the other unless a function is registered for it
 (``_PipelineScheduleRuntime.register_custom_function``). :class:`OverlappedForwardBackward` is that function: the
 forward runs on the schedule's thread, the backward on a second one, and each thread's expert all-to-alls wait in gloo
-or NCCL while the other computes; the forward's pipeline send leaves as soon as the forward ends, under the
+while the other computes (on GPUs both threads queue kernels on one stream: what that overlaps is unmeasured); the forward's pipeline send leaves as soon as the forward ends, under the
 backward's remaining work.
 
 Deadlock-free and exact by construction. Two threads issuing collectives on one group could issue them in different
 orders on different ranks (a hang, or tensors of equal shape swapped). Here no group is shared between the threads:
 
-- every collective a backward pass issues (autograd running, a recomputed forward included) goes over a twin of its
+- every collective a backward pass issues (autograd running; a forward recomputed there under activation
+  checkpointing included, by the same rule, untested) goes over a twin of its
   group (``ExpertWiring.backward_groups``, created once for the expert-parallel and data x context groups), every
   other one over the layout's own group. At most one backward and one forward run at a time, so each group's
   collectives come from one thread, in the schedule's order, which is the same on every rank of the group;
