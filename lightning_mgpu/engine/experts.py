@@ -56,14 +56,25 @@ def tag_parameters(module: nn.Module, layout: ParallelLayout) -> int:
 
 
 @contextlib.contextmanager
-def shown_to_engine(module: nn.Module, layout: ParallelLayout) -> Iterator[None]:
+def shown_to_engine(module: nn.Module, layout: ParallelLayout, zero_stage: int) -> Iterator[None]:
     """While the engine is built, ``module`` holds a marker DeepSpeed recognises as a mixture-of-experts layer (when
-    it has expert parameters); the marker is gone afterwards, so nothing else DeepSpeed scans for finds it."""
-    if layout.size("ep") == 1 or not expert_parameters(module):
+    it has expert parameters); the marker is gone afterwards, so nothing else DeepSpeed scans for finds it.
+
+    No marker where the experts are all frozen (adapters on the attention) at ZeRO 1 and 2: their optimizer refuses a
+    model with expert layers whose parameter groups hold no expert ("None of the param groups are marked as MoE"), and
+    frozen experts need none of its expert-data-parallel reduction. The parameters are tagged all the same: untagged,
+    the engine's first broadcast would copy data rank 0's experts over the other expert-parallel ranks' own (8e-5 in
+    the first loss of a tiny Qwen3-MoE at ep2). ZeRO-3 keeps the marker: it partitions the frozen experts too, over the
+    expert-data-parallel ranks."""
+    experts = expert_parameters(module)
+    if layout.size("ep") == 1 or not experts:
         yield
         return
     register_groups(layout)
-    tag_parameters(module, layout)
+    tag_parameters(module, layout)  # also what keeps DeepSpeed's first broadcast of the weights within each expert group
+    if zero_stage in (1, 2) and not any(p.requires_grad for p in experts):
+        yield
+        return
     module.add_module("_deepspeed_moe_marker", _marker(layout))
     try:
         yield

@@ -126,7 +126,7 @@ def initialize_engine(module: nn.Module, optimizer: Optional[torch.optim.Optimiz
 
     if optimizer is not None:
         tag_state_keys(optimizer)
-    with experts.shown_to_engine(module, layout):
+    with experts.shown_to_engine(module, layout, config.get("zero_optimization", {}).get("stage", 0)):
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=module, optimizer=optimizer, config=config, mpu=LayoutMPU(layout), dist_init_required=False)
     # DeepSpeed names and counts checkpoint files per model-parallel rank, which the mpu makes the tp rank: one
