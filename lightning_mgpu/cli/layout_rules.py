@@ -26,6 +26,19 @@ def _outer_problems(outer: DictConfig) -> list:
     return OuterOptimizer.of(OmegaConf.to_container(outer, resolve=True)).problems()
 
 
+def _source_layout_problems(cfg: DictConfig, world: int, shape: Optional[ModelShape], micro: Optional[int]) -> list:
+    """What the model source forbids of a layout its rules accepted (the layout built as a launch builds it)."""
+    from lightning_mgpu.layout import LayoutRequest
+
+    request = LayoutRequest(**{name: cfg.parallel[name] for name in LayoutRequest.__dataclass_fields__})
+    try:
+        layout = request.build(world, model=shape, num_microbatches=micro)
+    except ValueError:  # a rule stated elsewhere (the batch, the micro-batches) names it
+        return []
+    boundaries = cfg.parallel.get("pipeline_boundaries")
+    return model_source(cfg).layout_problems(layout, None if boundaries is None else list(boundaries))
+
+
 def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:
     """The layout against the devices, the model and the batch, as ``parallel.*`` keys."""
     p, t, d = cfg.parallel, cfg.trainer, cfg.data
@@ -48,6 +61,8 @@ def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str
                           offload_optimizer=p.offload_optimizer, offload_params=p.offload_params, model=shape,
                           replicas=p.replicas, replica_update=p.replica_update, sync_every=p.sync_every,
                           max_staleness=p.max_staleness, expert_parallel_size=p.expert_parallel_size)
+    if not raw and model is not None:
+        raw = _source_layout_problems(cfg, world, shape, micro)
     raw = [model_source(cfg).restated(problem) for problem in raw]
     out = keyed(raw, t) + batch + keyed(_outer_problems(p.outer_optimizer), t)
     if isinstance(T, int) and isinstance(C, int) and T > 0 and C > 0 and isinstance(d.seq_len, int):

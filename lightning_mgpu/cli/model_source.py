@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from omegaconf import DictConfig
 
 from lightning_mgpu.cli.rule_base import _positive
+from lightning_mgpu.layout import ParallelLayout
 from lightning_mgpu.models import LLAMA_SHAPES, LlamaConfig
 from lightning_mgpu.models.llama_config import activation_checkpointing_problems
 from lightning_mgpu.problems import AnyProblem, Problem
@@ -91,6 +92,10 @@ class OwnModel:
     def restated(self, problem: AnyProblem) -> AnyProblem:
         """A layout problem as this source's user sets it: the package's own keys are the user's."""
         return problem
+
+    def layout_problems(self, layout: ParallelLayout, boundaries: Optional[list[int]]) -> list[Problem]:
+        """Nothing beyond the layout's rules over the model's shape, which know the package's model whole."""
+        return []
 
     def vocabulary_problem(self, vocab_size: int, size: int, what: str) -> str:
         """The data's ids up to ``size - 1`` do not fit the model's ``vocab_size``: what to change."""
@@ -172,12 +177,31 @@ class TransformersDirectory:
         return list(_directory_target_problems(json.dumps(settings, sort_keys=True), str(self.model.path), stamp))
 
     def restated(self, problem: AnyProblem) -> AnyProblem:
-        """A tied head named as the directory states it: untying is no fix here (its files hold no head of their
-        own)."""
+        """A tied head, or the model's load-balancing loss, named as the directory states it (untying is no fix here:
+        its files hold no head of their own)."""
         if isinstance(problem, Problem) and problem.field == "tie_embeddings":
             return dataclasses.replace(problem, field=f"{self.model.path}/config.json: tie_word_embeddings",
                                        fix="this model's head is its embedding; set pipeline_parallel_size=1")
+        if isinstance(problem, Problem) and problem.field == "output_router_logits":
+            return dataclasses.replace(problem, field=f"{self.model.path}/config.json: output_router_logits")
         return problem
+
+    def layout_problems(self, layout: ParallelLayout, boundaries: Optional[list[int]]) -> list[Problem]:
+        """What the directory's model forbids of a valid layout that its planning shape cannot tell, asked of its
+        structure built on the meta device (once per directory): a pipeline rank without routed experts under expert
+        parallelism, attention sinks under context parallelism, a load-balancing loss formed otherwise than
+        transformers' MoE families form it under split tokens or layers. The same rules refuse at set-up."""
+        if layout.size("ep") == 1 and layout.size("cp") == 1 and layout.size("pp") == 1 and \
+                not layout.sequence_parallel:
+            return []
+        from lightning_mgpu.hf.context import attention_sink_problems
+        from lightning_mgpu.hf.expert_parallel import stage_expert_problems
+        from lightning_mgpu.hf.router_loss import router_loss_problems
+
+        config = self._config_file()
+        found = _meta_model(str(self.model.path), config.stat().st_mtime_ns if config.is_file() else None)
+        return (stage_expert_problems(found, layout, boundaries) + attention_sink_problems(found, layout.size("cp"))
+                + router_loss_problems(found, layout))
 
     def vocabulary_problem(self, vocab_size: int, size: int, what: str) -> str:
         return (f"the vocab_size={vocab_size} of {self.model.path}/config.json is smaller than {what}: ids up to "
@@ -230,6 +254,17 @@ def plain_model(model: LlamaConfig) -> LlamaConfig:
     if type(model) is LlamaConfig:
         return model
     return LlamaConfig(**{k: v for k, v in model.to_dict().items() if k in own})
+
+
+@functools.lru_cache(maxsize=4)
+def _meta_model(path: str, stamp: Optional[int]) -> Any:
+    """The directory's causal LM as :func:`~lightning_mgpu.hf.model.find_hf_model` finds it, built on the meta device,
+    remembered per directory and config.json's modification time (1.7 s for a 70B directory; ``mgpu-plan`` asks it
+    for every layout)."""
+    from lightning_mgpu.hf.model import find_hf_model
+    from lightning_mgpu.hf.module import load_causal_lm
+
+    return find_hf_model(load_causal_lm(path, on_meta=True))
 
 
 @functools.lru_cache(maxsize=16)
