@@ -44,15 +44,17 @@ def data_problems(cfg: DictConfig, data: RunData, model: Optional[LlamaConfig]) 
     if model is not None:
         if vocabularies:  # the largest one: every id of the data must have an embedding row
             out += vocabulary_problems(cfg, model, *max(vocabularies))
-        out += seq_len_problems(d.seq_len, model)
+        out += seq_len_problems(cfg, model)
     return out
 
 
-def seq_len_problems(seq_len: object, model: LlamaConfig) -> list[str]:
-    """The rule: a sample is at most the model's ``max_seq_len`` tokens (asked by ``mgpu-train`` and ``mgpu-plan``)."""
+def seq_len_problems(cfg: DictConfig, model: LlamaConfig) -> list[str]:
+    """The rule: a sample is at most the model's ``max_seq_len`` tokens (asked by ``mgpu-train`` and ``mgpu-plan``);
+    the fix is the model source's."""
+    seq_len = cfg.data.seq_len
     if isinstance(seq_len, int) and seq_len > model.max_seq_len:
-        return [f"data.seq_len={seq_len} exceeds the model's max_seq_len={model.max_seq_len}; lower data.seq_len or "
-                f"set model.max_seq_len>={seq_len}"]
+        return [f"data.seq_len={seq_len} exceeds the model's max_seq_len={model.max_seq_len}; "
+                + model_source(cfg).sequence_fix(seq_len, model.max_seq_len)]
     return []
 
 

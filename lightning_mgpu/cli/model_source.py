@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 #: ``model.name`` of a ``transformers`` directory trained as it is (``model=hf``).
 TRANSFORMERS = "hf"
 #: ``model.<key>`` sizes of the package's own model, which a transformers directory's config.json states instead.
-SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size")
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "vocab_size", "max_seq_len")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class OwnModel:
         if m.name not in LLAMA_SHAPES:
             return [f"model.name={m.name!r} is unknown; choose one of {', '.join(LLAMA_SHAPES)} (or model=NAME)"]
         out: list[str] = []
-        for key in SHAPE_KEYS + ("max_seq_len",):
+        for key in SHAPE_KEYS:
             if m[key] is not None:
                 out += _positive(f"model.{key}", m[key])
         out += activation_checkpointing_problems(m.activation_checkpointing, "model.activation_checkpointing")
@@ -105,6 +105,13 @@ class OwnModel:
                     "with the checkpoint (data.tokenizer, or the tokenizer.json beside its weights)")
         return (f"model.vocab_size={vocab_size} is smaller than {what}: ids up to {size - 1} have no embedding row; "
                 f"set model.vocab_size>={size}")
+
+    def sequence_fix(self, seq_len: int, max_seq_len: int) -> str:
+        """What to change when ``data.seq_len`` exceeds the model's ``max_seq_len``."""
+        if self.model.init_from:
+            return (f"lower data.seq_len to at most {max_seq_len}: model.init_from={self.model.init_from!r} takes its "
+                    "max_position_embeddings from its config.json (model.max_seq_len does not change it)")
+        return f"lower data.seq_len or set model.max_seq_len>={seq_len}"
 
     def no_sample_reason(self, sequence_parallel: bool, has_tokenizer: bool) -> Optional[str]:
         """Why this source cannot write the closing sample beyond what every source needs: the package's model
@@ -207,6 +214,10 @@ class TransformersDirectory:
         return (f"the vocab_size={vocab_size} of {self.model.path}/config.json is smaller than {what}: ids up to "
                 f"{size - 1} have no embedding row; use the tokenizer that came with the model (data.tokenizer, or "
                 "the tokenizer.json beside its weights)")
+
+    def sequence_fix(self, seq_len: int, max_seq_len: int) -> str:
+        return (f"lower data.seq_len to at most {max_seq_len}: model=hf takes max_position_embeddings from "
+                f"{self.model.path}/config.json")
 
     def no_sample_reason(self, sequence_parallel: bool, has_tokenizer: bool) -> Optional[str]:
         """A transformers model generates from whole sequences, in its own tokens."""

@@ -244,7 +244,7 @@ def plan_problems(cfg: DictConfig) -> tuple[Optional[LlamaConfig], list[str]]:
     data = resolve_data(cfg) if cfg.data.get("document_mask") else unread_data(cfg)  # the eod id is all it needs
     model, out = model_problems(cfg, data)
     t, d, plan = cfg.trainer, cfg.data, cfg.plan
-    out += seq_len_problems(d.seq_len, model) if model is not None else []
+    out += seq_len_problems(cfg, model) if model is not None else []
     out += _positive("trainer.devices", t.devices) + _positive("trainer.num_nodes", t.num_nodes)
     out += _positive("data.seq_len", d.seq_len) + _positive("data.global_batch_size", d.global_batch_size)
     if plan.gpu not in GPUS:

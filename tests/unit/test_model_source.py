@@ -18,19 +18,39 @@ from lightning_mgpu.problems import Problem
 CLI = Path(__file__).resolve().parents[2] / "lightning_mgpu" / "cli"
 
 
+def _names_the_source(node: ast.AST) -> bool:
+    """Whether ``node`` is the transformers source's name (the string, or the constant that holds it), or holds it (a
+    tuple, list or set of names)."""
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return any(_names_the_source(item) for item in node.elts)
+    return (isinstance(node, ast.Constant) and node.value == TRANSFORMERS) or \
+        (isinstance(node, ast.Name) and node.id == "TRANSFORMERS")
+
+
 def _compares_the_source_name(tree: ast.AST) -> list[int]:
-    """Lines where a comparison has the transformers source's name as one side."""
-    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Compare)
-            and any(isinstance(side, ast.Constant) and side.value == TRANSFORMERS
-                    for side in [node.left, *node.comparators])]
+    """Lines that branch on the kind of source: a comparison (``==``, ``in``) with the transformers source's name, a
+    ``case`` of it, or an ``isinstance`` of a source class."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(_names_the_source(side) for side in [node.left, *node.comparators]):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.MatchValue) and _names_the_source(node.value):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and any(
+                isinstance(arg, ast.Name) and arg.id in ("OwnModel", "TransformersDirectory") for arg in ast.walk(node)):
+            lines.append(node.lineno)
+    return lines
 
 
 def test_no_module_of_the_command_line_but_the_source_branches_on_model_hf():
     found = {path.name: _compares_the_source_name(ast.parse(path.read_text())) for path in sorted(CLI.glob("*.py"))
              if path.name != "model_source.py"}
     assert {name: lines for name, lines in found.items() if lines} == {}
-    # the check sees such a branch where one is written
-    assert _compares_the_source_name(ast.parse('if cfg.model.name == "hf":\n    pass\n')) == [1]
+    # the check sees such a branch however it is written
+    for branch in ('if cfg.model.name == "hf":\n    pass\n', 'if m.name != TRANSFORMERS:\n    pass\n',
+                   'if name in ("tiny", "hf"):\n    pass\n', 'if isinstance(s, TransformersDirectory):\n    pass\n',
+                   'match name:\n    case "hf":\n        pass\n'):
+        assert _compares_the_source_name(ast.parse(branch)), branch
 
 
 def _model(**overrides) -> OmegaConf:

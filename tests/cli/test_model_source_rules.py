@@ -1,7 +1,7 @@
-"""Review 48: the sequence-length rule's fix is the package's own model's key whatever the model source
-(``data_rules.seq_len_problems`` is not asked of ``cli.model_source``): with ``model=hf`` or ``model.init_from`` the
-shape comes from the directory's config.json, so ``model.max_seq_len`` is ignored (not refused either), and a user who
-follows the message gets the same message again. Marked xfail until fixed."""
+"""The sequence-length rule's fix is the model source's (``cli.model_source``): with ``model=hf`` or ``model.init_from``
+the shape comes from the directory's config.json, so the fix is a shorter ``data.seq_len``, never the package model's
+``model.max_seq_len`` (which ``model=hf`` refuses and ``model.init_from`` does not read): a user who follows the message
+does not get the same message again."""
 
 from __future__ import annotations
 
@@ -24,8 +24,6 @@ def problems(*overrides: str) -> str:
     return ""
 
 
-@pytest.mark.xfail(strict=True, reason="Review 48: with model=hf or model.init_from the seq_len rule says 'set "
-                   "model.max_seq_len>=N', which that source ignores: the same error comes back")
 @pytest.mark.parametrize("source", ["model=hf", "model.init_from"])
 def test_the_sequence_length_fix_is_one_the_source_takes(source, tmp_path: Path):
     directory = tmp_path / "llama"
@@ -35,7 +33,8 @@ def test_the_sequence_length_fix_is_one_the_source_takes(source, tmp_path: Path)
     run = [a for a in cli_args(make_token_file(tmp_path), 2) if a not in TINY_MODEL and not a.startswith("model.")]
     given = ["model=hf", f"model.path={directory}"] if source == "model=hf" else [f"model.init_from=hf:{directory}"]
     first = problems(*given, *run)  # data.seq_len=16 against max_position_embeddings=8
-    assert "data.seq_len=16 exceeds the model's max_seq_len=8" in first, first
-    if "set model.max_seq_len>=16" in first:  # the fix it names must be one this source takes
-        again = problems(*given, *run, "model.max_seq_len=16")
-        assert "data.seq_len=16 exceeds" not in again, again
+    assert "data.seq_len=16 exceeds the model's max_seq_len=8; lower data.seq_len to at most 8" in first, first
+    assert "model.max_seq_len>=" not in first, first
+    assert problems(*given, *[a for a in run if not a.startswith("data.seq_len=")], "data.seq_len=8") == ""
+    if source == "model=hf":  # the package model's key is refused, not silently ignored
+        assert "model.max_seq_len=16: model=hf takes its shape from" in problems(*given, *run, "model.max_seq_len=16")
