@@ -28,6 +28,7 @@ capture, ``router_logits``), the number of experts, the top-k and the coefficien
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections import deque
 from typing import Any, Callable, Optional, Sequence
@@ -46,6 +47,9 @@ from lightning_mgpu.problems import Problem
 ATTRIBUTE = "mgpu_router_loss"
 #: The causal LM's attributes its ``forward`` reads for the loss (the same in every family that has one).
 MODEL_ATTRIBUTES = ("num_experts", "num_experts_per_tok", "router_aux_loss_coef")
+#: The parameters of ``load_balancing_loss_func`` where it forms the loss as described above (Mixtral's, copied by
+#: Qwen-MoE, gpt-oss, OLMoE, GraniteMoE, ...); Doge's routes by product keys (``num_keys``) and is refused.
+LOSS_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
 #: How many of the latest micro-batches' values :attr:`RouterLoss.values` keeps.
 KEPT_VALUES = 64
 
@@ -98,7 +102,10 @@ def router_loss_problems(found: HFModel, layout: ParallelLayout) -> list[Problem
 def supported(model: nn.Module) -> bool:
     """Whether ``model`` forms its load-balancing loss as :mod:`this module <lightning_mgpu.hf.router_loss>` does."""
     module = sys.modules.get(type(model).__module__)
-    return all(hasattr(model, name) for name in MODEL_ATTRIBUTES) and hasattr(module, "load_balancing_loss_func")
+    function = getattr(module, "load_balancing_loss_func", None)
+    if function is None or not all(hasattr(model, name) for name in MODEL_ATTRIBUTES):
+        return False
+    return tuple(inspect.signature(function).parameters) == LOSS_PARAMETERS
 
 
 class RouterLoss:
@@ -201,26 +208,45 @@ class RouterLoss:
         return type(out)(**fields)
 
 
-def _capture_router_logits(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The decoder's forward pre-hook: its routers' logits are captured (``transformers``' own output capture) even
-    when the causal LM around it asks for none (:meth:`RouterLoss.before_call`)."""
-    return args, {**kwargs, "output_router_logits": True}
+    def capture(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The decoder's forward pre-hook: its routers' logits are captured (``transformers``' own output capture)
+        where the call around it forms the loss (:meth:`before_call`), and always within pipeline stages."""
+        wanted = self.pending[-1][0] if self.pending else True
+        return args, {**kwargs, "output_router_logits": wanted}
 
 
 def wire_router_loss(found: HFModel, layout: ParallelLayout) -> Optional[RouterLoss]:
     """Form ``found``'s load-balancing loss over the whole sequence and every layer on ``layout`` (nothing to do when
-    the model has none or one call sees every token and layer): kept on the causal LM as :data:`ATTRIBUTE` for its
-    pipeline stages, or hooked around its ``forward`` without pipeline stages."""
-    if not getattr(found.config, "output_router_logits", False) or not splits_tokens_or_layers(layout):
+    one call sees every token and layer): kept on the causal LM as :data:`ATTRIBUTE` for its pipeline stages (where
+    the config asks for the loss: a call under stages takes no ``output_router_logits``), or hooked around its
+    ``forward`` without pipeline stages, where a call may ask for it even with the config's ``False``. A model that
+    forms it otherwise refuses a call that asks for it (:func:`_refuse_asked_in_the_call`)."""
+    configured = getattr(found.config, "output_router_logits", False)
+    if not splits_tokens_or_layers(layout) or (layout.size("pp") > 1 and not configured):
+        return None
+    if not supported(found.model):
+        if layout.size("pp") == 1:
+            found.model.register_forward_pre_hook(_refuse_asked_in_the_call, with_kwargs=True)
         return None
     shards = (layout.group("tp"), layout.rank("tp"), layout.size("tp")) if layout.sequence_parallel else None
     router = RouterLoss(found.model, shards, layout.group("cp") if layout.size("cp") > 1 else None)
-    found.base.register_forward_pre_hook(_capture_router_logits, with_kwargs=True)
+    found.base.register_forward_pre_hook(router.capture, with_kwargs=True)
     if layout.size("pp") == 1:
         found.model.register_forward_pre_hook(router.before_call, with_kwargs=True)
         found.model.register_forward_hook(router.after_call, with_kwargs=True)
     setattr(found.model, ATTRIBUTE, router)
     return router
+
+
+def _refuse_asked_in_the_call(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    """A causal LM that forms its load-balancing loss otherwise than :func:`supported` ones, called with
+    ``output_router_logits=True`` on ranks that each see part of the sequence (the config's ``True`` is refused
+    before launch by :func:`router_loss_problems`)."""
+    if kwargs.get("output_router_logits"):
+        raise ValueError(f"output_router_logits=True in the call of {type(module).__name__}: its load-balancing loss "
+                         "is not formed as transformers' mixtures of experts form it, so on this layout each rank "
+                         "would form it over its own part of the sequence; leave it out of the call, or use a layout "
+                         "without context or sequence parallelism")
 
 
 def last_stage_loss(model: nn.Module, output: Any, causal_lm_loss: Callable[[torch.Tensor], torch.Tensor]
