@@ -30,7 +30,8 @@ test: install
 CPU_BENCHMARKS := overhead zero_memory tp_vs_dtensor pipeline_bubble pipeline_in_flight checkpoint_io \
 	checkpoint_verify context_parallel activation_memory planner_calibration compile_blocks document_mask setup_memory \
 	replica_updates async_checkpoint chaos_goodput moe_throughput hf_step_time resilience_cost muon_step fault_matrix \
-	hf_families lora_step fp8_curve hf_moe_ep tp_vs_hf_tp vs_deepspeed_strategy comm_count sft_data fingerprint_step
+	hf_families lora_step fp8_curve hf_moe_ep tp_vs_hf_tp vs_deepspeed_strategy comm_count sft_data fingerprint_step \
+	pipeline_overlap
 
 benchmarks: install
 	set -e; for b in $(CPU_BENCHMARKS); do echo "== benchmarks/$$b.py"; $(PY) benchmarks/$$b.py; done

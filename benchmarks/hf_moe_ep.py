@@ -30,6 +30,7 @@ from helpers import MeasureBeforeSecondStep  # noqa: E402
 from lightning_mgpu import LLMModule, MGPUStrategy  # noqa: E402
 from lightning_mgpu.models import LlamaConfig  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 from step_timer import QuietLLMModule, Timer  # noqa: E402
 
@@ -104,4 +105,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    main()
+    with recorded(__file__, "A transformers mixture of experts split by expert parallelism: step time and memory", about=__doc__):
+        main()

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import lightning as L  # noqa: E402
 from helpers import GLOBAL_BATCH, OPTIM, fit, make_token_file  # noqa: E402
 from moe_helpers import TINY_MOE  # noqa: E402
+from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
 from step_timer import QuietLLMModule, Timer  # noqa: E402
 
@@ -103,4 +104,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with recorded(__file__, "DualPipeV's forward and backward overlapped", about=__doc__, when="--cuda" not in sys.argv[1:]):
+        sys.exit(main())

@@ -42,9 +42,10 @@ ORDER = (
     # memory
     "setup_memory", "memory_factors", "selective_checkpointing",
     # parallelism
-    "context_parallel", "pipeline_bubble", "pipeline_in_flight", "moe_throughput", "hf_moe_ep", "replica_updates",
+    "context_parallel", "pipeline_bubble", "pipeline_in_flight", "pipeline_overlap", "moe_throughput", "hf_moe_parity",
+    "hf_moe_ep", "replica_updates",
     # the planner
-    "planner_calibration", "whole_run_plan", "dry_run_405b", "dry_run_moe",
+    "planner_calibration", "whole_run_plan", "dry_run_405b", "dry_run_moe", "hf_moe_dry_run",
     # precision and optimizers
     "muon_step", "muon_quality", "fp8_curve", "fp8_steps", "fp8_vs_bf16", "bf16_zero0",
     # transformers models and fine-tuning
