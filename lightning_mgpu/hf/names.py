@@ -10,6 +10,8 @@ writing them :mod:`lightning_mgpu.hf.export`.
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -136,6 +138,9 @@ class TransformersShape(LlamaConfig):
     attention window refuses context parallelism, and so do its pipeline stages (``lightning_mgpu.hf.context``)."""
 
     sliding_window: int = 0
+    #: per layer, the keys back a query attends (its window; 0: the whole sequence before it), which the planner's
+    #: attention FLOPs count layer by layer (:func:`attention_windows`); empty: no layer has a window
+    attention_windows: tuple[int, ...] = ()
     #: per layer, beyond Llama's (:func:`~lightning_mgpu.hf.layer_sizes.layer_extras`): parameters whole
     #: on every tensor-parallel rank (norms) and split ones (biases)
     layer_extras: LayerExtras = LayerExtras()
@@ -169,6 +174,35 @@ def sliding_window(hf: Mapping) -> int:
     return int((hf.get("sliding_window") or 0) if hf.get("use_sliding_window", True) else 0)
 
 
+def attention_windows(hf: Mapping) -> tuple[int, ...]:
+    """Per layer, the window of keys a query attends (0: every key before it), where ``transformers`` puts them: a
+    ``sliding_attention`` layer of its config's ``layer_types`` (gpt-oss's and Gemma 2's alternation, Gemma 3's and
+    Cohere 2's patterns, Qwen2's layers from ``max_window_layers`` on) attends ``sliding_window`` keys; a family with
+    no ``layer_types`` (Mistral, Mixtral, Phi-3, Qwen3-MoE) windows every layer when its config keeps a
+    ``sliding_window``. The config is built by ``transformers`` so that each family's defaults and switches
+    (``use_sliding_window``) are its own; the keys as written stand for a family it cannot build. Other layer kinds
+    (chunked, linear attention) count as whole-sequence attention. Empty when no layer has a window."""
+    windows = _attention_windows(json.dumps(dict(hf), sort_keys=True, default=str))
+    return windows if any(windows) else ()
+
+
+@functools.lru_cache(maxsize=64)
+def _attention_windows(config_json: str) -> tuple[int, ...]:
+    hf = json.loads(config_json)
+    try:
+        import transformers
+
+        kwargs = {k: v for k, v in hf.items() if k not in ("model_type", "architectures")}
+        built = transformers.AutoConfig.for_model(hf.get("model_type", "llama"), **kwargs)
+        window, kinds = int(getattr(built, "sliding_window", None) or 0), getattr(built, "layer_types", None)
+    except (ValueError, KeyError, TypeError, AttributeError, ImportError):  # a family transformers lacks
+        window, kinds = sliding_window(hf), hf.get("layer_types")
+    layers = int(hf["num_hidden_layers"])
+    if kinds is None:
+        return (window,) * layers
+    return tuple(window if kind == "sliding_attention" else 0 for kind in kinds)
+
+
 #: The families whose attention normalises each head's queries and keys (``q_norm``, ``k_norm``).
 _QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
 
@@ -180,7 +214,7 @@ def planning_shape(hf: Mapping) -> LlamaConfig:
     count (the few bias elements aside)."""
     fields = _shape_fields(hf)
     fields.update(qk_norm=hf.get("model_type") in _QK_NORM_FAMILIES, sliding_window=sliding_window(hf),
-                  model_type=str(hf.get("model_type") or ""))
+                  attention_windows=attention_windows(hf), model_type=str(hf.get("model_type") or ""))
     experts = int(hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0)
     if experts:
         fields.update(num_experts=experts, experts_per_token=int(hf.get("num_experts_per_tok", 2)),

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.hardware import GPUSpec
+from lightning_mgpu.planner.model_stats import attended_keys
 
 
 def attention_flops_per_token(cfg: LlamaConfig, seq_len: int, mode: str) -> float:
     """FLOPs per token of the causal attention scores: ``6 L s q`` for forward and backward (``q`` = heads x head
-    width), ``2 L s q`` more when activation checkpointing (``selective`` or ``full``) runs the forward again. The same
-    terms :func:`~lightning_mgpu.planner.model_stats.model_flops_per_token` and ``recompute_flops_per_token`` count."""
-    q = cfg.n_heads * cfg.head_dim
-    return (6.0 + (2.0 if mode in ("selective", "full") else 0.0)) * cfg.n_layers * seq_len * q
+    width), ``2 L s q`` more when activation checkpointing (``selective`` or ``full``) runs the forward again; each
+    layer over the keys it attends (a windowed layer's fewer: ``model_stats.attended_keys``). The same terms
+    :func:`~lightning_mgpu.planner.model_stats.model_flops_per_token` and ``recompute_flops_per_token`` count."""
+    per_key = 12.0 + (4.0 if mode in ("selective", "full") else 0.0)  # QK^T and PV: 4 q a key forward, 8 q backward
+    return per_key * cfg.n_heads * cfg.head_dim * attended_keys(cfg, seq_len)
 
 
 def compute_seconds(cfg: LlamaConfig, mode: str, flops: float, tokens: float, gpu: GPUSpec, achievable: float,

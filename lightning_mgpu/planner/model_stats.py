@@ -154,15 +154,14 @@ def max_rank_parameters(cfg: LlamaConfig, tp: int, pp: int, stages_per_rank: int
 def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int, mode: str) -> float:
     """FLOPs per token that activation checkpointing adds in backward by running forward parts of the blocks again:
     ``selective`` keeps the projections' outputs and recomputes attention, whose scores' forward is ``2 L s h`` for a
-    causal kernel (``4 L s h`` for one that computes the masked half too, as torch's math kernel does); ``full``
-    recomputes each block's forward, ``2 x`` its matmul weights plus the same scores, except the MLP's down
-    projection: torch's non-reentrant checkpoint stops recomputing once it has every tensor backward needs, and the
-    block's last matmul produces none (measured). ``none`` adds nothing. The element-wise work recomputed with them is
-    not counted (it is memory-bound, not FLOPs). A mixture-of-experts layer's experts run as grouped matmuls, which
-    selective checkpointing does not keep: both modes run them again
+    causal kernel with no window (over :func:`attended_keys`; ``4 L s h`` for one that computes the masked half too, as
+    torch's math kernel does); ``full`` recomputes each block's forward, ``2 x`` its matmul weights plus the same
+    scores, except the MLP's down projection: torch's non-reentrant checkpoint stops recomputing once it has every
+    tensor backward needs, and the block's last matmul produces none (measured). ``none`` adds nothing. The
+    element-wise work recomputed with them is not counted (it is memory-bound, not FLOPs). A mixture-of-experts layer's
+    experts run as grouped matmuls, which selective checkpointing does not keep: both modes run them again
     (:func:`~lightning_mgpu.planner.experts.moe_recomputed_weights`, derived, not measured)."""
-    q = cfg.n_heads * cfg.head_dim  # the attention's width (dim, unless head_dim is set apart)
-    scores = 2.0 * cfg.n_layers * seq_len * q
+    scores = 4.0 * cfg.n_heads * cfg.head_dim * attended_keys(cfg, seq_len)  # 2 L s q without a window
     moe = moe_layer_count(cfg, range(cfg.n_layers))
     experts = 2.0 * moe * moe_recomputed_weights(cfg, mode)  # grouped matmuls: recomputed in both modes
     if mode == "selective":
@@ -190,7 +189,7 @@ def skipped_weight_gradient_flops_per_token(cfg: LlamaConfig, seq_len: int) -> f
     lora = getattr(cfg, "adapters", None)
     if lora is None:
         return 0.0
-    attention_scores = 6.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    attention_scores = attention_score_flops_per_token(cfg, seq_len)
     frozen = (model_flops_per_token(cfg, seq_len) - attention_scores) / 6.0
     if "lm_head" in lora.modules_to_save and not cfg.tie_embeddings:
         frozen -= cfg.vocab_size * cfg.dim
@@ -199,11 +198,38 @@ def skipped_weight_gradient_flops_per_token(cfg: LlamaConfig, seq_len: int) -> f
 
 
 def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward, no recomputation): ``6 N`` for the matmul weights a token runs
-    through (a mixture of experts: its active ones, the gate and ``k`` routed experts, not all) plus
-    ``6 * n_layers * seq_len * q`` for causal attention scores (half of the full ``12 L s q``; ``q`` = heads x head
-    width, the dim unless ``head_dim`` is set apart)."""
+    """Training FLOPs per token the model needs (forward + backward, no recomputation), the numerator of MFU:
+    ``6 N`` for the matmul weights a token runs through (a mixture of experts: its active ones, the gate and ``k``
+    routed experts, not all) plus the attention scores over the keys each layer attends
+    (:func:`attention_score_flops_per_token`: ``6 * n_layers * seq_len * q`` without a window). A windowed layer's
+    keys outside its window are masked work a kernel need not do, so MFU does not count them."""
     n_matmul = cfg.num_parameters(active=True) - cfg.dim * (2 * cfg.n_layers + 1)  # norm weights do no matmul
     if not cfg.tie_embeddings:
         n_matmul -= cfg.vocab_size * cfg.dim  # the embedding is a lookup, not a matmul
-    return 6.0 * n_matmul + 6.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+    return 6.0 * n_matmul + attention_score_flops_per_token(cfg, seq_len)
+
+
+def attention_score_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+    """Forward + backward FLOPs per token of the attention scores and weighted values: ``QK^T`` and ``PV`` each
+    ``2 q`` a key forward and ``4 q`` backward (``q`` = heads x head width, the dim unless ``head_dim`` is set apart),
+    ``12 q`` a key over :func:`attended_keys`; ``6 L s q`` for causal attention with no window (half of the full
+    ``12 L s q``)."""
+    return 12.0 * cfg.n_heads * cfg.head_dim * attended_keys(cfg, seq_len)
+
+
+def attended_keys(cfg: LlamaConfig, seq_len: int) -> float:
+    """The keys a query attends, averaged over a sequence's positions and summed over the layers, in the causal count
+    ``6 L s q`` states (``s / 2`` keys a query in a layer with no window: the triangle of the ``s x s`` square, whose
+    diagonal it counts half). A query at position ``i`` of a layer with window ``w`` (``TransformersShape
+    .attention_windows``: gpt-oss's alternate layers, Mistral's every layer) attends ``min(i + 1, w)`` keys; their
+    mean over ``s`` positions is ``(w (w + 1) / 2 + (s - w) w) / s``, less the same half key of the diagonal: ``s / 2``
+    again when ``w >= s``. A model without windows (the package's Llama): ``n_layers * s / 2``. Counted here because
+    torch's FLOP counter counts an attention call by its shapes alone, the whole ``s x s`` square whatever the mask."""
+    windows = getattr(cfg, "attention_windows", ()) or (0,) * cfg.n_layers
+    return sum(_mean_keys(w, seq_len) for w in windows)
+
+
+def _mean_keys(window: int, seq_len: int) -> float:
+    if window <= 0 or window >= seq_len:
+        return seq_len / 2
+    return (window * (window + 1) / 2 + (seq_len - window) * window) / seq_len - 0.5
