@@ -20,7 +20,7 @@ from lightning_mgpu.contract import ADAPTER_ATTRIBUTE, parallel_context
 from lightning_mgpu.hf.adapters import (adapter_plan, adapter_record, prompt_learning_problems,
                                          quantized_base_problems, unwrapped)
 from lightning_mgpu.hf.context import apply_context_parallel
-from lightning_mgpu.hf.expert_parallel import apply_hf_expert_parallel, stage_expert_problems
+from lightning_mgpu.hf.expert_parallel import apply_hf_expert_parallel
 from lightning_mgpu.hf.loss import causal_lm_loss
 from lightning_mgpu.hf.model import HFModel, find_hf_model
 from lightning_mgpu.hf.router_loss import last_stage_loss, wire_router_loss
@@ -75,8 +75,6 @@ class HFHooks:
 
     def pipeline_stages(self, stage_ids: list[int], num_stages: int,
                         boundaries: Optional[list[int]] = None) -> nn.ModuleDict:
-        raise_problems("Invalid pipeline split for this mixture of experts",
-                       stage_expert_problems(self.found, self.layout, boundaries))
         stages = hf_stages(self.found, stage_ids, num_stages, boundaries)
         if self.layout.sequence_parallel:
             self._cut_sequence_at_stage_ends(stages.values())

@@ -4,8 +4,9 @@ under ZeRO-1 and ZeRO-3, over context-parallel ranks (cp2), with tensor and sequ
 whole on both tensor-parallel ranks, counted once in the package's global norm) and with pipeline stages (1F1B);
 Mixtral (ZeRO-2); gpt-oss (expert biases, its clamped gate, attention sinks; ZeRO-1 and ZeRO-3, tp2 + SP, pp2 1F1B);
 DeepSeek V3 (a dense first layer, a shared expert, group-limited routing, latent attention; ZeRO-0, tp2 + SP, pp2 under
-1F1B and ZBV, cp2 at ZeRO-3). A DeepSeek V3 split that leaves a pipeline rank without experts is refused on every rank,
-and gpt-oss's attention sinks under context parallelism.
+1F1B and ZBV, cp2 at ZeRO-3; and 2 layers at pp2 under ZeRO 0, 1 and 3, where pipeline rank 0 holds the dense layer
+alone and trains beside an expert placeholder whose gradient is zero). gpt-oss's attention sinks under context
+parallelism are refused.
 
 Each rank holds half the routed experts (local shapes asserted), tokens travel by all-to-all, and the model's router,
 top-k, normalisation and load-balancing loss (``output_router_logits=True``, coefficient 0.1) are its own; where the
@@ -35,6 +36,7 @@ from lightning_mgpu.hf import find_hf_model
 from lightning_mgpu.hf.context import attention_sink_problems
 from lightning_mgpu.hf.expert_parallel import stage_expert_problems
 from lightning_mgpu.layout import LayoutRequest
+from lightning_mgpu.parallel.frozen import EXPERT_PLACEHOLDER, is_placeholder
 from lightning_mgpu.testing import run_distributed
 
 EXPERTS = 8
@@ -111,6 +113,8 @@ def fit_routed(rank: int, devices: int, family: str = "qwen3_moe", n_layers: int
     return {"rank": rank, "batches": seen.batches, "losses": seen.losses, "grad_norms": seen.grad_norms,
             "aux": module.aux_losses, "shapes": {n: tuple(parameter_shape(p)) for n, p in module.named_parameters()},
             "coords": {axis: layout.rank(axis) for axis in ("tp", "pp", "dp", "ep")},
+            "placeholders": {n.rpartition(".")[2]: (tuple(parameter_shape(p)), getattr(p, "expert_partition", None))
+                             for n, p in trainer.strategy.model.module.named_parameters() if is_placeholder(n)},
             "implementation": module.llm.config._experts_implementation}
 
 
@@ -158,22 +162,18 @@ RUNS = {
     "gpt_oss_ep2_pp2_1f1b": (4, dict(family="gpt_oss", expert_parallel_size=2, pipeline_parallel_size=2,
                                      num_microbatches=2, zero_stage=1, aux=False)),
     "gpt_oss_ep2_zero3": (2, dict(family="gpt_oss", expert_parallel_size=2, zero_stage=3, aux=False)),
-    # DeepSeek V3: MLA projections and the dense layer's MLP split by its plan; 3 layers at pp2 so that each pipeline
-    # rank holds a layer with experts (stages [0, 1] and [2])
+    # DeepSeek V3: MLA projections and the dense layer's MLP split by its plan
     "deepseek_v3_ep2_tp2_sp_zero0": (4, dict(family="deepseek_v3", expert_parallel_size=2, tensor_parallel_size=2,
                                              sequence_parallel=True, zero_stage=0, aux=False)),
-    "deepseek_v3_ep2_pp2_1f1b": (4, dict(family="deepseek_v3", n_layers=3, expert_parallel_size=2,
-                                         pipeline_parallel_size=2, num_microbatches=2, zero_stage=1, aux=False)),
+    # 2 layers at pp2: pipeline rank 0 holds the dense layer alone, and an expert placeholder (ZeRO 0, 1 and 3)
+    **{f"deepseek_v3_ep2_pp2_1f1b_dense_stage_zero{z}": (4, dict(
+        family="deepseek_v3", expert_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2, zero_stage=z,
+        aux=False)) for z in (0, 1, 3)},
     "deepseek_v3_ep2_pp2_zbv": (4, dict(family="deepseek_v3", n_layers=4, expert_parallel_size=2,
                                         pipeline_parallel_size=2, pipeline_schedule="zbv", virtual_pipeline_size=2,
                                         num_microbatches=2, zero_stage=1, aux=False)),
     "deepseek_v3_ep2_cp2_zero3": (2, dict(family="deepseek_v3", expert_parallel_size=2, context_parallel_size=2,
                                           zero_stage=3, aux=False)),
-}
-#: Runs refused at setup on every rank, each ValueError's message kept (last in their launch: nothing trains).
-REFUSED = {
-    "deepseek_v3_ep2_pp2_dense_stage": (4, dict(family="deepseek_v3", expert_parallel_size=2,
-                                                pipeline_parallel_size=2, num_microbatches=2, zero_stage=1, aux=False)),
 }
 #: Each expert layer's local experts (half of 8, each whole) by family: the weights' shapes; and the router's weight.
 LOCAL = {"qwen3_moe": {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)},
@@ -182,23 +182,13 @@ LOCAL = {"qwen3_moe": {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)},
                      "down_proj_bias": (4, 32)},
          "deepseek_v3": {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)}}
 ROUTER = {"gpt_oss": "router.weight"}
-#: Layers holding experts (DeepSeek V3's first is dense).
-EXPERT_LAYERS = {"deepseek_v3": [1]}
-
-
-def refused_routed(rank: int, devices: int, **kw: Any) -> str:
-    """The message of the ``ValueError`` a refused :func:`fit_routed` raises on this rank."""
-    try:
-        fit_routed(rank, devices, **kw)
-    except ValueError as error:
-        return str(error)
-    return "not refused"
+#: Dense layers before the first with experts (DeepSeek V3's ``first_k_dense_replace``).
+DENSE_FIRST = {"deepseek_v3": 1}
 
 
 @functools.cache
 def launch(ranks: int) -> dict[str, list[dict]]:
     calls = {name: (fit_routed, (ranks,), kw) for name, (n, kw) in RUNS.items() if n == ranks}
-    calls.update({name: (refused_routed, (ranks,), kw) for name, (n, kw) in REFUSED.items() if n == ranks})
     results = run_distributed(in_turn, ranks, calls)
     return {name: [r[name] for r in results] for name in calls}
 
@@ -216,11 +206,15 @@ def test_expert_parallel_equals_one_process(name):
         shapes = {n.removeprefix("llm."): s for n, s in r["shapes"].items()}
         held = sorted({int(n.split(".")[2]) for n in shapes if n.startswith("model.layers.")})
         assert held and by_stage.setdefault(r["coords"]["pp"], set(held)) == set(held)
-        for layer in set(held) & set(EXPERT_LAYERS.get(family, [0, 1])) if ep > 1 else ():  # half the experts, whole
+        with_experts = set(held) & set(range(DENSE_FIRST.get(family, 0), n_layers))
+        for layer in with_experts if ep > 1 else ():  # half the experts, whole
             block = f"model.layers.{layer}.mlp"
             assert {w: shapes[f"{block}.experts.{w}"] for w in LOCAL[family]} == LOCAL[family]
             assert shapes[f"{block}.{ROUTER.get(family, 'gate.weight')}"] == (EXPERTS, 32)  # it sees every expert
         assert (r["implementation"] == "mgpu_expert_parallel") == (ep > 1)
+        # a pipeline rank without experts holds one expert placeholder, tagged as its expert-parallel rank's shard
+        without = ep > 1 and pp > 1 and not with_experts
+        assert r["placeholders"] == ({EXPERT_PLACEHOLDER: ((1,), (r["coords"]["ep"], ep))} if without else {})
         assert max_abs_diff(r["losses"], expected["losses"]) < 1e-5, (name, r["losses"], expected["losses"])
         assert max_abs_diff(r["grad_norms"], expected["grad_norms"]) < 1e-5, (name, r["grad_norms"],
                                                                               expected["grad_norms"])
@@ -246,15 +240,6 @@ def test_attention_sinks_under_context_parallelism_are_refused():
         "it)"]
     assert attention_sink_problems(found, 1) == []
     assert attention_sink_problems(find_hf_model(RoutedLM("deepseek_v3", 2, aux=False)), 2) == []
-
-
-def test_a_pipeline_rank_without_experts_is_refused_on_every_rank():
-    """DeepSeek V3 of 2 layers, the first dense, at ep2 x pp2: pipeline rank 0 would hold no experts, and its
-    gradient-norm collectives would not meet rank 1's (the run hung, at ZeRO-0, 1 and 3, before this refusal)."""
-    results = launch(4)["deepseek_v3_ep2_pp2_dense_stage"]
-    assert len(set(results)) == 1, results
-    assert ("pipeline_parallel_size=2 with expert_parallel_size=2: DeepseekV3ForCausalLM has routed experts in "
-            "layers [1] only, and pipeline rank 0 would hold layers [0], none with experts") in results[0], results[0]
 
 
 def test_which_pipeline_splits_leave_a_rank_without_experts():
