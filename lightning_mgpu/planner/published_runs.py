@@ -5,9 +5,13 @@ no constant was chosen from. ``role="left_out"`` runs are printed with the reaso
 Every figure is copied from the table named in ``source``; a run whose settings are not all published is not here.
 Runs left out for that reason, or because the planner cannot express them: DeepSeek V3 and Kimi K2 (multi-head latent
 attention), GPT-OSS (sliding-window attention with sinks), NeMo's and Megatron Bridge's DGX-H100 tables of Llama 3
-8B-405B and Qwen3 (fp8, which the planner does not model), torchtitan's bf16 asynchronous tensor-parallel runs
-(figures published as an image), NeMo AutoModel's Llama 3 70B at context parallel 2 (its activation checkpointing is
-not published).
+8B-405B and Qwen3 (fp8, which the planner does not model; every Megatron Bridge release table read, 25.09 to 26.08,
+has its H100 Llama rows in fp8 and its bf16 H100 rows only for GPT-OSS), torchtitan's H200 runs of Llama 3.1 8B
+(float8), torchtitan's 405B runs at tp 8 x pp 8 with context parallelism (float8, and a 500 W power limit), Llama 3
+405B's scaling table (read only as quoted elsewhere; micro-batch, virtual stages and recomputation not given beside
+it), Megatron-LM's weak-scaling table of 2B-462B models (published as an image). No run on H200, at pipeline
+parallelism, or above 70B parameters was found in bf16 with every setting published and an architecture the planner
+models, so the held-out set has none of them.
 """
 
 from __future__ import annotations
@@ -26,6 +30,15 @@ TITAN_H100 = "https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_
 AUTOMODEL = ("https://github.com/NVIDIA-NeMo/Automodel/blob/main/docs/performance-summary.md (DGX-H100 BF16 "
              "pre-training table; activation checkpointing from "
              "examples/benchmark/configs/qwen3_moe_30b_te_deepep.yaml)")
+_AUTOMODEL_CP = "https://github.com/NVIDIA-NeMo/Automodel/blob/2013a4dd6e932c4e4f48ca6b4a3fc295cdd64e33/"
+#: the row "Llama3 70B" (64 GPUs, context parallel 2); its activation checkpointing is in the config the page links
+AUTOMODEL_CP2 = (_AUTOMODEL_CP + "docs/performance-summary.md (DGX-H100 BF16 pre-training table, row Llama3 70B; "
+                 "activation_checkpointing: True in examples/llm_pretrain/"
+                 "custom_llama3_1_70b_pretrain_benchmark_8nodes.yaml at that commit)")
+#: bf16 "Vanilla TP tokens/sec" (per GPU: 256 GPUs), local batch 16; seq_len 8192 and full checkpointing from
+#: torchtitan/models/llama3/train_configs/llama3_70b.toml at the commit the page names (820504e)
+TITAN_ASYNC_TP = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md "
+                  "(Llama3 70b on 256 H100s, row None (bfloat16))")
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,8 @@ HELD_OUT_RUNS: list[PublishedRun] = [
     PublishedRun("MPT-7B", FOUNDRY_H100, _mpt(*_M7, 32768), _H, 8, 1, 32768, 2, 32, True, 3318, **_HO),
     PublishedRun("MPT-7B", FOUNDRY_H100, _mpt(*_M7, 4096), _H, 8, 1, 4096, 16, 256, True, 8611, **_HO),
     PublishedRun("Qwen3-30B-A3B", AUTOMODEL, QWEN3_30B_A3B, _H, 8, 1, 4096, 4, 512, True, 12040, expert=8, **_HO),
+    PublishedRun("Llama 3.1 70B", AUTOMODEL_CP2, _llama3("llama3_70b"), _H, 64, 1, 8192, 1, 128, True, 866.77,
+                 context=2, **_HO),
     PublishedRun("MPT-70B", FOUNDRY_A100, _mpt(*_M70, 2048), _A, 64, 1, 2048, 8, 2048, True, 410, **_HO),
     PublishedRun("MPT-70B", FOUNDRY_A100, _mpt(*_M70, 2048), _A, 32, 1, 2048, 2, 1024, True, 373, **_HO),
     PublishedRun("MPT-30B", FOUNDRY_A100, _mpt(*_M30, 8192), _A, 8, 1, 8192, 1, 168, True, 574, **_HO),
@@ -124,6 +139,8 @@ LEFT_OUT_RUNS: list[PublishedRun] = [
                  role="left_out", why_not=_POWER),
     PublishedRun("Llama 3.1 8B", TITAN_H100 + " (Table 3)", _llama3("llama3_8b"), _H, 128, 1, 8192, 2, 256, False,
                  5605, role="left_out", why_not=_POWER),
+    PublishedRun("Llama 3.1 70B", TITAN_ASYNC_TP, _llama3("llama3_70b"), _H, 256, 8, 8192, 16, 512, True, 597.3,
+                 role="left_out", why_not=_POWER),
     PublishedRun("Llama 3.1 405B", "torchtitan docs/performance.md, as quoted before", _llama3("llama3_405b"), _H, 128,
                  8, 8192, 2, 32, True, 109, role="left_out",
                  why_not="not in either stored version of the page read (A100 and H100 tables); out until its source "

@@ -4,12 +4,14 @@ import dataclasses
 
 import pytest
 
+from lightning_mgpu.layout import ModelShape, layout_problems
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.calibration import (ASSUMPTIONS, _fit_error, calibration_rows, calibration_table,
                                                 mean_absolute_error, predict)
 from lightning_mgpu.planner.efficiency import compute_seconds
 from lightning_mgpu.planner.hardware import GPUS, GPUSpec
 from lightning_mgpu.planner.published_runs import FIT_RUNS, HELD_OUT_RUNS, PUBLISHED_RUNS
+from lightning_mgpu.split_rules import sequence_problems
 
 
 def _key(run):
@@ -31,6 +33,23 @@ def test_held_out_runs_are_within_15_percent_on_average_and_none_beyond_30():
     assert mean_absolute_error(rows) <= 0.15
     assert abs(worst.error) <= 0.30, (worst.run.name, worst.run.gpus, worst.predicted, worst.run.tokens_per_s_per_gpu)
 
+
+
+def test_every_held_out_layout_is_one_the_launcher_accepts():
+    """Each held-out run's layout (ZeRO-3 over its data-parallel ranks, its tensor, context and expert sizes) passes
+    the rules ``mgpu-train`` and the planner's search ask, so the planner is judged on settings it can take; the set
+    holds a context-parallel run (NeMo AutoModel's Llama 3.1 70B at cp 2) beside the expert-parallel one."""
+    for r in HELD_OUT_RUNS:
+        dp = r.gpus // (r.tensor_parallel * r.pipeline * r.context)
+        problems = layout_problems(world_size=r.gpus, tensor_parallel_size=r.tensor_parallel,
+                                   pipeline_parallel_size=r.pipeline, zero_stage=3, pipeline_schedule="1f1b",
+                                   virtual_pipeline_size=1, num_microbatches=r.global_batch // (r.micro_batch * dp),
+                                   sequence_parallel=r.tensor_parallel > 1, model=ModelShape.of(r.model),
+                                   context_parallel_size=r.context, expert_parallel_size=r.expert)
+        problems += sequence_problems(r.seq_len, r.context, r.tensor_parallel, r.tensor_parallel > 1)
+        assert not problems, (r.name, r.gpus, problems)
+        assert r.global_batch % (r.micro_batch * dp) == 0, (r.name, r.gpus)
+    assert any(r.context > 1 for r in HELD_OUT_RUNS) and any(r.expert > 1 for r in HELD_OUT_RUNS)
 
 @pytest.mark.parametrize("kind", ["a100_80gb", "h100_80gb"])
 def test_the_constants_are_a_minimum_of_the_fitting_set_alone(kind):
