@@ -11,6 +11,7 @@ import torch
 
 from lightning_mgpu import engine as engines
 from lightning_mgpu.layout import ParallelLayout
+from lightning_mgpu.parallel.frozen import is_placeholder
 
 
 def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any], global_rank: int,
@@ -27,7 +28,8 @@ def applied_layout(engine: Any, layout: ParallelLayout, pipeline: Optional[Any],
     if layout.size("cp") > 1:
         parts.append(f"context parallel over {layout.size('cp')} ranks")
     if layout.size("ep") > 1:
-        experts = [p for p in engine.module.parameters() if getattr(p, "expert_partition", None) is not None]
+        experts = [p for n, p in engine.module.named_parameters()
+                   if getattr(p, "expert_partition", None) is not None and not is_placeholder(n)]
         parts.append(f"expert parallel over {layout.size('ep')} ranks ({len(experts)} expert weights split by expert)")
     if pipeline is not None:
         stages = [stage.stage_index for stage in pipeline.stages]
@@ -52,10 +54,11 @@ def parameter_counts(module: torch.nn.Module, layout: ParallelLayout, device: to
     """Count ``module``'s parameters on every rank and sum the distinct ones over the tensor x pipeline ranks (one
     small all-reduce): the first tensor-parallel rank counts a split parameter by its whole size (without the padding
     of an uneven split) and the others count it not; experts kept by expert parallelism count once per
-    expert-parallel rank; ZeRO-3's partitioned parameters count by their size before partitioning."""
+    expert-parallel rank; ZeRO-3's partitioned parameters count by their size before partitioning; placeholders
+    (:mod:`lightning_mgpu.parallel.frozen`) are no parameters of the model and count nowhere."""
     first_tp_rank, experts_ranks = layout.rank("tp") == 0, layout.size("ep")
     whole, trainable, on_rank = 0, 0, 0
-    for p in module.parameters():
+    for p in (p for name, p in module.named_parameters() if not is_placeholder(name)):
         numel, shape = int(getattr(p, "ds_numel", p.numel())), tuple(getattr(p, "ds_shape", p.shape))
         on_rank += numel
         if not first_tp_rank:

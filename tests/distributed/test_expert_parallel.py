@@ -120,6 +120,18 @@ def test_expert_parallel_under_each_kind_of_pipeline_schedule(token_file, deep_r
     assert_parity(results, ref)
 
 
+def test_a_pipeline_rank_without_experts_trains_beside_an_expert_placeholder(token_file):
+    """Two layers, the first dense, at ep2 x pp2 under ZeRO-0 (the package's expert-aware global norm): pipeline rank 0
+    holds no expert, and an expert placeholder so that its gradient-norm collectives meet rank 1's; its gradient is
+    zero (the reference has none) and the whole model's parameter count leaves it out."""
+    model = replace(TINY_MOE, dense_layers=1)
+    results = run_distributed(fit_moe, 4, token_file, 4, model=model, expert_parallel_size=2,
+                              pipeline_parallel_size=2, zero_stage=0)
+    assert sorted(len(r["held"]) for r in results) == [0, 0, 3, 3]  # w1, w2, w3 of the one expert layer, or none
+    assert {r["whole_parameters"] for r in results} == {model.num_parameters()}
+    assert_parity(results, moe_reference(token_file, STEPS, model=model))
+
+
 def test_global_batch_balancing_statistics_span_the_data_parallel_ranks(token_file):
     """``aux_loss="global_batch"``: each micro-batch's statistics are summed over both data-parallel ranks, as one
     process computing them over the union of the two ranks' micro-batches (samples 0-1 with 4-5, 2-3 with 6-7)."""
