@@ -120,16 +120,38 @@ def test_expert_parallel_under_each_kind_of_pipeline_schedule(token_file, deep_r
     assert_parity(results, ref)
 
 
-def test_a_pipeline_rank_without_experts_trains_beside_an_expert_placeholder(token_file):
+def dense_stage_segment(rank, token_file, devices, directory, max_steps, ckpt_path, **layout):
+    """:func:`segment` of a 2-layer MoE whose first layer is dense, with what :func:`fit_moe` records."""
+    from lightning_mgpu.callbacks import PeriodicCheckpoint
+
+    recorder = RouteRecorder()
+    summary = Summary(recorder)
+    module = LLMModule(DENSE_FIRST, **OPTIM, global_batch_size=GLOBAL_BATCH)
+    result = fit(rank, token_file, devices, max_steps=max_steps, ckpt_path=ckpt_path, module=module, check_layout=False,
+                 callbacks=[recorder, summary, PeriodicCheckpoint(directory, every_n_steps=2, keep_last=1)], **layout)
+    return {**result, **summary.out}
+
+
+DENSE_FIRST = replace(TINY_MOE, dense_layers=1)
+
+
+def test_a_pipeline_rank_without_experts_trains_beside_an_expert_placeholder(token_file, tmp_path):
     """Two layers, the first dense, at ep2 x pp2 under ZeRO-0 (the package's expert-aware global norm): pipeline rank 0
     holds no expert, and an expert placeholder so that its gradient-norm collectives meet rank 1's; its gradient is
-    zero (the reference has none) and the whole model's parameter count leaves it out."""
-    model = replace(TINY_MOE, dense_layers=1)
-    results = run_distributed(fit_moe, 4, token_file, 4, model=model, expert_parallel_size=2,
-                              pipeline_parallel_size=2, zero_stage=0)
-    assert sorted(len(r["held"]) for r in results) == [0, 0, 3, 3]  # w1, w2, w3 of the one expert layer, or none
-    assert {r["whole_parameters"] for r in results} == {model.num_parameters()}
-    assert_parity(results, moe_reference(token_file, STEPS, model=model))
+    zero (the reference has none), the whole model's parameter count leaves it out, and so does the checkpoint, which
+    resumes at ep1 on the same curve."""
+    from lightning_mgpu.callbacks import newest_checkpoint
+
+    ref = moe_reference(token_file, STEPS, model=DENSE_FIRST)
+    first = run_distributed(dense_stage_segment, 4, token_file, 4, tmp_path, 2, None, expert_parallel_size=2,
+                            pipeline_parallel_size=2, zero_stage=0)
+    assert sorted(len(r["held"]) for r in first) == [0, 0, 3, 3]  # w1, w2, w3 of the one expert layer, or none
+    assert {r["whole_parameters"] for r in first} == {DENSE_FIRST.num_parameters()}
+    saved = newest_checkpoint(tmp_path)
+    assert b"placeholder" not in (saved / ".metadata").read_bytes()  # neither its value nor its optimizer state
+    second = run_distributed(dense_stage_segment, 2, token_file, 2, tmp_path, STEPS, str(saved), zero_stage=1)
+    assert_parity(first, {k: v[:2] for k, v in ref.items() if k in ("losses", "grad_norms")})
+    assert_parity(second, {k: v[2:] for k, v in ref.items() if k in ("losses", "grad_norms")})
 
 
 def test_global_batch_balancing_statistics_span_the_data_parallel_ranks(token_file):
