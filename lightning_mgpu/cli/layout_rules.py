@@ -35,8 +35,7 @@ def _source_layout_problems(cfg: DictConfig, world: int, shape: Optional[ModelSh
         layout = request.build(world, model=shape, num_microbatches=micro)
     except ValueError:  # a rule stated elsewhere (the batch, the micro-batches) names it
         return []
-    boundaries = cfg.parallel.get("pipeline_boundaries")
-    return model_source(cfg).layout_problems(layout, None if boundaries is None else list(boundaries))
+    return model_source(cfg).layout_problems(layout)
 
 
 def parallel_problems(cfg: DictConfig, model: Optional[LlamaConfig]) -> list[str]:

@@ -93,7 +93,7 @@ class OwnModel:
         """A layout problem as this source's user sets it: the package's own keys are the user's."""
         return problem
 
-    def layout_problems(self, layout: ParallelLayout, boundaries: Optional[list[int]]) -> list[Problem]:
+    def layout_problems(self, layout: ParallelLayout) -> list[Problem]:
         """Nothing beyond the layout's rules over the model's shape, which know the package's model whole."""
         return []
 
@@ -193,22 +193,19 @@ class TransformersDirectory:
             return dataclasses.replace(problem, field=f"{self.model.path}/config.json: output_router_logits")
         return problem
 
-    def layout_problems(self, layout: ParallelLayout, boundaries: Optional[list[int]]) -> list[Problem]:
+    def layout_problems(self, layout: ParallelLayout) -> list[Problem]:
         """What the directory's model forbids of a valid layout that its planning shape cannot tell, asked of its
-        structure built on the meta device (once per directory): a pipeline rank without routed experts under expert
-        parallelism, attention sinks under context parallelism, a load-balancing loss formed otherwise than
-        transformers' MoE families form it under split tokens or layers. The same rules refuse at set-up."""
-        if layout.size("ep") == 1 and layout.size("cp") == 1 and layout.size("pp") == 1 and \
-                not layout.sequence_parallel:
+        structure built on the meta device (once per directory): attention sinks under context parallelism, a
+        load-balancing loss formed otherwise than transformers' MoE families form it under split tokens or layers. The
+        same rules refuse at set-up."""
+        if layout.size("cp") == 1 and layout.size("pp") == 1 and not layout.sequence_parallel:
             return []
         from lightning_mgpu.hf.context import attention_sink_problems
-        from lightning_mgpu.hf.expert_parallel import stage_expert_problems
         from lightning_mgpu.hf.router_loss import router_loss_problems
 
         config = self._config_file()
         found = _meta_model(str(self.model.path), config.stat().st_mtime_ns if config.is_file() else None)
-        return (stage_expert_problems(found, layout, boundaries) + attention_sink_problems(found, layout.size("cp"))
-                + router_loss_problems(found, layout))
+        return attention_sink_problems(found, layout.size("cp")) + router_loss_problems(found, layout)
 
     def vocabulary_problem(self, vocab_size: int, size: int, what: str) -> str:
         return (f"the vocab_size={vocab_size} of {self.model.path}/config.json is smaller than {what}: ids up to "

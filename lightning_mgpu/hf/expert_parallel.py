@@ -26,7 +26,7 @@ parallelism.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable
 
 import torch
 from torch import nn
@@ -34,7 +34,6 @@ from torch import nn
 from lightning_mgpu.hf.model import HFModel
 from lightning_mgpu.hf.router_loss import router_loss_problems
 from lightning_mgpu.layout import ParallelLayout
-from lightning_mgpu.models.llama_plan import balanced_boundaries
 from lightning_mgpu.parallel.experts import ExpertWiring
 from lightning_mgpu.parallel.plan import plan_pattern
 from lightning_mgpu.problems import Problem, raise_problems
@@ -62,33 +61,6 @@ def hf_expert_problems(found: HFModel, Ep: int) -> list[Problem]:
     return [Problem("expert_parallel_size", Ep, f"cannot split the experts of a transformers {model_type} model: "
                     f"expert parallelism covers {', '.join(HF_EXPERT_FAMILIES)} only",
                     "use expert_parallel_size=1 (ZeRO-3 shards the experts' weights over the data-parallel ranks)")]
-
-
-def stage_expert_problems(found: HFModel, layout: ParallelLayout,
-                          boundaries: Optional[Sequence[int]] = None) -> list[Problem]:
-    """Under expert parallelism every pipeline rank must hold a layer with routed experts (DeepSeek V3's first
-    ``first_k_dense_replace`` layers, Qwen3-MoE's ``mlp_only_layers`` are dense). A rank without experts has no expert
-    optimizer group, and the gradient norm is reduced over the tensor x pipeline ranks once per group (DeepSpeed's ZeRO
-    1-3; at ZeRO-0 the package's expert-aware norm runs only where experts are): the stages would wait on each other's
-    collectives for ever. ``boundaries`` are the stage boundaries asked for (balanced by layer count when None)."""
-    P = layout.size("pp")
-    if layout.size("ep") == 1 or P == 1:
-        return []
-    n, held = found.n_layers, {int(name.split(".")[1]) for name in expert_modules(found) if name.count(".") >= 1}
-    b = list(boundaries) if boundaries is not None else balanced_boundaries(n, layout.num_stages)
-    if len(b) != layout.num_stages + 1:
-        return []  # the stage split refuses it, naming the boundaries
-    ranks = {r: [i for s in layout.stage_ids(r) for i in range(b[s], b[s + 1])] for r in range(P)}
-    empty = {r: layers for r, layers in ranks.items() if not set(layers) & held}
-    if not empty:
-        return []
-    where = "; ".join(f"pipeline rank {r} would hold layers {layers}" for r, layers in empty.items())
-    return [Problem("pipeline_parallel_size", P, f"with expert_parallel_size={layout.size('ep')}: "
-                    f"{type(found.model).__name__} has routed experts in layers {sorted(held)} only, and {where}, none "
-                    "with experts: every pipeline rank needs experts (the gradient norm is reduced over the pipeline "
-                    "ranks once per expert group), else the stages wait on each other for ever",
-                    "give every pipeline rank a layer with experts (pipeline_boundaries, or fewer stages), or use "
-                    "pipeline_parallel_size=1 or expert_parallel_size=1")]
 
 
 def expert_modules(found: HFModel) -> dict[str, tuple[nn.Module, list[str]]]:

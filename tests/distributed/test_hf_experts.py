@@ -34,8 +34,6 @@ from torch.utils.data import DataLoader
 from lightning_mgpu import MGPUStrategy, parameter_shape
 from lightning_mgpu.hf import find_hf_model
 from lightning_mgpu.hf.context import attention_sink_problems
-from lightning_mgpu.hf.expert_parallel import stage_expert_problems
-from lightning_mgpu.layout import LayoutRequest
 from lightning_mgpu.parallel.frozen import EXPERT_PLACEHOLDER, is_placeholder
 from lightning_mgpu.testing import run_distributed
 
@@ -240,21 +238,3 @@ def test_attention_sinks_under_context_parallelism_are_refused():
         "it)"]
     assert attention_sink_problems(found, 1) == []
     assert attention_sink_problems(find_hf_model(RoutedLM("deepseek_v3", 2, aux=False)), 2) == []
-
-
-def test_which_pipeline_splits_leave_a_rank_without_experts():
-    """Worked by hand for DeepSeek V3 whose layer 0 is dense, without processes: the balanced split of 2 layers over 2
-    stages, and boundaries given for 3 layers ([0, 1, 3]: rank 0 holds layer 0 alone), are refused; [0, 2, 3] and the
-    V schedule (rank 0 runs stages 0 and 3 of 4 layers: layers 0 and 3) are not, nor anything at ep1."""
-    def problems(n_layers: int, boundaries=None, ep: int = 2, **request: Any) -> list[str]:
-        found = find_hf_model(RoutedLM("deepseek_v3", n_layers, aux=False))
-        layout = LayoutRequest(pipeline_parallel_size=2, expert_parallel_size=ep, **request).build(4)
-        return [str(p) for p in stage_expert_problems(found, layout, boundaries)]
-
-    refused = ("pipeline_parallel_size=2 with expert_parallel_size=2: DeepseekV3ForCausalLM has routed experts in "
-               "layers {} only, and pipeline rank 0 would hold layers [0], none with experts")
-    assert [p.startswith(refused.format([1])) for p in problems(2)] == [True]
-    assert [p.startswith(refused.format([1, 2])) for p in problems(3, [0, 1, 3])] == [True]
-    assert problems(3, [0, 2, 3]) == []
-    assert problems(4, pipeline_schedule="zbv", virtual_pipeline_size=2) == []
-    assert problems(2, ep=1) == []
