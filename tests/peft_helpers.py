@@ -74,7 +74,11 @@ class AdaptedLM(L.LightningModule):
         return self.llm(input_ids=batch, labels=batch).loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer([p for p in self.parameters() if p.requires_grad], self.optimizer_name)
+        """Over the parameters that train; with a name ending in ``:every``, over every parameter, the frozen ones
+        included, as many users write it (the optimizer skips those without a gradient)."""
+        name, _, every = self.optimizer_name.partition(":")
+        params = list(self.parameters()) if every else [p for p in self.parameters() if p.requires_grad]
+        return make_optimizer(params, name)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(token_ids(), batch_size=MICRO)

@@ -133,14 +133,16 @@ def clip_by_global_norm(module: nn.Module, layout: ParallelLayout, max_norm: flo
 
 
 def split_expert_groups(optimizer: torch.optim.Optimizer, schedulers: list, layout: ParallelLayout) -> None:
-    """Put the expert parameters of each of ``optimizer``'s groups into a group of their own, marked the way DeepSpeed
-    wants (``moe=True``, ``name``: its groups' name), with the same settings; then give each learning-rate scheduler
-    the per-group entries of the group each new one came from, so the schedule moves both alike."""
+    """Put the trained expert parameters of each of ``optimizer``'s groups into a group of their own, marked the way
+    DeepSpeed wants (``moe=True``, ``name``: its groups' name), with the same settings; then give each learning-rate
+    scheduler the per-group entries of the group each new one came from, so the schedule moves both alike."""
     name = group_name(layout)
     dense, moe, origin_dense, origin_moe = [], [], [], []
     for i, group in enumerate(optimizer.param_groups):
-        mine = [p for p in group["params"] if getattr(p, "expert_partition", None) is not None]
-        rest = [p for p in group["params"] if getattr(p, "expert_partition", None) is None]
+        # frozen experts stay with the rest: ZeRO 1/2 drop every frozen parameter from their groups, and a group of
+        # frozen experts alone would be left empty (DeepSpeed's IndexError at start-up)
+        mine = [p for p in group["params"] if getattr(p, "expert_partition", None) is not None and p.requires_grad]
+        rest = [p for p in group["params"] if id(p) not in {id(q) for q in mine}]
         if rest:  # ``origin``: which of the optimizer's groups this one came from (checkpoints match them by it)
             dense.append({**group, "params": rest, "origin": i})
             origin_dense.append(i)
