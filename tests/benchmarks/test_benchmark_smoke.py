@@ -168,7 +168,7 @@ def test_benchmark_smoke_mode_runs_and_prints_its_figure(script, smoke_outputs):
     assert_figures(script, output)
     if script == "gpu_check.py":  # every check ran and read its figure
         rows = [line for line in lines if line.startswith("| ") and "expectation" not in line and "---" not in line]
-        assert len(rows) == 7 and all("ran (smoke)" in row or "not run" in row for row in rows), output  # 7: LoRA
+        assert len(rows) == 8 and all("ran (smoke)" in row or "not run" in row for row in rows), output  # 8: overlap
 
 
 def assert_figures(script: str, output: str) -> None:

@@ -118,7 +118,7 @@ COMPOSITION_ERRORS = [  # what a new user mistypes, and the line they get
     (["model=llama3_9b"], "model=llama3_9b is not an option of model; choose one of deepseek_moe_16b, hf, llama3_1b, "
                           "llama3_405b"),
     (["recipe=llama3_1t"], "recipe=llama3_1t is not an option of recipe; choose one of deepseek_moe_16b_1node, "
-                           "finetune_8b_1node, llama3_1b_1node"),
+                           "deepseek_v3_hf_32node, finetune_8b_1node, gpt_oss_120b_hf_lora_2node, llama3_1b_1node"),
     (["logger=tensorbord"], "choose one of csv, mlflow, tensorboard, wandb; did you mean tensorboard?"),
     (["logger=[csv,tensorbord]"], "logger=tensorbord is not an option of logger"),
     (["logger.wandb.project=x"], "needs logger=wandb or logger=[csv,wandb]"),
