@@ -17,6 +17,7 @@ import gc
 import os
 import pickle
 import random
+import signal
 import socket
 import tempfile
 import time
@@ -67,7 +68,12 @@ def _child(rank: int, fn: Callable, world_size: int, port: int, out_dir: str, ti
     # A fatal signal's stacks go to a file the parent reads back (stderr holds only their last lines in a long report).
     # enable() alone only changes the file when faulthandler is already on (pytest turns it on), keeping whatever
     # handler a library installed for SIGSEGV since: disable() first, so enable() installs faulthandler's own again.
+    # After its dump faulthandler re-raises the signal under the handler it found, which disable() put back: whatever
+    # the parent had when faulthandler was last enabled there (a library's Python handler survives a SIGSEGV sent by
+    # kill, and the rank goes on). The default disposition first, so a fatal signal always ends the rank.
     faulthandler.disable()
+    for name in CRASH_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
     faulthandler.enable(open(Path(out_dir, f"{rank}.fatal"), "w"), all_threads=True)
     torch.set_num_threads(1)
     # What the parent made (a test session's heap) stays out of this rank's garbage collections: each full collection

@@ -55,6 +55,25 @@ def test_a_second_crash_raises_with_the_stacks_of_the_rank_that_died(tmp_path):
     assert len(marker.read_text().splitlines()) == 2
 
 
+def test_a_crash_is_fatal_where_faulthandler_would_re_raise_it_under_a_librarys_python_handler(tmp_path):
+    """faulthandler, after its dump, re-raises a fatal signal under the handler it found when last enabled in the test
+    session; a library's Python-level SIGSEGV handler found there would let the rank go on (CI once saw "DID NOT RAISE"
+    above). Without the rank resetting the fatal signals to their default: this fails the same way."""
+    faulthandler.disable()
+    signal.signal(signal.SIGSEGV, lambda *_: None)
+    faulthandler.enable()
+    signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+    marker = tmp_path / "crashes"
+    marker.write_text("")
+    try:
+        with pytest.warns(RuntimeWarning), pytest.raises(RankCrashed, match="died of SIGSEGV"):
+            run_distributed(_crash_in_a_named_frame, 2, str(marker), 2)
+    finally:  # the session's faulthandler goes back to re-raising under the default disposition
+        faulthandler.disable()
+        signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+        faulthandler.enable()
+
+
 def _report_where_it_stands(rank: int) -> str:
     """What a Trainer without a default_root_dir does when a peer fails: a hang report in the working directory."""
     Path(f"hang-rank{rank}-collectives.json").write_text("{}")
