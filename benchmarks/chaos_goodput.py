@@ -14,7 +14,8 @@ step a SIGKILL cut short, the emergency checkpoint of a SIGTERM, the agent notic
 stepping, the agent's stop and fork, building the run's objects, the process group, the engine, the restore, the first
 steps after the restore beyond the uninterrupted runs' mean step, the re-trained steps at that mean, the periodic saves
 beyond the uninterrupted run's -- and two that the machine's load causes: the other steps beyond the mean (less the
-uninterrupted run's own) and the runs' start and end. The restart latency is from each SIGKILL to the restarted
+uninterrupted run's own; the mean of those steps in the chaos run's first attempt and in its restarted attempts, printed
+beside the uninterrupted runs', shows whether a restart left its later steps slower) and the runs' start and end. The restart latency is from each SIGKILL to the restarted
 attempt's first optimizer step.
 
 ``--steps N`` and ``--gaps 20,60`` change the run (a short profiling run: ``--steps 3000 --gaps 20``). The smoke mode
@@ -216,6 +217,7 @@ def report(chaos_run: Run, beside: list[Run], everyone: list[Run], mean_gap_s: f
     print(f"  restarts' buckets {restart_s:.1f} s ({restart_s / faults:.2f} s per fault); the machine's (other steps, "
           f"start and end) {machine_s:.1f} s, {abs(machine_s) / max(abs(lost_s), 1e-9):.1%} of the time lost; "
           f"without the machine's: {1 - restart_s / chaos_run.wall_s:.1%} of the chaos run trained")
+    print_step_means(job, beside)
     if spans := latencies(job):
         print(f"  from a SIGKILL to the next optimizer step: median {statistics.median(spans):.2f} s, "
               f"max {max(spans):.2f} s ({len(spans)} restarts)")
@@ -224,6 +226,16 @@ def report(chaos_run: Run, beside: list[Run], everyone: list[Run], mean_gap_s: f
     return {"mean_gap_s": mean_gap_s, "chaos_s": chaos_run.wall_s, "weights_max_diff": diff,
             "faults": chaos_run.faults, "restarts": job.restarts, "attempts": job.attempts,
             "chaos": chaos_run.samples, "lost_s": buckets, "latencies_s": spans}
+
+
+def print_step_means(job: Job, beside: list[Run]) -> None:
+    """The mean of the other steps in the chaos run's first attempt, in its restarted attempts and in the uninterrupted
+    runs beside it: whether the other steps' bucket is a restart's (the restarted attempts alone slower) or the
+    machine's (every attempt moving alike)."""
+    ours = {name: m for name, m in job.other_step_means(EVERY).items() if m is not None}
+    theirs = statistics.fmean(r.job.mean_step(EVERY) for r in beside)
+    print(f"  other steps' mean: {', '.join(f'{name} {m * 1000:.1f} ms' for name, m in ours.items())}; the "
+          f"uninterrupted runs beside it {theirs * 1000:.1f} ms")
 
 
 def record_path(tmp: Path) -> Optional[Path]:

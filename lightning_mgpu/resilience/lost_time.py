@@ -66,6 +66,19 @@ class Job:
         """(kind, seconds) of every step but the job's very first (its set-up is the start): ``first`` (one of the first
         ``first`` steps after a restore, from the restore), ``save`` (a step after a periodic checkpoint's, whose
         blocking part it holds) or ``other``."""
+        return [(kind, seconds) for _, kind, seconds in self._steps(every, first)]
+
+    def other_step_means(self, every: int, first: int = FIRST_STEPS) -> dict[str, Optional[float]]:
+        """The mean of the ``other`` steps in the first attempt and in the restarted ones (None where there are none):
+        a restart that left its later steps slower would show here; steps that only move with the machine's load move
+        in every attempt alike."""
+        by_attempt: dict[str, list[float]] = {"first attempt": [], "restarted attempts": []}
+        for number, kind, seconds in self._steps(every, first):
+            if kind == "other":
+                by_attempt["restarted attempts" if number else "first attempt"].append(seconds)
+        return {name: statistics.fmean(d) if d else None for name, d in by_attempt.items()}
+
+    def _steps(self, every: int, first: int) -> list[tuple[int, str, float]]:
         restored = {r["attempt"] - 1: r["restored"] for r in self.restarts}
         out = []
         for number, steps in sorted(self.steps.items()):
@@ -73,7 +86,7 @@ class Job:
             for index, (step, end) in enumerate(steps):
                 if previous is not None:
                     kind = "first" if number and index < first else "save" if (step - 1) % every == 0 else "other"
-                    out.append((kind, end - previous))
+                    out.append((number, kind, end - previous))
                 previous = end
         return out
 

@@ -60,6 +60,16 @@ def test_slower_steps_and_a_longer_end_are_the_machines():
     assert buckets["periodic saves"] == pytest.approx(0.0) and buckets["first steps"] == pytest.approx(0.5)
 
 
+def test_the_steps_after_a_restores_first_ones_are_compared_across_attempts():
+    """Attempt 0's other steps (2, 3, 4 and 6; step 5 holds a save) take 1 s each; attempt 1's one other step (8, after
+    its first 3) is made 0.6 s slower: 1.6 s. Without restarted attempts, or without their other steps: None."""
+    job = killed()
+    job.steps[1][-1] = (8, 22.3)
+    assert job.other_step_means(EVERY, first=3) == pytest.approx({"first attempt": 1.0, "restarted attempts": 1.6})
+    assert reference().other_step_means(EVERY, first=3) == {"first attempt": 1.0, "restarted attempts": None}
+    assert killed().other_step_means(EVERY, first=4)["restarted attempts"] is None
+
+
 def test_a_preemption_then_an_attempt_that_never_stepped():
     """SIGTERM at 11.6 s: step 3 ends at 12 s and the emergency checkpoint and exit take until the agent sees the
     attempt end with 75 at 12.6 s; the next attempt fails before stepping (seen at 13.5 s); the one after it began at
