@@ -31,6 +31,12 @@ FP8_STEPS = 1
 #: The first step's loss and gradient norm against one process: one fp32 ulp of a loss near 4 (4.8e-7), which a
 #: vocabulary-parallel or sequence-split loss sums in another order.
 FIRST_STEP_TOLERANCE = 1e-6
+#: The share of the first step's scales and fp8 numbers that may differ from one process's where context parallelism
+#: splits the sequence. Its attention sums the keys' and values' gradients over query blocks of another length, in
+#: another order on some CPUs' kernels: 0.4% of the scales and 1.2-1.8% of the numbers one fp8 step apart on an AMD EPYC
+#: (cp2, tp2 x cp2, the mixture of experts at cp2; none on an Intel Xeon), the loss and gradient norm still within 1e-6.
+#: Without the amax reductions over the split, 37.5-50% of the scales and 52-69% of the numbers differ.
+CP_DRIFT = {"scales": 0.01, "values": 0.03}
 #: (name, model, recipe, strategy arguments) of the layouts checked in one launch of two processes.
 LAYOUTS = [("tp2_sp", TINY, "rowwise", dict(tensor_parallel_size=2, sequence_parallel=True)),
            # recomputed blocks reduce their scales again, in the same order on every rank; plain tp2 rowwise is this
@@ -190,7 +196,8 @@ def test_a_resumed_fp8_run_continues_as_if_uninterrupted(references):
 
 def assert_first_step_equal(name: str, model, recipe: str, kw: dict, results: list[dict], references: dict) -> None:
     """Each layer computes in fp8 and reduces its scales over its layout's splits; the first step's scales, fp8
-    numbers (:mod:`fp8_probe`), loss and gradient norm equal one process's."""
+    numbers (:mod:`fp8_probe`; under context parallelism all but :data:`CP_DRIFT` of them), loss and gradient norm
+    equal one process's."""
     # a recomputed model is compared with TINY's run: recomputation changes no number
     ref = references[{id(TINY_MOE): f"moe_{recipe}", id(DEEP): f"deep_{recipe}"}.get(id(model), recipe)]
     T, C = kw.get("tensor_parallel_size", 1), kw.get("context_parallel_size", 1)
@@ -200,7 +207,8 @@ def assert_first_step_equal(name: str, model, recipe: str, kw: dict, results: li
             rows = layer.endswith((".wo", ".w2"))
             assert sizes == ((T, 1, C) if rows else (1, T, C)), (name, layer, sizes)
     census = distance(merged([r["census"] for r in results]), merged([ref["census"]]))
-    assert census["scales"] == 0 and census["values"] == 0, (name, census)
+    drift = CP_DRIFT if C > 1 else {"scales": 0.0, "values": 0.0}
+    assert census["scales"] <= drift["scales"] and census["values"] <= drift["values"], (name, census)
     try:
         assert_parity(results, {k: ref[k][:FP8_STEPS] for k in ("losses", "grad_norms")}, tol=FIRST_STEP_TOLERANCE)
     except AssertionError as err:

@@ -28,7 +28,7 @@ import pytest
 import torch
 import transformers
 from helpers import in_turn, max_abs_diff
-from hf_helpers import CLIP, LR, MICRO, VOCAB, token_ids
+from hf_helpers import CLIP, MICRO, VOCAB, token_ids
 from torch.utils.data import DataLoader
 
 from lightning_mgpu import MGPUStrategy, parameter_shape
@@ -178,6 +178,12 @@ RUNS = {
     "deepseek_v3_ep2_cp2_zero3": (2, dict(family="deepseek_v3", expert_parallel_size=2, context_parallel_size=2,
                                           zero_stage=3, aux=False)),
 }
+#: AdamW's learning rate here. Its first steps move every parameter by about the learning rate whatever the size of its
+#: gradient, so gradients that differ from one process's only by fp32 rounding (a row-parallel all-reduce sums two
+#: partial products) move the next loss by up to 1.15e-5 at 1e-2 on one CPU (AMD EPYC, ep2 x tp2 + SP; under 1e-5 on
+#: an Intel Xeon); at 1e-3 the rounding stays far below the tolerance while each step still moves the next loss by
+#: 7.7e-4 to 1.1e-2 in each family (77 to 1,100 times it: a wrong update shows).
+LR = 1e-3
 #: Each expert layer's local experts (half of 8, each whole) by family: the weights' shapes; and the router's weight.
 LOCAL = {"qwen3_moe": {"gate_up_proj": (4, 32, 32), "down_proj": (4, 32, 16)},
          "mixtral": {"gate_up_proj": (4, 96, 32), "down_proj": (4, 32, 48)},
