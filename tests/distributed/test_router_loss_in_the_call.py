@@ -17,8 +17,8 @@ import pytest
 import torch
 import transformers
 from helpers import in_turn, max_abs_diff
-from hf_helpers import CLIP, LR
-from test_hf_experts import STEPS, RoutedLM, Seen, micro_batches, routed_model
+from hf_helpers import CLIP
+from test_hf_experts import LR, STEPS, RoutedLM, Seen, micro_batches, routed_model
 from torch import nn
 
 from lightning_mgpu import MGPUStrategy
