@@ -32,9 +32,9 @@ FP8_STEPS = 1
 #: vocabulary-parallel or sequence-split loss sums in another order.
 FIRST_STEP_TOLERANCE = 1e-6
 #: The share of the first step's scales and fp8 numbers that may differ from one process's where context parallelism
-#: splits the sequence. Its attention sums the keys' and values' gradients over query blocks of another length, in
-#: another order on some CPUs' kernels: 0.4% of the scales and 1.2-1.8% of the numbers one fp8 step apart on an AMD EPYC
-#: (cp2, tp2 x cp2, the mixture of experts at cp2; none on an Intel Xeon), the loss and gradient norm still within 1e-6.
+#: splits the sequence, whose gradients sum in another fp32 order: 0.4% of the scales and 1.2-1.8% of the numbers one
+#: fp8 step apart on an AMD EPYC (cp2, tp2 x cp2, the mixture of experts at cp2; none on an Intel Xeon; which kernel
+#: rounds differently there was not found), the loss and gradient norm still within 1e-6.
 #: Without the amax reductions over the split, 37.5-50% of the scales and 52-69% of the numbers differ.
 CP_DRIFT = {"scales": 0.01, "values": 0.03}
 #: (name, model, recipe, strategy arguments) of the layouts checked in one launch of two processes.
