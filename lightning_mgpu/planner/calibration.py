@@ -1,13 +1,15 @@
 """The planner's step time against published training runs: fitted on one set, judged on another.
 
-The runs (:mod:`lightning_mgpu.planner.published_runs`) are bf16 on the planner's GPU kinds, trained by stacks
-comparable to this one (PyTorch, ZeRO-3-style full sharding, fused attention). Each is planned as this project would
-run it: ZeRO-3 over the data-parallel ranks (tensor and expert parallelism where the run used them), the published
-micro-batch, global batch and sequence, and full recomputation where the run used activation checkpointing (selective
-checkpointing is planned as none). Two constants per GPU kind are fitted, by :func:`fit_fractions` on the fitting set
-alone: the fraction of the bf16 peak the weight matmuls reach (``GPUSpec.achievable``) and the fraction the attention
-kernel reaches (``GPUSpec.attention_achievable``, :mod:`lightning_mgpu.planner.efficiency`). The held-out runs chose
-nothing; their error is the planner's.
+The runs (:mod:`lightning_mgpu.planner.published_runs`) are bf16 on the planner's GPU kinds. The fitting set is of
+stacks comparable to this one (PyTorch, ZeRO-3-style full sharding, fused attention); the held-out set adds NeMo's
+Megatron-core runs with tensor, pipeline (interleaved) and context parallelism up to 405B, and BLOOM's. Each is
+planned with the settings it published: its ZeRO stage (3 for full sharding, 1 for an optimizer that shards only its
+state), tensor, pipeline, virtual-stage, context and expert sizes, micro-batch, global batch and sequence, and full
+recomputation where the run used activation checkpointing (selective checkpointing is planned as none). Two constants
+per GPU kind are fitted, by :func:`fit_fractions` on the fitting set alone: the fraction of the bf16 peak the weight
+matmuls reach (``GPUSpec.achievable``) and the fraction the attention kernel reaches
+(``GPUSpec.attention_achievable``, :mod:`lightning_mgpu.planner.efficiency`). The held-out runs chose nothing; their
+error is the planner's.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from lightning_mgpu.planner.time import estimate_step_time
 
 #: Calibration assumptions, printed above the tables.
 ASSUMPTIONS = ("bf16, no fp8; ZeRO-3-style full sharding (llm-foundry FSDP FULL_SHARD, torchtitan FSDP2, NeMo "
-               "AutoModel FSDP2) planned as ZeRO-3; activation checkpointing planned as full recomputation, selective "
-               "as none; MPT planned as the Llama of equal dim, depth, heads and parameters; the planner's overlap of "
-               "data-parallel communication; 8 GPUs per node")
+               "AutoModel FSDP2) planned as ZeRO-3, Megatron's distributed optimizer (NeMo) and DeepSpeed's bf16 "
+               "optimizer (BLOOM) as ZeRO-1 with nothing overlapped, interleaved pipelines as interleaved 1F1B; "
+               "activation checkpointing planned as full recomputation, selective as none; MPT, GPT-3, BLOOM and "
+               "Nemotron-4 (two-matrix MLPs) planned as the Llama of equal dim, depth, heads and parameters; the "
+               "planner's overlap of data-parallel communication; 8 GPUs per node")
 
 
 @dataclass(frozen=True)
@@ -43,8 +47,9 @@ def predict(run: PublishedRun, gpu: Optional[GPUSpec] = None, achievable: Option
     gpus_per_node = min(8, run.gpus)
     cluster = ClusterSpec(run.gpus // gpus_per_node, gpus_per_node, gpu or GPUS[run.gpu])
     time = estimate_step_time(run.model, cluster, run.seq_len, run.global_batch, run.micro_batch,
-                              run.tensor_parallel, run.pipeline, 3, recompute=run.recompute, achievable=achievable,
-                              context=run.context, ep=run.expert)
+                              run.tensor_parallel, run.pipeline, run.zero_stage, virtual=run.virtual,
+                              schedule="interleaved_1f1b" if run.virtual > 1 else "1f1b", recompute=run.recompute,
+                              achievable=achievable, context=run.context, ep=run.expert)
     bound = time.tokens_per_step / (time.total + time.data_parallel_hidden) / time.world_size
     return CalibrationRow(run, time.tokens_per_second_per_gpu, bound)
 
@@ -91,8 +96,8 @@ def fit_constants(kinds: tuple[str, ...] = ("a100_80gb", "h100_80gb")) -> dict:
 
 def _layout(r: PublishedRun) -> str:
     dp = r.gpus // (r.tensor_parallel * r.pipeline * r.context)
-    axes = [f"ZeRO-3 x {dp}"] + [f"{name} {n}" for name, n in (("tp", r.tensor_parallel), ("pp", r.pipeline),
-                                                                  ("cp", r.context), ("ep", r.expert)) if n > 1]
+    axes = [f"ZeRO-{r.zero_stage} x {dp}"] + [f"{name} {n}" for name, n in (
+        ("tp", r.tensor_parallel), ("pp", r.pipeline), ("vp", r.virtual), ("cp", r.context), ("ep", r.expert)) if n > 1]
     return ", ".join(axes)
 
 
@@ -114,8 +119,14 @@ def calibration_table(achievable: Optional[float] = None, role: Optional[str] = 
     return "\n".join(lines)
 
 
+def source_repository(run: PublishedRun) -> str:
+    """``owner/name`` of the GitHub repository a run's figure comes from."""
+    return "/".join(run.source.split("github.com/", 1)[1].split("/")[:2])
+
+
 def held_out_summary() -> str:
-    """The held-out runs' mean absolute percentage error and worst run, one line each, and the fitting set's."""
+    """The held-out runs' mean absolute percentage error and worst run, one line each, and the fitting set's; then the
+    held-out runs by source, with their mean signed error (a stack the planner is slow or fast on shows as a bias)."""
     lines = []
     for role, label in (("fit", "fitting set"), ("held_out", "held-out set")):
         rows = calibration_rows(role=role)
@@ -123,4 +134,10 @@ def held_out_summary() -> str:
         lines.append(f"{label}: {len(rows)} runs, mean absolute error {mean_absolute_error(rows):.1%}, worst "
                      f"{worst.error:+.0%} ({worst.run.name}, {worst.run.gpus} x {GPUS[worst.run.gpu].name}, "
                      f"sequence {worst.run.seq_len:,})")
+    by_source: dict[str, list[CalibrationRow]] = {}
+    for row in calibration_rows(role="held_out"):
+        by_source.setdefault(source_repository(row.run), []).append(row)
+    lines.append("held-out set by source: " + "; ".join(
+        f"{name} {len(rows)} run{'s' if len(rows) > 1 else ''}, mean error "
+        f"{sum(r.error for r in rows) / len(rows):+.1%}" for name, rows in by_source.items()))
     return "\n".join(lines)

@@ -9,9 +9,11 @@ attention), GPT-OSS (sliding-window attention with sinks), NeMo's and Megatron B
 has its H100 Llama rows in fp8 and its bf16 H100 rows only for GPT-OSS), torchtitan's H200 runs of Llama 3.1 8B
 (float8), torchtitan's 405B runs at tp 8 x pp 8 with context parallelism (float8, and a 500 W power limit), Llama 3
 405B's scaling table (read only as quoted elsewhere; micro-batch, virtual stages and recomputation not given beside
-it), Megatron-LM's weak-scaling table of 2B-462B models (published as an image). No run on H200, at pipeline
-parallelism, or above 70B parameters was found in bf16 with every setting published and an architecture the planner
-models, so the held-out set has none of them.
+it), Megatron-LM's weak-scaling tables of 1.7B-1T (A100) and 2B-462B (H100) models (images, without micro-batch or
+recomputation), MT-NLG 530B (micro-batch not given), FlagPerf's Megatron-core Llama 3 runs on H100 (recomputation
+listed in the READMEs' A800 setup or against a launch script that sets none). The NVIDIA dgxc-benchmarking tables
+(NeMo 24.11-25.02) are bf16 beside their yaml; their 405B columns below 576 GPUs are proxies of 7-42 layers and are
+not used. No bf16 H200 run with its settings published was found, so neither set has one.
 """
 
 from __future__ import annotations
@@ -40,11 +42,32 @@ AUTOMODEL_CP2 = (_AUTOMODEL_CP + "docs/performance-summary.md (DGX-H100 BF16 pre
 TITAN_ASYNC_TP = ("https://github.com/pytorch/torchtitan/blob/main/benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md "
                   "(Llama3 70b on 256 H100s, row None (bfloat16))")
 
+_DGXC = "https://github.com/NVIDIA/dgxc-benchmarking/blob/"
+_DGXC_2411 = _DGXC + "35a9aecc8d5b17d99d80f52f38c75ade0dbab7ae/"
+_DGXC_2502 = _DGXC + "8f5cbb3799ea8cc031ed2c2cee1cbdbc15b240ad/"
+#: NeMo 24.11-25.02 (Megatron-core, Transformer Engine) on DGX H100: each README's BF16 table gives the step time and
+#: tokens/s by GPU count; the yaml beside it at the same commit the shapes, the layout, micro-batch, recomputation and
+#: the distributed optimizer (optimizer state sharded over the data-parallel ranks, weights whole)
+DGXC_GPT3 = (_DGXC_2411 + "nemo_megatron/README_175b.md (table NeMo Megatron 24.11 BF16, 128x H100; "
+             "gpt3_175b_hydra.yaml; vocabulary 51,200 from the README's notes)")
+DGXC_L70 = _DGXC_2502 + "llama3.1/README_70b.md (table Llama 3.1 70b BF16, 64x H100; llama3.1_70b.yaml)"
+DGXC_L405 = (_DGXC_2502 + "llama3.1/README_405b.md (table Llama 3.1 405b BF16, 576x H100, 126 layers; "
+             "llama3.1_405b.yaml)")
+DGXC_N340 = (_DGXC_2502 + "nemotron/README_340b.md (table Nemotron4 340b BF16, 128x H100; nemotron4-340b-synth.yaml, "
+             "vocabulary 256,000 from its tokenizer)")
+DGXC_N15 = (_DGXC_2502 + "nemotron/README_15b.md (table Nemotron4 15b BF16, 16x H100; nemotron4-15b-synth.yaml, "
+            "vocabulary 256,000 from its tokenizer)")
+#: the first epoch's last iteration in the log: 104.70 s for 2,048 x 2,048 tokens on 384 A100 80GB; TP 4, PP 12,
+#: micro-batch 2, full activation checkpointing, DeepSpeed's bf16 optimizer (its own stage-1 sharding) in the slurm
+#: script at 003b250
+BLOOM = ("https://github.com/bigscience-workshop/bigscience/blob/00327f8c3533c39b3cc17013f0d0d2b770eb2bb9/train/"
+         "tr11-176B-ml/README.md (Important checkpoints; settings in tr11-176B-ml.slurm)")
+
 
 @dataclass(frozen=True)
 class PublishedRun:
     """One published measurement: what ran, on what, under which layout, and the tokens per second per GPU it
-    reached. Data-parallel ranks shard like ZeRO-3 (FSDP full sharding) in every run here."""
+    reached."""
 
     name: str
     source: str
@@ -62,13 +85,25 @@ class PublishedRun:
     pipeline: int = 1
     context: int = 1
     expert: int = 1
+    #: how the data-parallel ranks shard: 3 (FSDP full sharding), 1 (Megatron's distributed optimizer, DeepSpeed's
+    #: bf16 optimizer: optimizer state sharded, weights whole)
+    zero_stage: int = 3
+    virtual: int = 1  #: pipeline stages per rank (interleaved 1F1B when above 1)
+
+
+def _two_matrix_mlp(dim: int, n_layers: int, n_heads: int, seq: int, vocab: int, kv_heads: int = 0,
+                    tie: bool = True, multiple: int = 1) -> LlamaConfig:
+    """A model whose MLP is two matrices 4 x dim wide (GELU: MPT, GPT-3, BLOOM; squared ReLU: Nemotron-4) as the
+    Llama of equal dim, depth, heads and parameter count (SwiGLU width 8/3 x dim, rounded to a ``multiple`` the
+    run's tensor parallelism divides)."""
+    return LlamaConfig(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=kv_heads or n_heads,
+                       ffn_hidden=multiple * round(8 * dim / (3 * multiple)), vocab_size=vocab, max_seq_len=seq,
+                       tie_embeddings=tie)
 
 
 def _mpt(dim: int, n_layers: int, n_heads: int, seq: int) -> LlamaConfig:
-    """llm-foundry's MPT (multi-head attention, 4 x dim GELU MLP, tied embeddings) as the Llama of equal dim, depth,
-    heads and parameter count (SwiGLU width 8/3 x dim)."""
-    return LlamaConfig(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_heads, ffn_hidden=round(8 * dim / 3),
-                       vocab_size=50368, max_seq_len=seq, tie_embeddings=True)
+    """llm-foundry's MPT: multi-head attention, tied embeddings, vocabulary 50,368."""
+    return _two_matrix_mlp(dim, n_layers, n_heads, seq, 50368)
 
 
 def _llama2(dim: int, n_layers: int, n_heads: int, n_kv: int, ffn: int) -> LlamaConfig:
@@ -132,6 +167,28 @@ HELD_OUT_RUNS: list[PublishedRun] = [
                  **_HO),
     PublishedRun("Llama 2 70B", TITAN_L2, _llama2(8192, 80, 64, 8, 28672), _A, 64, 1, 4096, 2, 128, True, 353,
                  **_HO),
+]
+
+#: tied embeddings under a pipeline planned untied: Megatron keeps a copy on the first and the last stage and sums their
+#: gradients, which is what two matrices cost (and this package refuses tying across stages)
+_GPT3 = _two_matrix_mlp(12288, 96, 96, 2048, 51200, tie=False)
+_BLOOM = _two_matrix_mlp(14336, 70, 112, 2048, 250880, tie=False, multiple=8)
+_N340 = _two_matrix_mlp(18432, 96, 96, 4096, 256000, kv_heads=8, tie=False)
+_N15 = _two_matrix_mlp(6144, 32, 48, 4096, 256000, kv_heads=8, tie=False)
+_L405_16KV = LlamaConfig.from_name("llama3_405b", max_seq_len=8192, n_kv_heads=16)  #: num_query_groups: 16 in its yaml
+_MEGATRON = dict(role="held_out", zero_stage=1)
+HELD_OUT_RUNS += [
+    PublishedRun("GPT-3 175B", DGXC_GPT3, _GPT3, _H, 128, 4, 2048, 1, 256, False, 58843 / 128, pipeline=8, virtual=12,
+                 **_MEGATRON),
+    PublishedRun("Llama 3.1 70B", DGXC_L70, _llama3("llama3_70b"), _H, 64, 4, 8192, 1, 128, False, 71756 / 64,
+                 pipeline=4, virtual=5, context=2, **_MEGATRON),
+    PublishedRun("Llama 3.1 405B", DGXC_L405, _L405_16KV, _H, 576, 8, 8192, 1, 252, False, 117964 / 576,
+                 pipeline=9, virtual=7, context=2, **_MEGATRON),
+    PublishedRun("Nemotron-4 340B", DGXC_N340, _N340, _H, 128, 8, 4096, 1, 32, False, 28432 / 128, pipeline=8,
+                 virtual=12, **_MEGATRON),
+    PublishedRun("Nemotron-4 15B", DGXC_N15, _N15, _H, 16, 4, 4096, 4, 64, False, 93223 / 16, **_MEGATRON),
+    PublishedRun("BLOOM 176B", BLOOM, _BLOOM, _A, 384, 4, 2048, 2, 2048, True, 2048 * 2048 / 104.70 / 384,
+                 pipeline=12, **_MEGATRON),
 ]
 
 LEFT_OUT_RUNS: list[PublishedRun] = [

@@ -41,15 +41,32 @@ def test_every_held_out_layout_is_one_the_launcher_accepts():
     holds a context-parallel run (NeMo AutoModel's Llama 3.1 70B at cp 2) beside the expert-parallel one."""
     for r in HELD_OUT_RUNS:
         dp = r.gpus // (r.tensor_parallel * r.pipeline * r.context)
+        schedule = "interleaved_1f1b" if r.virtual > 1 else "1f1b"
         problems = layout_problems(world_size=r.gpus, tensor_parallel_size=r.tensor_parallel,
-                                   pipeline_parallel_size=r.pipeline, zero_stage=3, pipeline_schedule="1f1b",
-                                   virtual_pipeline_size=1, num_microbatches=r.global_batch // (r.micro_batch * dp),
+                                   pipeline_parallel_size=r.pipeline, zero_stage=r.zero_stage,
+                                   pipeline_schedule=schedule, virtual_pipeline_size=r.virtual,
+                                   num_microbatches=r.global_batch // (r.micro_batch * dp),
                                    sequence_parallel=r.tensor_parallel > 1, model=ModelShape.of(r.model),
                                    context_parallel_size=r.context, expert_parallel_size=r.expert)
         problems += sequence_problems(r.seq_len, r.context, r.tensor_parallel, r.tensor_parallel > 1)
         assert not problems, (r.name, r.gpus, problems)
         assert r.global_batch % (r.micro_batch * dp) == 0, (r.name, r.gpus)
     assert any(r.context > 1 for r in HELD_OUT_RUNS) and any(r.expert > 1 for r in HELD_OUT_RUNS)
+    assert any(r.pipeline > 1 and r.virtual > 1 for r in HELD_OUT_RUNS)
+    assert any(r.pipeline > 1 and r.virtual == 1 for r in HELD_OUT_RUNS)
+    assert any(r.tensor_parallel > 1 and r.pipeline == 1 for r in HELD_OUT_RUNS)
+
+
+def test_the_held_out_set_reaches_past_70b_parameters():
+    """The Llama 3.1 405B run is planned at the shape its yaml publishes (126 layers of 16,384, 128 heads of 128, 16
+    key/value groups, MLP 53,248, vocabulary 128,256, untied): 126 x (16,384 x 128 x (2 x 128 + 2 x 16) + 3 x 16,384
+    x 53,248 + 2 x 16,384) + 2 x 128,256 x 16,384 + 16,384 = 410,081,247,232 parameters, worked by hand; not a
+    smaller stand-in."""
+    cfg = next(r for r in HELD_OUT_RUNS if r.name == "Llama 3.1 405B").model
+    layer = cfg.dim * cfg.head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * cfg.ffn_hidden + 2 * cfg.dim
+    assert cfg.n_layers * layer + 2 * cfg.vocab_size * cfg.dim + cfg.dim == 410_081_247_232
+    assert not cfg.tie_embeddings
+
 
 @pytest.mark.parametrize("kind", ["a100_80gb", "h100_80gb"])
 def test_the_constants_are_a_minimum_of_the_fitting_set_alone(kind):
