@@ -1,11 +1,13 @@
-"""The time between the ends of consecutive training steps, as the step-time benchmarks read it (a module of helpers,
-not a benchmark: ``tests/benchmarks`` lists it among those run by no smoke test)."""
+"""The time between the ends of consecutive training steps, and where one step's time went, as the step-time
+benchmarks read them (a module of helpers, not a benchmark: ``tests/benchmarks`` lists it among those run by no
+smoke test)."""
 
 from __future__ import annotations
 
 import time
 
 import lightning as L
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mgpu import LLMModule
 
@@ -30,3 +32,52 @@ class Timer(L.Callback):
         if self._last is not None:
             self.times.append(now - self._last)
         self._last = now
+
+
+class OpTimes(TorchDispatchMode):
+    """Seconds spent in each kind of operator while active: ``matmuls`` (mm, addmm, bmm), ``attention`` (the fused
+    scaled-dot-product kernels, forward and backward) and ``other`` (every other operator but the collectives'). A
+    step's wall time minus their sum is what ran outside computing operators: the collectives and their waits, Python,
+    the autograd engine, Lightning. A tensor subclass (DTensor) is timed as one operator with its dispatch. torch's
+    profiler gives the same split but runs its own work in each op, more than this mode's one clock read either side."""
+
+    MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
+    COLLECTIVES = ("c10d.", "_c10d_functional.")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = {"matmuls": 0.0, "attention": 0.0, "other": 0.0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        name = str(func)
+        if not name.startswith(self.COLLECTIVES):
+            kind = ("matmuls" if name.startswith(self.MATMULS) else
+                    "attention" if "scaled_dot_product" in name else "other")
+            self.seconds[kind] += time.perf_counter() - start
+        return out
+
+
+class StepBreakdown(L.Callback):
+    """:class:`OpTimes` over the training batch ``index`` and that step's wall time (``wall``, from the batch's start
+    to its end): what the benchmarks print as where a step went."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.ops, self.wall = index, OpTimes(), 0.0
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if batch_idx == self.index:
+            self.wall = time.perf_counter()
+            self.ops.__enter__()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if batch_idx == self.index:
+            self.ops.__exit__(None, None, None)
+            self.wall = time.perf_counter() - self.wall
+
+
+def breakdown_line(ops: OpTimes, wall: float) -> str:
+    """``matmuls X s, attention Y s, other operators Z s, outside operators W s (step S s)``."""
+    parts = [f"{name if name != 'other' else 'other operators'} {s:.3f} s" for name, s in ops.seconds.items()]
+    return ", ".join(parts + [f"outside operators {wall - sum(ops.seconds.values()):.3f} s (step {wall:.3f} s)"])

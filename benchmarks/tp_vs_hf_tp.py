@@ -7,11 +7,14 @@ clipping, fp32. ``MGPUStrategy`` runs the model as it is inside a plain Lightnin
 its config, sequence parallelism, ZeRO-0); transformers' side is a plain loop (forward with ``labels=``, backward,
 ``optimizer.step()``). Each is timed per step after a warm-up; the two alternate in rounds so that machine noise
 hits both. Prints the median step times with their range, their ratio, the largest loss difference and the machine's
-load average. Needs ``accelerate`` (``pip install -e .[benchmarks]``).
+load average; then one further step of each, timed operator by operator (``step_timer.OpTimes``: matmuls, attention,
+other operators, and what ran outside operators -- collectives and their waits, Python, Lightning), which says how
+much of the gap communication and overhead could close: the step cannot drop below its operators' time. Needs ``accelerate`` (``pip install -e .[benchmarks]``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import sys
@@ -33,7 +36,7 @@ from lightning_mgpu import MGPUStrategy  # noqa: E402
 from lightning_mgpu.testing import run_distributed  # noqa: E402
 from record import recorded  # noqa: E402
 from smoke import sized  # noqa: E402
-from step_timer import Timer  # noqa: E402
+from step_timer import OpTimes, StepBreakdown, Timer, breakdown_line  # noqa: E402
 
 DIM, LAYERS, HEADS, FFN, VOCAB = sized((512, 4, 8, 1376, 4096), (64, 2, 4, 128, 256))
 SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((256, 8, 8, 2, 2), (16, 2, 2, 1, 1))
@@ -49,7 +52,7 @@ def save_model(directory: str) -> None:
 
 
 def batches() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH * (STEPS + 1), SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return torch.randint(0, VOCAB, (BATCH * (STEPS + 2), SEQ + 1), generator=torch.Generator().manual_seed(0))
 
 
 class HFModule(L.LightningModule):
@@ -69,35 +72,36 @@ class HFModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=LR)
 
 
-def mgpu(rank: int, directory: str) -> tuple[list[float], list[float]]:
-    timer, module = Timer(), HFModule(directory)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS + 1, logger=False, callbacks=[timer],
+def mgpu(rank: int, directory: str) -> tuple[list[float], list[float], str]:
+    timer, module, breakdown = Timer(), HFModule(directory), StepBreakdown(STEPS + 1)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS + 2, logger=False, callbacks=[timer, breakdown],
                         strategy=MGPUStrategy(tensor_parallel_size=2, sequence_parallel=True),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, use_distributed_sampler=False)
     trainer.fit(module, train_dataloaders=DataLoader(batches(), batch_size=BATCH))
-    return timer.times[WARMUP:], module.losses
+    return timer.times[WARMUP:-1], module.losses, breakdown_line(breakdown.ops, breakdown.wall)
 
 
-def hf_tp(rank: int, directory: str) -> tuple[list[float], list[float]]:
+def hf_tp(rank: int, directory: str) -> tuple[list[float], list[float], str]:
     from transformers.distributed import DistributedConfig
 
     dist.init_process_group("gloo")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                               distributed_config=DistributedConfig(tp_size=2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    times, losses, last = [], [], time.perf_counter()
-    for batch in batches().split(BATCH)[: STEPS + 1]:
-        loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss.detach()))
+    times, losses, last, ops = [], [], time.perf_counter(), OpTimes()
+    for index, batch in enumerate(batches().split(BATCH)):
+        with ops if index == STEPS + 1 else contextlib.nullcontext():
+            loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(float(loss.detach()))
         now = time.perf_counter()
         times.append(now - last)
         last = now
     dist.destroy_process_group()
-    return times[1 + WARMUP:], losses
+    return times[1 + WARMUP:-1], losses, breakdown_line(ops, times[-1])
 
 
 def spread(times: list[float]) -> str:
@@ -110,8 +114,8 @@ def main() -> None:
         save_model(directory)
         for _ in range(ROUNDS):
             load = os.getloadavg()[0]
-            own_times, own_losses = run_distributed(mgpu, 2, directory)[0]
-            hf_times, hf_losses = run_distributed(hf_tp, 2, directory)[0]
+            own_times, own_losses, own_split = run_distributed(mgpu, 2, directory)[0]
+            hf_times, hf_losses, hf_split = run_distributed(hf_tp, 2, directory)[0]
             own, theirs = own + own_times, theirs + hf_times
             loss_gap = max([loss_gap] + [abs(a - b) for a, b in zip(own_losses, hf_losses)])
     print(f"transformers Llama {DIM} wide, {LAYERS} layers, vocabulary {VOCAB}, batch {BATCH} x {SEQ}, AdamW, fp32, "
@@ -120,7 +124,9 @@ def main() -> None:
     print(f"MGPUStrategy (tp2 + sequence parallel): {spread(own)}")
     print(f"transformers' tensor parallelism (DTensor): {spread(theirs)}")
     print(f"ratio MGPUStrategy / transformers: {statistics.median(own) / statistics.median(theirs):.2f}x; "
-          f"largest loss difference over {STEPS + 1} steps: {loss_gap:.1e}")
+          f"largest loss difference over {STEPS + 2} steps: {loss_gap:.1e}")
+    print(f"the last step of the last round, timed operator by operator (rank 0; not among the steps above):\n"
+          f"  MGPUStrategy: {own_split}\n  transformers: {hf_split}")
 
 
 if __name__ == "__main__":
