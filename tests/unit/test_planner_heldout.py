@@ -7,7 +7,7 @@ import pytest
 from lightning_mgpu.layout import ModelShape, layout_problems
 from lightning_mgpu.models.llama import LlamaConfig
 from lightning_mgpu.planner.calibration import (ASSUMPTIONS, _fit_error, calibration_rows, calibration_table,
-                                                mean_absolute_error, predict)
+                                                held_out_summary, mean_absolute_error, predict)
 from lightning_mgpu.planner.efficiency import compute_seconds
 from lightning_mgpu.planner.hardware import GPUS, GPUSpec
 from lightning_mgpu.planner.published_runs import FIT_RUNS, HELD_OUT_RUNS, PUBLISHED_RUNS
@@ -109,3 +109,15 @@ def test_the_tables_print_every_run_with_its_bound_without_overlap():
     assert all(r.run.why_not for r in rows if r.run.role == "left_out")
     table = calibration_table()
     assert ASSUMPTIONS in table.splitlines()[0] and table.count("| held out |") == len(HELD_OUT_RUNS)
+
+
+def test_the_summary_gives_the_held_out_error_by_source():
+    """One entry per repository the held-out figures come from, with its run count (counted by hand from
+    ``published_runs``: 18 llm-foundry, 2 torchtitan, 2 NeMo AutoModel, 5 dgxc-benchmarking, 1 BLOOM) and a signed
+    mean error, so that a stack the planner is slow or fast on shows as a bias rather than hiding in the mean."""
+    line = held_out_summary().splitlines()[-1]
+    assert line.startswith("held-out set by source: ")
+    for entry in ("mosaicml/llm-foundry 18 runs, mean error +", "pytorch/torchtitan 2 runs, mean error ",
+                  "NVIDIA-NeMo/Automodel 2 runs, mean error -", "NVIDIA/dgxc-benchmarking 5 runs, mean error -",
+                  "bigscience-workshop/bigscience 1 run, mean error +"):
+        assert entry in line, (entry, line)
