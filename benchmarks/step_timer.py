@@ -38,8 +38,9 @@ class OpTimes(TorchDispatchMode):
     """Seconds spent in each kind of operator while active: ``matmuls`` (mm, addmm, bmm), ``attention`` (the fused
     scaled-dot-product kernels, forward and backward) and ``other`` (every other operator but the collectives'). A
     step's wall time minus their sum is what ran outside computing operators: the collectives and their waits, Python,
-    the autograd engine, Lightning. A tensor subclass (DTensor) is timed as one operator with its dispatch. torch's
-    profiler gives the same split but runs its own work in each op, more than this mode's one clock read either side."""
+    the autograd engine, Lightning. A tensor subclass (DTensor) is timed as one operator with its dispatch, and with
+    any collective its dispatch runs inside. Written as a dispatch mode rather than read from torch's profiler, whose
+    tables are per operator: this sums them into the three buckets the benchmarks print, with no trace kept."""
 
     MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
     COLLECTIVES = ("c10d.", "_c10d_functional.")

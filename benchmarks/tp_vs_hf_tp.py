@@ -9,7 +9,8 @@ its config, sequence parallelism, ZeRO-0); transformers' side is a plain loop (f
 hits both. Prints the median step times with their range, their ratio, the largest loss difference and the machine's
 load average; then one further step of each, timed operator by operator (``step_timer.OpTimes``: matmuls, attention,
 other operators, and what ran outside operators -- collectives and their waits, Python, Lightning), which says how
-much of the gap communication and overhead could close: the step cannot drop below its operators' time. Needs ``accelerate`` (``pip install -e .[benchmarks]``).
+much of the gap communication and overhead could close: the step cannot drop below its operators' time. Needs
+``accelerate`` (``pip install -e .[benchmarks]``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def hf_tp(rank: int, directory: str) -> tuple[list[float], list[float], str]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     times, losses, last, ops = [], [], time.perf_counter(), OpTimes()
     for index, batch in enumerate(batches().split(BATCH)):
+        start = time.perf_counter()  # the breakdown's step: from here, as StepBreakdown times from the batch's start
         with ops if index == STEPS + 1 else contextlib.nullcontext():
             loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
             loss.backward()
@@ -101,7 +103,7 @@ def hf_tp(rank: int, directory: str) -> tuple[list[float], list[float], str]:
         times.append(now - last)
         last = now
     dist.destroy_process_group()
-    return times[1 + WARMUP:-1], losses, breakdown_line(ops, times[-1])
+    return times[1 + WARMUP:-1], losses, breakdown_line(ops, now - start)
 
 
 def spread(times: list[float]) -> str:

@@ -36,10 +36,17 @@ class CalibrationRow:
     run: PublishedRun
     predicted: float  #: tokens per second per GPU
     no_overlap: float  #: tokens per second per GPU if no communication ran behind compute (a lower bound)
+    compute_s: float = 0.0  #: the planned step's compute term, seconds
 
     @property
     def error(self) -> float:
         return self.predicted / self.run.tokens_per_s_per_gpu - 1.0
+
+    @property
+    def compute_share(self) -> float:
+        """The planned compute over the published step: above 1, compute alone is planned longer than the run took."""
+        published_step = self.run.global_batch * self.run.seq_len / (self.run.tokens_per_s_per_gpu * self.run.gpus)
+        return self.compute_s / published_step
 
 
 def predict(run: PublishedRun, gpu: Optional[GPUSpec] = None, achievable: Optional[float] = None) -> CalibrationRow:
@@ -51,7 +58,7 @@ def predict(run: PublishedRun, gpu: Optional[GPUSpec] = None, achievable: Option
                               schedule="interleaved_1f1b" if run.virtual > 1 else "1f1b", recompute=run.recompute,
                               achievable=achievable, context=run.context, ep=run.expert)
     bound = time.tokens_per_step / (time.total + time.data_parallel_hidden) / time.world_size
-    return CalibrationRow(run, time.tokens_per_second_per_gpu, bound)
+    return CalibrationRow(run, time.tokens_per_second_per_gpu, bound, time.compute)
 
 
 def calibration_rows(achievable: Optional[float] = None, role: Optional[str] = None) -> list[CalibrationRow]:
@@ -107,15 +114,15 @@ def calibration_table(achievable: Optional[float] = None, role: Optional[str] = 
              + ", ".join(f"{g.name} {g.achievable:.1%} (matmuls) / {g.attention_achievable or g.achievable:.0%} "
                          f"(attention)" for g in GPUS.values()) + " of the bf16 peak.", "",
              "| run | GPUs | layout | sequence | micro x global batch | checkpointing | published tok/s/GPU | "
-             "predicted | error | no overlap | set |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "predicted | error | no overlap | planned compute / published step | set |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in calibration_rows(achievable, role):
         r = row.run
         role_text = {"fit": "fit", "held_out": "held out"}.get(r.role, "left out: " + r.why_not)
         lines.append(f"| {r.name} | {r.gpus} x {GPUS[r.gpu].name} | {_layout(r)} | {r.seq_len:,} | {r.micro_batch} "
                      f"x {r.global_batch} | {'full' if r.recompute else 'none/selective'} | "
                      f"{r.tokens_per_s_per_gpu:,.0f} | {row.predicted:,.0f} | {row.error:+.0%} | "
-                     f"{row.no_overlap:,.0f} | {role_text} |")
+                     f"{row.no_overlap:,.0f} | {row.compute_share:.2f} | {role_text} |")
     return "\n".join(lines)
 
 
