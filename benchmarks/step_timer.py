@@ -4,6 +4,7 @@ smoke test)."""
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import lightning as L
@@ -61,24 +62,29 @@ class OpTimes(TorchDispatchMode):
 
 
 class StepBreakdown(L.Callback):
-    """:class:`OpTimes` over the training batch ``index`` and that step's wall time (``wall``, from the batch's start
-    to its end): what the benchmarks print as where a step went."""
+    """:class:`OpTimes` over each training batch from ``first`` on, with that step's wall time (from the batch's start
+    to its end): ``steps`` holds one ``(seconds by bucket, wall)`` a step, what :func:`breakdown_line` summarises."""
 
-    def __init__(self, index: int) -> None:
-        self.index, self.ops, self.wall = index, OpTimes(), 0.0
+    def __init__(self, first: int) -> None:
+        self.first, self.steps = first, []
+        self._ops, self._start = OpTimes(), 0.0
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-        if batch_idx == self.index:
-            self.wall = time.perf_counter()
-            self.ops.__enter__()
+        if batch_idx >= self.first:
+            self._ops, self._start = OpTimes(), time.perf_counter()
+            self._ops.__enter__()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-        if batch_idx == self.index:
-            self.ops.__exit__(None, None, None)
-            self.wall = time.perf_counter() - self.wall
+        if batch_idx >= self.first:
+            self._ops.__exit__(None, None, None)
+            self.steps.append((self._ops.seconds, time.perf_counter() - self._start))
 
 
-def breakdown_line(ops: OpTimes, wall: float) -> str:
-    """``matmuls X s, attention Y s, other operators Z s, outside operators W s (step S s)``."""
-    parts = [f"{name if name != 'other' else 'other operators'} {s:.3f} s" for name, s in ops.seconds.items()]
-    return ", ".join(parts + [f"outside operators {wall - sum(ops.seconds.values()):.3f} s (step {wall:.3f} s)"])
+def breakdown_line(steps: list[tuple[dict, float]]) -> str:
+    """The median over ``steps`` (each ``(OpTimes.seconds, wall)``) of each bucket, of what ran outside operators and
+    of the step: ``matmuls X s, attention Y s, other operators Z s, outside operators W s (step S s)``."""
+    medians = {name: statistics.median(seconds[name] for seconds, _ in steps) for name in steps[0][0]}
+    outside = statistics.median(wall - sum(seconds.values()) for seconds, wall in steps)
+    step = statistics.median(wall for _, wall in steps)
+    parts = [f"{name if name != 'other' else 'other operators'} {s:.3f} s" for name, s in medians.items()]
+    return ", ".join(parts + [f"outside operators {outside:.3f} s (step {step:.3f} s)"])

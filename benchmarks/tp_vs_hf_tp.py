@@ -7,7 +7,7 @@ clipping, fp32. ``MGPUStrategy`` runs the model as it is inside a plain Lightnin
 its config, sequence parallelism, ZeRO-0); transformers' side is a plain loop (forward with ``labels=``, backward,
 ``optimizer.step()``). Each is timed per step after a warm-up; the two alternate in rounds so that machine noise
 hits both. Prints the median step times with their range, their ratio, the largest loss difference and the machine's
-load average; then one further step of each, timed operator by operator (``step_timer.OpTimes``: matmuls, attention,
+load average; then further steps of each, timed operator by operator (``step_timer.OpTimes``: matmuls, attention,
 other operators, and what ran outside operators -- collectives and their waits, Python, Lightning), which says how
 much of the gap communication and overhead could close: the step cannot drop below its operators' time. Needs
 ``accelerate`` (``pip install -e .[benchmarks]``).
@@ -41,6 +41,7 @@ from step_timer import OpTimes, StepBreakdown, Timer, breakdown_line  # noqa: E4
 
 DIM, LAYERS, HEADS, FFN, VOCAB = sized((512, 4, 8, 1376, 4096), (64, 2, 4, 128, 256))
 SEQ, BATCH, STEPS, WARMUP, ROUNDS = sized((256, 8, 8, 2, 2), (16, 2, 2, 1, 1))
+BREAKDOWN = sized(4, 1)  # further steps, timed operator by operator
 LR = 1e-3
 
 
@@ -53,7 +54,7 @@ def save_model(directory: str) -> None:
 
 
 def batches() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH * (STEPS + 2), SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return torch.randint(0, VOCAB, (BATCH * (STEPS + 1 + BREAKDOWN), SEQ + 1), generator=torch.Generator().manual_seed(0))
 
 
 class HFModule(L.LightningModule):
@@ -75,12 +76,12 @@ class HFModule(L.LightningModule):
 
 def mgpu(rank: int, directory: str) -> tuple[list[float], list[float], str]:
     timer, module, breakdown = Timer(), HFModule(directory), StepBreakdown(STEPS + 1)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS + 2, logger=False, callbacks=[timer, breakdown],
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS + 1 + BREAKDOWN, logger=False, callbacks=[timer, breakdown],
                         strategy=MGPUStrategy(tensor_parallel_size=2, sequence_parallel=True),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, use_distributed_sampler=False)
     trainer.fit(module, train_dataloaders=DataLoader(batches(), batch_size=BATCH))
-    return timer.times[WARMUP:-1], module.losses, breakdown_line(breakdown.ops, breakdown.wall)
+    return timer.times[WARMUP:STEPS], module.losses, breakdown_line(breakdown.steps)
 
 
 def hf_tp(rank: int, directory: str) -> tuple[list[float], list[float], str]:
@@ -90,10 +91,10 @@ def hf_tp(rank: int, directory: str) -> tuple[list[float], list[float], str]:
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
                                                               distributed_config=DistributedConfig(tp_size=2))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    times, losses, last, ops = [], [], time.perf_counter(), OpTimes()
+    times, losses, last, split = [], [], time.perf_counter(), []
     for index, batch in enumerate(batches().split(BATCH)):
-        start = time.perf_counter()  # the breakdown's step: from here, as StepBreakdown times from the batch's start
-        with ops if index == STEPS + 1 else contextlib.nullcontext():
+        start, ops = time.perf_counter(), OpTimes()  # as StepBreakdown: from the batch's start
+        with ops if index > STEPS else contextlib.nullcontext():
             loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
             loss.backward()
             optimizer.step()
@@ -102,8 +103,10 @@ def hf_tp(rank: int, directory: str) -> tuple[list[float], list[float], str]:
         now = time.perf_counter()
         times.append(now - last)
         last = now
+        if index > STEPS:
+            split.append((ops.seconds, now - start))
     dist.destroy_process_group()
-    return times[1 + WARMUP:-1], losses, breakdown_line(ops, now - start)
+    return times[1 + WARMUP:STEPS + 1], losses, breakdown_line(split)
 
 
 def spread(times: list[float]) -> str:
@@ -126,8 +129,9 @@ def main() -> None:
     print(f"MGPUStrategy (tp2 + sequence parallel): {spread(own)}")
     print(f"transformers' tensor parallelism (DTensor): {spread(theirs)}")
     print(f"ratio MGPUStrategy / transformers: {statistics.median(own) / statistics.median(theirs):.2f}x; "
-          f"largest loss difference over {STEPS + 2} steps: {loss_gap:.1e}")
-    print(f"the last step of the last round, timed operator by operator (rank 0; not among the steps above):\n"
+          f"largest loss difference over {STEPS + 1 + BREAKDOWN} steps: {loss_gap:.1e}")
+    print(f"{BREAKDOWN} further steps of each in the last round, timed operator by operator (rank 0, medians; not "
+          f"among the steps above):\n"
           f"  MGPUStrategy: {own_split}\n  transformers: {hf_split}")
 
 

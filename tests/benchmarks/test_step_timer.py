@@ -36,8 +36,10 @@ def test_each_operator_lands_in_its_own_bucket_and_a_collective_in_none(tmp_path
             dist.destroy_process_group()
 
 
-def test_the_line_puts_the_rest_of_the_step_outside_operators():
-    ops = OpTimes()
-    ops.seconds.update(matmuls=1.0, attention=0.25, other=0.5)
-    assert breakdown_line(ops, 2.0) == ("matmuls 1.000 s, attention 0.250 s, other operators 0.500 s, "
-                                        "outside operators 0.250 s (step 2.000 s)")
+def test_the_line_gives_each_buckets_median_and_the_rest_of_the_step_outside_operators():
+    """Three steps worked by hand: matmuls 1.0, 3.0, 2.0 (median 2.0); attention 0.25 each; other 0.5, 0.5, 1.0 (0.5);
+    walls 2.0, 4.5, 4.0 (median 4.0), so outside operators 0.25, 0.75, 0.75 (median 0.75)."""
+    steps = [(dict(matmuls=1.0, attention=0.25, other=0.5), 2.0), (dict(matmuls=3.0, attention=0.25, other=0.5), 4.5),
+             (dict(matmuls=2.0, attention=0.25, other=1.0), 4.0)]
+    assert breakdown_line(steps) == ("matmuls 2.000 s, attention 0.250 s, other operators 0.500 s, "
+                                     "outside operators 0.750 s (step 4.000 s)")
