@@ -12,8 +12,8 @@ has its H100 Llama rows in fp8 and its bf16 H100 rows only for GPT-OSS), torchti
 it), Megatron-LM's weak-scaling tables of 1.7B-1T (A100) and 2B-462B (H100) models (images, without micro-batch or
 recomputation), MT-NLG 530B (micro-batch not given), FlagPerf's Megatron-core Llama 3 runs on H100 (recomputation
 listed in the READMEs' A800 setup or against a launch script that sets none). The NVIDIA dgxc-benchmarking tables
-(NeMo 24.11-25.02) are bf16 beside their yaml; their 405B columns below 576 GPUs are proxies of 7-42 layers and are
-not used. No bf16 H200 run with its settings published was found, so neither set has one.
+(releases 24.11.1 and 25.02) are bf16 beside their yaml; their 405B columns below 576 GPUs are proxies of 7-42 layers
+and are not used. No bf16 H200 run with its settings published was found, so neither set has one.
 """
 
 from __future__ import annotations
