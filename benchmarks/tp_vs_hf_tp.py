@@ -54,7 +54,8 @@ def save_model(directory: str) -> None:
 
 
 def batches() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH * (STEPS + 1 + BREAKDOWN), SEQ + 1), generator=torch.Generator().manual_seed(0))
+    return torch.randint(0, VOCAB, (BATCH * (STEPS + 1 + BREAKDOWN), SEQ + 1),
+                         generator=torch.Generator().manual_seed(0))
 
 
 class HFModule(L.LightningModule):
@@ -76,7 +77,8 @@ class HFModule(L.LightningModule):
 
 def mgpu(rank: int, directory: str) -> tuple[list[float], list[float], str]:
     timer, module, breakdown = Timer(), HFModule(directory), StepBreakdown(STEPS + 1)
-    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS + 1 + BREAKDOWN, logger=False, callbacks=[timer, breakdown],
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=STEPS + 1 + BREAKDOWN, logger=False,
+                        callbacks=[timer, breakdown],
                         strategy=MGPUStrategy(tensor_parallel_size=2, sequence_parallel=True),
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, use_distributed_sampler=False)
