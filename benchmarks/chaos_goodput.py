@@ -6,17 +6,17 @@ checkpoint, exit 75, a restart with no step lost), chosen at random. Each chaos 
 uninterrupted, bit for bit (both save their last step: ``checkpoint.save_last``).
 
 The uninterrupted run (the same command, under the agent too) runs before, between and after the chaos runs, so that
-each chaos run has one on either side: the effective training time is their mean wall time over the chaos run's, printed
-with the range the uninterrupted runs' spread gives it. The time a chaos run lost (its wall time less theirs) is split
-from the job's own records (``lightning_mgpu.resilience.lost_time``: rank 0's step log, each restarted attempt's
-timestamps, the agent's record of each failed attempt) and the faults' times into buckets that a restart causes -- the
-step a SIGKILL cut short, the emergency checkpoint of a SIGTERM, the agent noticing, attempts that failed before
-stepping, the agent's stop and fork, building the run's objects, the process group, the engine, the restore, the first
-steps after the restore beyond the uninterrupted runs' mean step, the re-trained steps at that mean, the periodic saves
-beyond the uninterrupted run's -- and two that the machine's load causes: the other steps beyond the mean (less the
-uninterrupted run's own; the mean of those steps in the chaos run's first attempt and in its restarted attempts, printed
-beside the uninterrupted runs', shows whether a restart left its later steps slower) and the runs' start and end. The restart latency is from each SIGKILL to the restarted
-attempt's first optimizer step.
+each chaos run has one on either side: the effective training time is their mean wall time over the chaos run's,
+printed with the range the uninterrupted runs' spread gives it. The time a chaos run lost (its wall time less theirs)
+is split from the job's own records (``lightning_mgpu.resilience.lost_time``: rank 0's step log, each restarted
+attempt's timestamps, the agent's record of each failed attempt) and the faults' times into buckets that a restart
+causes -- the step a SIGKILL cut short, the emergency checkpoint of a SIGTERM, the agent noticing, attempts that
+failed before stepping, the agent's stop and fork, building the run's objects, the process group, the engine, the
+restore, the first steps after the restore beyond the uninterrupted runs' mean step, the re-trained steps at that
+mean, the periodic saves beyond the uninterrupted run's -- and two that the machine's load causes: the other steps
+beyond the mean (less the uninterrupted run's own; the mean of those steps in the chaos run's first attempt and in its
+restarted attempts, printed beside the uninterrupted runs', shows whether a restart left its later steps slower) and
+the runs' start and end. The restart latency is from each SIGKILL to the restarted attempt's first optimizer step.
 
 ``--steps N`` and ``--gaps 20,60`` change the run (a short profiling run: ``--steps 3000 --gaps 20``). The smoke mode
 runs one short job with no fault (and so no agent), as its own reference, forked from this process rather than started

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Optional
 
 import lightning as L
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,8 +67,8 @@ class StepBreakdown(L.Callback):
     to its end): ``steps`` holds one ``(seconds by bucket, wall)`` a step, what :func:`breakdown_line` summarises."""
 
     def __init__(self, first: int) -> None:
-        self.first, self.steps = first, []
-        self._ops, self._start = OpTimes(), 0.0
+        self.first, self.steps, self._start = first, [], 0.0
+        self._ops: Optional[OpTimes] = None
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
         if batch_idx >= self.first:

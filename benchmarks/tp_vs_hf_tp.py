@@ -95,8 +95,8 @@ def hf_tp(rank: int, directory: str) -> tuple[list[float], list[float], str]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     times, losses, last, split = [], [], time.perf_counter(), []
     for index, batch in enumerate(batches().split(BATCH)):
-        start, ops = time.perf_counter(), OpTimes()  # as StepBreakdown: from the batch's start
-        with ops if index > STEPS else contextlib.nullcontext():
+        start, ops = time.perf_counter(), OpTimes() if index > STEPS else None  # as StepBreakdown: from its start
+        with ops or contextlib.nullcontext():
             loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
             loss.backward()
             optimizer.step()
@@ -105,7 +105,7 @@ def hf_tp(rank: int, directory: str) -> tuple[list[float], list[float], str]:
         now = time.perf_counter()
         times.append(now - last)
         last = now
-        if index > STEPS:
+        if ops:
             split.append((ops.seconds, now - start))
     dist.destroy_process_group()
     return times[1 + WARMUP:STEPS + 1], losses, breakdown_line(split)
